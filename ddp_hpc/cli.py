@@ -1,0 +1,133 @@
+"""``ddp-hpc``: the command line. Each subcommand is a small function over typed values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import NoReturn
+
+from ddp_hpc import __version__
+from ddp_hpc.errors import UserError
+from ddp_hpc.logs import configure_logging
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_device_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("device and backend")
+    group.add_argument("--device", help="auto, xpu, cuda or cpu (default: $DDP_HPC_DEVICE, else auto)")
+    group.add_argument("--backend", help="auto, nccl, xccl, ccl or gloo (default: $DDP_HPC_BACKEND, else auto)")
+    group.add_argument("--host-suffix", default=None,
+                       help="suffix for rank 0's host name, e.g. a high-speed network's (default: "
+                            "$DDP_HPC_HOST_SUFFIX)")
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
+    from ddp_hpc.environment import resolve_env
+
+    dist_env = resolve_env(host_suffix=args.host_suffix)
+    choice = select_device(requested(args.device, os.environ, DEVICE_ENV_VAR),
+                           requested(args.backend, os.environ, BACKEND_ENV_VAR),
+                           local_rank=dist_env.local_rank,
+                           local_world_size=dist_env.local_world_size)
+    report = {**dist_env.to_dict(), "host": socket.gethostname(),
+              "device": str(choice.torch_device), "backend": choice.backend}
+    if args.json:
+        line = json.dumps(report, sort_keys=True)
+    else:
+        line = (f"rank {dist_env.rank}/{dist_env.world_size} local {dist_env.local_rank}/"
+                f"{dist_env.local_world_size} node {dist_env.node_rank}/{dist_env.num_nodes} "
+                f"source={dist_env.source} master={dist_env.master_addr}:{dist_env.master_port} "
+                f"device={choice.torch_device} backend={choice.backend} host={report['host']}")
+    print(line, flush=True)
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ddp_hpc.distributed import DistributedOptions, process_group
+    from ddp_hpc.doctor import run_doctor
+
+    options = DistributedOptions(device=args.device, backend=args.backend,
+                                 timeout_s=args.timeout, host_suffix=args.host_suffix)
+    with process_group(options) as ctx:
+        configure_logging(ctx.rank, verbose=args.verbose)
+        healthy, report = run_doctor(ctx)
+        if ctx.is_rank_zero:
+            print(report, flush=True)
+    return 0 if healthy else 1
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from ddp_hpc.launch.local import LocalLaunch, build_local_command
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    argv = build_local_command(LocalLaunch(nproc=args.nproc, command=command, launcher=args.launcher))
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddp-hpc", description="PyTorch DDP from a laptop to a supercomputer.")
+    parser.add_argument("--version", action="version", version=f"ddp-hpc {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    env = sub.add_parser("env", parents=[common],
+                         help="print what this rank resolved, without starting a process group")
+    env.add_argument("--json", action="store_true", help="one JSON object per rank")
+    _add_device_flags(env)
+    env.set_defaults(func=_cmd_env)
+
+    doctor = sub.add_parser("doctor", parents=[common],
+                            help="start the group on every rank and check that it works")
+    _add_device_flags(doctor)
+    doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="process-group timeout (default: 300)")
+    doctor.set_defaults(func=_cmd_doctor)
+
+    launch = sub.add_parser("launch", parents=[common],
+                            help="start N ranks of a command on this machine")
+    launch.add_argument("--nproc", type=int, default=2, help="number of ranks (default: 2)")
+    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich"))
+    launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    launch.set_defaults(func=_cmd_launch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(None, verbose=args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"ddp-hpc: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Choose this rank's device and communication backend, or refuse an impossible choice.
+
+``auto`` picks the first available of xpu, cuda, cpu. Backends: cuda -> nccl; xpu -> xccl
+where the installed torch has it, else ccl from oneccl_bindings_for_pytorch; cpu -> gloo.
+Everything is decided before any process group exists, so a wrong choice costs one
+line on stderr instead of a hung job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddp_hpc.errors import DeviceUnavailableError, UserError
+
+log = logging.getLogger(__name__)
+
+DEVICE_TYPES = ("auto", "xpu", "cuda", "cpu")
+BACKENDS = ("auto", "nccl", "xccl", "ccl", "gloo")
+DEVICE_ENV_VAR = "DDP_HPC_DEVICE"
+BACKEND_ENV_VAR = "DDP_HPC_BACKEND"
+
+#: Backends that can move tensors living on each device type, preferred first.
+COMPATIBLE_BACKENDS: dict[str, tuple[str, ...]] = {
+    "cuda": ("nccl", "gloo"),
+    "xpu": ("xccl", "ccl"),
+    "cpu": ("gloo", "ccl"),
+}
+#: Backends whose init_process_group takes ``device_id`` (binds the communicator eagerly).
+DEVICE_ID_BACKENDS = frozenset({"nccl", "xccl"})
+#: Variables a scheduler or wrapper uses to give each rank its own single device.
+VISIBLE_DEVICE_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK"}
+
+
+class HostDevices(Protocol):
+    """What this host offers; ``TorchHost`` asks torch, tests pass a description."""
+
+    def device_count(self, device_type: str) -> int: ...
+
+    def backend_available(self, backend: str) -> bool: ...
+
+    def describe_build(self) -> str: ...
+
+
+class TorchHost:
+    """The real host, probed through torch. Intel's packages are imported only when an
+    XPU or the ccl backend is in question, and only if the installed torch needs them."""
+
+    def device_count(self, device_type: str) -> int:
+        if device_type == "cuda":
+            return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device_type == "xpu":
+            return self._xpu_count
+        return 1
+
+    @cached_property
+    def _xpu_count(self) -> int:
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu._is_compiled():
+            # torch builds without native XPU support get it from IPEX.
+            if not _try_import("intel_extension_for_pytorch"):
+                return 0
+            xpu = getattr(torch, "xpu", None)
+        return xpu.device_count() if xpu is not None and xpu.is_available() else 0
+
+    def backend_available(self, backend: str) -> bool:
+        if backend == "ccl":
+            return self._ccl_bindings
+        if backend == "xccl":
+            return hasattr(dist, "is_backend_available") and dist.is_backend_available("xccl")
+        return dist.is_available() and dist.is_backend_available(backend)
+
+    @cached_property
+    def _ccl_bindings(self) -> bool:
+        # Importing the bindings registers the "ccl" backend with torch.distributed.
+        return _try_import("oneccl_bindings_for_pytorch")
+
+    def describe_build(self) -> str:
+        cuda = torch.version.cuda or "no CUDA"
+        return f"torch {torch.__version__} ({cuda})"
+
+
+def _try_import(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device this rank computes on and the backend its collectives use."""
+
+    device_type: str
+    backend: str
+    index: int | None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device_type, self.index) if self.index is not None else torch.device("cpu")
+
+    @property
+    def ddp_device_ids(self) -> list[int] | None:
+        """``device_ids`` for DistributedDataParallel: integer indices, or None on CPU."""
+        return None if self.index is None else [self.index]
+
+    @property
+    def init_device_id(self) -> torch.device | None:
+        """``device_id`` for init_process_group where the backend takes one."""
+        return self.torch_device if self.backend in DEVICE_ID_BACKENDS and self.index is not None else None
+
+    def activate(self) -> None:
+        """Make this rank's device current, before the process group is created."""
+        if self.device_type == "cuda" and self.index is not None:
+            torch.cuda.set_device(self.index)
+        elif self.device_type == "xpu" and self.index is not None:
+            torch.xpu.set_device(self.index)
+
+    def __str__(self) -> str:
+        return f"{self.torch_device}+{self.backend}"
+
+
+def requested(cli_value: str | None, env: Mapping[str, str], env_var: str,
+              config_value: str | None = None) -> str:
+    """A device or backend request: the CLI flag, else the variable, else config, else auto."""
+    for value in (cli_value, env.get(env_var), config_value):
+        if value and value.strip():
+            return value.strip().lower()
+    return "auto"
+
+
+def _validate_name(value: str, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise UserError(f"unknown {what} {value!r}: choose one of {', '.join(allowed)}")
+    return value
+
+
+def _implied_device(backend: str, host: HostDevices) -> str:
+    if backend == "nccl":
+        return "cuda"
+    if backend in ("xccl", "ccl") and host.device_count("xpu") > 0:
+        return "xpu"
+    if backend == "xccl":
+        return "xpu"
+    return "cpu"
+
+
+def _auto_device(host: HostDevices) -> str:
+    for device_type in ("xpu", "cuda"):
+        if host.device_count(device_type) > 0:
+            return device_type
+    return "cpu"
+
+
+def _device_index(device_type: str, local_rank: int, local_world_size: int,
+                  host: HostDevices, env: Mapping[str, str], wanted_by: str) -> int | None:
+    if device_type == "cpu":
+        return None
+    count = host.device_count(device_type)
+    if count == 0:
+        hint = {"cuda": "a CUDA build of torch on a host with NVIDIA GPUs",
+                "xpu": "Intel GPUs with an XPU build of torch (pip install 'ddp_hpc[xpu]')"}[device_type]
+        fallback = "--backend gloo" if wanted_by.startswith("backend") else "--device cpu"
+        raise DeviceUnavailableError(
+            f"{wanted_by} was requested but {host.describe_build()} sees no {device_type} "
+            f"device on this host: use {fallback}, or run where there is {hint}")
+    if count >= local_world_size:
+        return local_rank
+    visible_var = VISIBLE_DEVICE_VARS[device_type]
+    if count == 1 and env.get(visible_var):
+        # The scheduler or a wrapper gave each rank its own device through visible_var.
+        return 0
+    raise DeviceUnavailableError(
+        f"{local_world_size} ranks on this node but only {count} {device_type} device(s) "
+        f"visible: start at most {count} ranks per node, or give each rank one device "
+        f"through {visible_var}")
+
+
+def select_device(device: str = "auto", backend: str = "auto", *, local_rank: int = 0,
+                  local_world_size: int = 1, host: HostDevices | None = None,
+                  env: Mapping[str, str] | None = None) -> DeviceChoice:
+    """This rank's device and backend; ``DeviceUnavailableError`` if they cannot work."""
+    host = TorchHost() if host is None else host
+    env = os.environ if env is None else env
+    device = _validate_name(device.lower(), DEVICE_TYPES, "device")
+    backend = _validate_name(backend.lower(), BACKENDS, "backend")
+
+    wanted_by = f"device '{device}'"
+    if device == "auto":
+        device = _auto_device(host) if backend == "auto" else _implied_device(backend, host)
+        wanted_by = f"backend '{backend}'"
+    if backend != "auto" and backend not in COMPATIBLE_BACKENDS[device]:
+        raise DeviceUnavailableError(
+            f"backend '{backend}' cannot communicate {device} tensors: with --device {device} "
+            f"use {' or '.join(COMPATIBLE_BACKENDS[device])}")
+    index = _device_index(device, local_rank, local_world_size, host, env, wanted_by)
+
+    if backend == "auto":
+        candidates = COMPATIBLE_BACKENDS[device]
+        backend = next((b for b in candidates if host.backend_available(b)), candidates[0])
+    if not host.backend_available(backend):
+        raise DeviceUnavailableError(_missing_backend_message(backend, host))
+    return DeviceChoice(device, backend, index)
+
+
+def _missing_backend_message(backend: str, host: HostDevices) -> str:
+    fixes = {
+        "nccl": "NCCL ships only with CUDA builds of torch: use --backend gloo on CPU",
+        "xccl": "torch's own xccl needs an XPU build of torch 2.8 or newer: "
+                "use --backend ccl with oneccl_bindings_for_pytorch",
+        "ccl": "install the oneCCL bindings (pip install 'ddp_hpc[xpu]', or load the "
+               "frameworks module on Aurora) so that oneccl_bindings_for_pytorch imports",
+        "gloo": "this torch was built without gloo",
+    }
+    return f"backend '{backend}' is not available in {host.describe_build()}: {fixes[backend]}"

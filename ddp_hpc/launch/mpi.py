@@ -1,0 +1,80 @@
+"""``mpiexec`` command lines, one builder per MPI flavour, as argument lists."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ddp_hpc.errors import UserError
+
+#: Program names tried in order for each flavour (Debian installs both MPIs side by side:
+#: plain ``mpiexec`` is Open MPI's there, MPICH's is ``mpiexec.mpich``/``mpiexec.hydra``).
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    "openmpi": ("mpiexec.openmpi", "mpirun.openmpi", "mpiexec"),
+    "mpich": ("mpiexec.mpich", "mpiexec.hydra", "mpiexec"),
+}
+INSTALL_HINTS = {
+    "openmpi": "apt-get install openmpi-bin",
+    "mpich": "apt-get install mpich",
+}
+
+
+@dataclass(frozen=True)
+class MpiLaunch:
+    """What to start: ``ranks_per_node`` ranks on each of ``nodes`` hosts."""
+
+    flavour: str
+    nodes: int
+    ranks_per_node: int
+    command: Sequence[str]
+    hostfile: str | None = None
+    #: Variables every rank must see (exported to remote hosts too).
+    export: Mapping[str, str] = field(default_factory=dict)
+    #: Allow more ranks than cores (local runs; Open MPI refuses them otherwise).
+    oversubscribe: bool = False
+
+    def __post_init__(self) -> None:
+        if self.flavour not in PROGRAMS:
+            raise UserError(f"unknown MPI flavour {self.flavour!r}: choose one of {', '.join(PROGRAMS)}")
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise UserError(f"nodes ({self.nodes}) and ranks per node ({self.ranks_per_node}) must be >= 1")
+        if not self.command:
+            raise UserError("no command to launch: give it after '--'")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def find_program(flavour: str, path: str | None = None) -> str:
+    for name in PROGRAMS[flavour]:
+        found = shutil.which(name, path=path)
+        if found:
+            return name
+    raise UserError(f"no {flavour} mpiexec found on PATH (tried {', '.join(PROGRAMS[flavour])}): "
+                    f"{INSTALL_HINTS[flavour]}")
+
+
+def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
+    """The full argument list; ``program`` defaults to the flavour's first installed name."""
+    program = program or find_program(launch.flavour)
+    n, ppn = str(launch.world_size), str(launch.ranks_per_node)
+    if launch.flavour == "openmpi":
+        args = [program, "-n", n, "--map-by", f"ppr:{ppn}:node", "--bind-to", "none"]
+        if launch.hostfile:
+            args += ["--hostfile", launch.hostfile]
+        if launch.oversubscribe:
+            args.append("--oversubscribe")
+        if os.geteuid() == 0:
+            args.append("--allow-run-as-root")
+        for name, value in launch.export.items():
+            args += ["-x", f"{name}={value}"]
+    else:  # mpich / hydra
+        args = [program, "-n", n, "-ppn", ppn]
+        if launch.hostfile:
+            args += ["-f", launch.hostfile]
+        for name, value in launch.export.items():
+            args += ["-genv", name, value]
+    return args + list(launch.command)

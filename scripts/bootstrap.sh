@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment: torch 2.13.0 first (so pip never
+# replaces it with a CUDA build from the registry), then this package with EXTRAS.
+#
+#   scripts/bootstrap.sh [EXTRAS]     e.g. scripts/bootstrap.sh test,examples
+#
+# The venv is $DDP_HPC_VENV (default: .venv in the repository). A stamp file skips the
+# pip step when pyproject.toml and EXTRAS have not changed. Prints the venv path.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+EXTRAS=${1:-examples}
+VENV=${DDP_HPC_VENV:-$ROOT/.venv}
+TORCH_VERSION=${DDP_HPC_TORCH_VERSION:-2.13.0}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating $VENV" >&2
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.ddp_hpc-stamp"
+want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $EXTRAS $TORCH_VERSION"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+  if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    echo "bootstrap: installing torch==$TORCH_VERSION" >&2
+    "${pip[@]}" "torch==$TORCH_VERSION"
+  fi
+  echo "bootstrap: installing ddp_hpc[$EXTRAS]" >&2
+  "${pip[@]}" -e "$ROOT[$EXTRAS]"
+  echo "$want" >"$stamp"
+fi
+echo "$VENV"

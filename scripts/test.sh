@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run the test suite with everything it needs: the venv, Debian's Open MPI and MPICH, and
+# the two-node SLURM test cluster (started here; left running for the next run).
+#
+#   scripts/test.sh [PYTEST ARGS...]      e.g. scripts/test.sh -m "not slow"
+#
+# Without root (no apt-get, no daemons) the MPI and SLURM tests skip with their reason.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+if [ "$(id -u)" = 0 ]; then
+  for p in openmpi-bin mpich; do
+    dpkg -s "$p" >/dev/null 2>&1 || {
+      echo "test.sh: installing Debian's openmpi-bin and mpich" >&2
+      DEBIAN_FRONTEND=noninteractive apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openmpi-bin mpich >/dev/null
+      break
+    }
+  done
+  scripts/dev-cluster.sh up
+else
+  echo "test.sh: not root: MPI/SLURM packages and the test cluster are not set up here" >&2
+fi
+VENV=$(scripts/bootstrap.sh test,examples)
+export PATH="$VENV/bin:$PATH"
+exec "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,72 @@
+"""The CLI as a user meets it: exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ddp_hpc_command, run
+
+
+def _one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_env_json_for_one_process():
+    result = run([*ddp_hpc_command(), "env", "--json"])
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert (record["source"], record["rank"], record["world_size"]) == ("single", 0, 1)
+    assert (record["device"], record["backend"]) == ("cpu", "gloo")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["env", "--device", "cpu", "--backend", "nccl"], "backend 'nccl' cannot communicate cpu tensors"),
+    (["env", "--device", "xpu"], "device 'xpu' was requested"),
+    (["env", "--device", "gpu"], "unknown device 'gpu'"),
+    (["env", "--bogus"], "unrecognized arguments: --bogus"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["launch", "--nproc", "0", "--", "true"], "--nproc 0 must be >= 1"),
+    (["launch", "--nproc", "2"], "no command to launch"),
+    (["launch", "--nproc", "x"], "invalid int value: 'x'"),
+])
+def test_bad_input_gives_one_line_and_exit_2(args, fragment):
+    result = run([*ddp_hpc_command(), *args])
+    assert result.returncode == 2
+    assert fragment in _one_error_line(result)
+
+
+def test_environment_variables_choose_the_backend():
+    result = run([*ddp_hpc_command(), "env"], env={"DDP_HPC_BACKEND": "nccl"})
+    assert result.returncode == 2
+    assert "backend 'nccl'" in _one_error_line(result)
+
+
+def test_conflicting_launcher_variables_exit_2():
+    result = run([*ddp_hpc_command(), "env"], env={"RANK": "1", "WORLD_SIZE": "2", "PMI_RANK": "0",
+                                                   "PMI_SIZE": "2", "MPI_LOCALRANKID": "0",
+                                                   "MPI_LOCALNRANKS": "2"})
+    assert result.returncode == 2
+    assert "launcher variables disagree" in _one_error_line(result)
+
+
+def test_debug_shows_the_traceback():
+    result = run([*ddp_hpc_command(), "env", "--debug", "--backend", "nccl"])
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+
+
+def test_launch_dry_run_prints_the_command():
+    result = run([*ddp_hpc_command(), "launch", "--nproc", "3", "--dry-run", "--", "ddp-hpc", "doctor"])
+    assert result.returncode == 0
+    assert "torch.distributed.run --standalone --nproc-per-node 3 --no-python ddp-hpc doctor" in result.stdout
+
+
+def test_doctor_single_process():
+    result = run([*ddp_hpc_command(), "doctor"])
+    assert result.returncode == 0, result.stderr
+    assert "doctor: OK: 1 ranks on 1 node(s)" in result.stdout

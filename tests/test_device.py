@@ -1,0 +1,111 @@
+"""Device and backend selection. Hosts with GPUs are described, not faked into running:
+only the choice is under test; the real host here is CPU-only and is tested as such."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from ddp_hpc.device import DeviceChoice, TorchHost, requested, select_device
+from ddp_hpc.errors import DeviceUnavailableError, UserError
+
+
+@dataclass
+class FakeHost:
+    cuda: int = 0
+    xpu: int = 0
+    backends: set[str] = field(default_factory=lambda: {"gloo"})
+
+    def device_count(self, device_type: str) -> int:
+        return {"cuda": self.cuda, "xpu": self.xpu, "cpu": 1}[device_type]
+
+    def backend_available(self, backend: str) -> bool:
+        return backend in self.backends
+
+    def describe_build(self) -> str:
+        return "torch test-build"
+
+
+CUDA_HOST = FakeHost(cuda=4, backends={"gloo", "nccl"})
+XPU_NATIVE = FakeHost(xpu=12, backends={"gloo", "xccl"})
+XPU_BINDINGS = FakeHost(xpu=12, backends={"gloo", "ccl"})
+CPU_HOST = FakeHost()
+
+
+@pytest.mark.parametrize("host,device,backend,local_rank,expected", [
+    (CPU_HOST, "auto", "auto", 1, DeviceChoice("cpu", "gloo", None)),
+    (CUDA_HOST, "auto", "auto", 3, DeviceChoice("cuda", "nccl", 3)),
+    (XPU_NATIVE, "auto", "auto", 11, DeviceChoice("xpu", "xccl", 11)),
+    (XPU_BINDINGS, "auto", "auto", 5, DeviceChoice("xpu", "ccl", 5)),
+    (CUDA_HOST, "cpu", "auto", 2, DeviceChoice("cpu", "gloo", None)),
+    (CUDA_HOST, "cuda", "gloo", 1, DeviceChoice("cuda", "gloo", 1)),
+    (CUDA_HOST, "auto", "gloo", 1, DeviceChoice("cpu", "gloo", None)),
+    (CUDA_HOST, "auto", "nccl", 2, DeviceChoice("cuda", "nccl", 2)),
+    (XPU_BINDINGS, "auto", "ccl", 0, DeviceChoice("xpu", "ccl", 0)),
+    (FakeHost(cuda=4, xpu=4, backends={"gloo", "nccl", "xccl"}), "auto", "auto", 0,
+     DeviceChoice("xpu", "xccl", 0)),
+])
+def test_choices(host, device, backend, local_rank, expected):
+    got = select_device(device, backend, local_rank=local_rank, local_world_size=4, host=host, env={})
+    assert got == expected
+
+
+def test_device_ids_are_integers():
+    choice = select_device("cuda", "nccl", local_rank=3, local_world_size=4, host=CUDA_HOST, env={})
+    assert choice.ddp_device_ids == [3] and isinstance(choice.ddp_device_ids[0], int)
+    assert choice.init_device_id == torch.device("cuda", 3)
+    cpu = select_device("cpu", "gloo", host=CPU_HOST, env={})
+    assert cpu.ddp_device_ids is None and cpu.init_device_id is None
+
+
+@pytest.mark.parametrize("host,device,backend,fragment", [
+    (CPU_HOST, "cpu", "nccl", "backend 'nccl' cannot communicate cpu tensors"),
+    (CPU_HOST, "auto", "nccl", "backend 'nccl' was requested but torch test-build sees no cuda"),
+    (CPU_HOST, "cuda", "auto", "device 'cuda' was requested but torch test-build sees no cuda"),
+    (CPU_HOST, "xpu", "auto", "device 'xpu' was requested but torch test-build sees no xpu"),
+    (FakeHost(xpu=12, backends={"gloo"}), "xpu", "ccl", "backend 'ccl' is not available"),
+    (FakeHost(xpu=12, backends={"gloo"}), "xpu", "auto", "backend 'xccl' is not available"),
+    (FakeHost(cuda=4, backends={"gloo"}), "cuda", "nccl", "NCCL ships only with CUDA builds"),
+    (CUDA_HOST, "cuda", "xccl", "backend 'xccl' cannot communicate cuda tensors"),
+    (CPU_HOST, "tpu", "auto", "unknown device 'tpu'"),
+    (CPU_HOST, "cpu", "mpi", "unknown backend 'mpi'"),
+])
+def test_impossible_choices_are_refused_in_one_line(host, device, backend, fragment):
+    with pytest.raises(UserError) as err:
+        select_device(device, backend, local_rank=0, local_world_size=1, host=host, env={})
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_more_local_ranks_than_gpus_is_refused():
+    with pytest.raises(DeviceUnavailableError, match="8 ranks on this node but only 4 cuda"):
+        select_device("cuda", "nccl", local_rank=5, local_world_size=8, host=CUDA_HOST, env={})
+
+
+def test_one_visible_device_per_rank_uses_index_zero():
+    one_gpu = FakeHost(cuda=1, backends={"nccl", "gloo"})
+    choice = select_device("cuda", "nccl", local_rank=3, local_world_size=4, host=one_gpu,
+                           env={"CUDA_VISIBLE_DEVICES": "3"})
+    assert choice.index == 0
+    with pytest.raises(DeviceUnavailableError):
+        select_device("cuda", "nccl", local_rank=3, local_world_size=4, host=one_gpu, env={})
+
+
+def test_request_precedence():
+    env = {"DDP_HPC_DEVICE": "CPU"}
+    assert requested("cuda", env, "DDP_HPC_DEVICE", "xpu") == "cuda"
+    assert requested(None, env, "DDP_HPC_DEVICE", "xpu") == "cpu"
+    assert requested(None, {}, "DDP_HPC_DEVICE", "xpu") == "xpu"
+    assert requested(None, {}, "DDP_HPC_DEVICE") == "auto"
+
+
+def test_this_cpu_host_for_real():
+    host = TorchHost()
+    assert host.device_count("cuda") == torch.cuda.device_count()
+    assert host.backend_available("gloo")
+    if not torch.cuda.is_available():
+        assert select_device(host=host, env={}) == DeviceChoice("cpu", "gloo", None)
+        with pytest.raises(DeviceUnavailableError):
+            select_device("auto", "nccl", host=host, env={})

@@ -1,0 +1,80 @@
+"""The process-group context and its collectives, in a real one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from ddp_hpc.distributed import DistributedOptions, init_url, process_group
+from ddp_hpc.doctor import RankReport, check_all_reduce, check_parameter_sync, find_problems, format_table
+from ddp_hpc.errors import UserError
+
+
+def test_group_is_created_used_and_destroyed():
+    options = DistributedOptions(init_single_process=True, timeout_s=30)
+    with process_group(options, environ={}) as ctx:
+        assert dist.is_initialized() and ctx.group_initialized
+        assert ctx.all_reduce([1.0, 2.5]) == [1.0, 2.5]
+        assert ctx.all_reduce([4.0], op="mean") == [4.0]
+        assert ctx.broadcast_object({"a": 1}) == {"a": 1}
+        assert ctx.all_gather_object("x") == ["x"]
+        assert check_all_reduce(ctx) is None
+        assert check_parameter_sync(ctx) is None
+    assert not dist.is_initialized()
+
+
+def test_group_is_destroyed_when_the_body_raises():
+    with pytest.raises(RuntimeError, match="boom"):
+        with process_group(DistributedOptions(init_single_process=True), environ={}):
+            raise RuntimeError("boom")
+    assert not dist.is_initialized()
+
+
+def test_one_process_needs_no_group():
+    with process_group(environ={}) as ctx:
+        assert not ctx.group_initialized and not dist.is_initialized()
+        assert ctx.all_reduce([3.0], op="max") == [3.0]
+        with ctx.rank_zero_first():
+            pass
+
+
+def test_bad_choice_fails_before_any_group():
+    with pytest.raises(UserError, match="nccl"):
+        with process_group(DistributedOptions(backend="nccl", device="cpu"), environ={}):
+            pass
+    assert not dist.is_initialized()
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(UserError, match="timeout_s"):
+        DistributedOptions(timeout_s=0)
+
+
+def test_init_url_brackets_ipv6():
+    assert init_url("::1", 80) == "tcp://[::1]:80"
+    assert init_url("n1", 80) == "tcp://n1:80"
+
+
+def _report(rank, host="h0", local_rank=None, node_rank=0, world_size=2, local_world_size=2,
+            device="cpu", backend="gloo"):
+    return RankReport(rank, world_size, node_rank, host, rank if local_rank is None else local_rank,
+                      local_world_size, device, backend, "slurm", "2.13.0", 100 + rank)
+
+
+def test_doctor_finds_no_problem_in_a_healthy_job():
+    reports = [_report(0), _report(1)]
+    assert find_problems(reports) == []
+    assert "world_size" in format_table(reports).splitlines()[0]
+
+
+@pytest.mark.parametrize("reports,fragment", [
+    ([_report(0), _report(0, local_rank=1)], "ranks are [0, 0]"),
+    ([_report(0), _report(1, world_size=3)], "world sizes [2, 3]"),
+    ([_report(0), _report(1, backend="nccl")], "disagree on backend"),
+    ([_report(0), _report(1, host="h1")], "spans hosts"),
+    ([_report(0), _report(1, local_rank=0)], "local ranks [0, 0]"),
+    ([_report(0, device="cuda:0"), _report(1, device="cuda:0")], "share device ['cuda:0']"),
+    ([_report(0, local_world_size=1), _report(1)], "report local world sizes [1, 2]"),
+])
+def test_doctor_reports_each_disagreement(reports, fragment):
+    assert any(fragment in problem for problem in find_problems(reports))
