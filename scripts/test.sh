@@ -18,6 +18,8 @@ if [ "$(id -u)" = 0 ]; then
     }
   done
   scripts/dev-cluster.sh up
+  # Everything is installed and running: a test that finds a tool missing fails.
+  export DDP_HPC_REQUIRE_ALL=1
 else
   echo "test.sh: not root: MPI/SLURM packages and the test cluster are not set up here" >&2
 fi
