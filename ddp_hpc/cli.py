@@ -69,6 +69,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ddp_hpc.train import TrainRequest, train
+
+    train(TrainRequest(args.config, args.overrides, args.device, args.backend, args.verbose))
+    return 0
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, build_local_command
 
@@ -104,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
     doctor.set_defaults(func=_cmd_doctor)
+
+    train = sub.add_parser("train", parents=[common],
+                           help="train the job of a config on this rank (under any launcher)")
+    train.add_argument("config", help="YAML config, e.g. configs/digits.yaml")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="config overrides, e.g. training.batch_size=64")
+    _add_device_flags(train)
+    train.set_defaults(func=_cmd_train)
 
     launch = sub.add_parser("launch", parents=[common],
                             help="start N ranks of a command on this machine")

@@ -34,8 +34,11 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 class DistributedOptions:
     """How to start the process group (the ``distributed`` section of a config)."""
 
+    #: Explicit choices (CLI flags); the environment variables come next, then config_*.
     device: str | None = None
     backend: str | None = None
+    config_device: str | None = None
+    config_backend: str | None = None
     timeout_s: float = 600.0
     host_suffix: str | None = None
     port_range: PortRange = field(default_factory=PortRange)
@@ -128,8 +131,8 @@ def process_group(options: DistributedOptions | None = None,
     environ = os.environ if environ is None else environ
     dist_env = resolve_env(environ, host_suffix=options.host_suffix, port_range=options.port_range)
     choice = select_device(
-        requested(options.device, environ, DEVICE_ENV_VAR),
-        requested(options.backend, environ, BACKEND_ENV_VAR),
+        requested(options.device, environ, DEVICE_ENV_VAR, options.config_device),
+        requested(options.backend, environ, BACKEND_ENV_VAR, options.config_backend),
         local_rank=dist_env.local_rank,
         local_world_size=dist_env.local_world_size,
         env=environ,

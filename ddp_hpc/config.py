@@ -1,0 +1,255 @@
+"""The job config: typed sections of a YAML file, plus ``key=value`` overrides.
+
+docs/training.md lists every key with its default; the dataclasses below are the source
+of that list. Values are checked here, before any rank starts work or writes a file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ddp_hpc.config_loader import (
+    ConfigError,
+    apply_overrides,
+    build,
+    non_negative,
+    positive,
+    to_plain,
+)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    #: A registry name (``digits``, ``synthetic``, ``preference``) or ``package.module:Class``.
+    name: str = "digits"
+    #: Keyword arguments for the job's constructor.
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    name: Literal["none", "cosine", "step"] = "none"
+    #: Advance the schedule every optimizer ``step`` or every ``epoch``.
+    interval: Literal["step", "epoch"] = "step"
+    #: Linear warm-up length in intervals (cosine only).
+    warmup: int = 0
+    #: StepLR: multiply the LR by ``gamma`` every ``step_size`` intervals.
+    step_size: int = 10
+    gamma: float = 0.1
+    #: Cosine: the LR decays to ``min_lr_ratio`` x the initial LR.
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        non_negative(self.warmup, "warmup")
+        positive(self.step_size, "step_size")
+        positive(self.gamma, "gamma")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    epochs: int = 10
+    #: Samples per rank per micro-batch; the effective batch is
+    #: batch_size x world_size x grad_accum_steps.
+    batch_size: int = 32
+    grad_accum_steps: int = 1
+    #: Stop after this many optimizer steps in all (for smoke runs); null = no limit.
+    max_steps: int | None = None
+    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    #: ``linear`` scales lr by effective_batch / base_batch_size (Goyal et al.).
+    lr_scaling: Literal["none", "linear"] = "none"
+    base_batch_size: int = 32
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: ``auto``: bf16 autocast on GPUs, none on CPU. fp16 adds a gradient scaler.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    grad_clip_norm: float | None = None
+    #: Exponential moving average of the weights (e.g. 0.999); validation then uses it.
+    ema_decay: float | None = None
+    #: Shard optimizer state over ranks (torch's ZeroRedundancyOptimizer).
+    zero_optimizer: bool = False
+    seed: int = 0
+    #: Deterministic kernels (torch.use_deterministic_algorithms): slower, repeatable.
+    deterministic: bool = False
+    #: Intra-op threads per rank; null leaves torch's default (or OMP_NUM_THREADS).
+    threads_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        positive(self.epochs, "training.epochs")
+        positive(self.batch_size, "training.batch_size")
+        positive(self.grad_accum_steps, "training.grad_accum_steps")
+        if self.max_steps is not None:
+            positive(self.max_steps, "training.max_steps")
+        positive(self.lr, "training.lr")
+        non_negative(self.weight_decay, "training.weight_decay")
+        non_negative(self.momentum, "training.momentum")
+        positive(self.base_batch_size, "training.base_batch_size")
+        if self.grad_clip_norm is not None:
+            positive(self.grad_clip_norm, "training.grad_clip_norm")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ConfigError(f"training.ema_decay must be in (0, 1), got {self.ema_decay}")
+        if self.threads_per_rank is not None:
+            positive(self.threads_per_rank, "training.threads_per_rank")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_workers: int = 0
+    #: ``auto``: pin host memory when training on a GPU.
+    pin_memory: bool | Literal["auto"] = "auto"
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    #: Drop each rank's last incomplete training batch.
+    drop_last: bool = False
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        non_negative(self.num_workers, "data.num_workers")
+        if self.prefetch_factor is not None:
+            positive(self.prefetch_factor, "data.prefetch_factor")
+            if self.num_workers == 0:
+                raise ConfigError("data.prefetch_factor needs data.num_workers > 0")
+        if self.persistent_workers and self.num_workers == 0:
+            raise ConfigError("data.persistent_workers needs data.num_workers > 0")
+
+
+@dataclass(frozen=True)
+class EarlyStoppingConfig:
+    #: Off when null; else stop after this many validations without improvement.
+    patience: int | None = None
+    #: The validation metric watched (``loss`` or a metric the job reports).
+    metric: str = "loss"
+    mode: Literal["min", "max"] = "min"
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.patience is not None:
+            positive(self.patience, "validation.early_stopping.patience")
+        non_negative(self.min_delta, "validation.early_stopping.min_delta")
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    every_n_epochs: int = 1
+    #: Per-rank evaluation batch; null = training.batch_size.
+    batch_size: int | None = None
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+
+    def __post_init__(self) -> None:
+        positive(self.every_n_epochs, "validation.every_n_epochs")
+        if self.batch_size is not None:
+            positive(self.batch_size, "validation.batch_size")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    device: Literal["auto", "xpu", "cuda", "cpu"] = "auto"
+    backend: Literal["auto", "nccl", "xccl", "ccl", "gloo"] = "auto"
+    timeout_s: float = 600.0
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    #: Compress gradients for the all-reduce (DDP communication hook).
+    comm_hook: Literal["none", "fp16", "bf16"] = "none"
+    host_suffix: str = ""
+
+    def __post_init__(self) -> None:
+        positive(self.timeout_s, "distributed.timeout_s")
+        positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    #: Save every N optimizer steps (null: not by steps).
+    every_n_steps: int | None = None
+    #: Save at the end of every N epochs (null: not by epochs).
+    every_n_epochs: int | None = 1
+    #: Periodic checkpoints kept (``last`` and ``best`` are kept besides).
+    keep_last: int = 3
+    save_best: bool = True
+    #: ``auto``: continue from the newest checkpoint in the run folder; ``never``; or a path.
+    resume: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None:
+            positive(self.every_n_steps, "checkpoint.every_n_steps")
+        if self.every_n_epochs is not None:
+            positive(self.every_n_epochs, "checkpoint.every_n_epochs")
+        positive(self.keep_last, "checkpoint.keep_last")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    #: Folder that holds one folder per run.
+    run_dir: str = "runs"
+    #: Run name; null = the config file's name.
+    name: str | None = None
+    #: Rank-0 progress bar: ``auto`` shows it on a terminal only.
+    progress: Literal["auto", "always", "never"] = "auto"
+    #: Also log a line every N optimizer steps (0: epoch lines only).
+    log_every_n_steps: int = 0
+
+    def __post_init__(self) -> None:
+        non_negative(self.log_every_n_steps, "logging.log_every_n_steps")
+        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
+            raise ConfigError(f"logging.name {self.name!r} must be a plain folder name")
+
+
+@dataclass(frozen=True)
+class CallbackConfig:
+    #: ``package.module:Class`` of a ``ddp_hpc.training.Callback``.
+    target: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    callbacks: list[CallbackConfig] = field(default_factory=list)
+
+    def run_name(self, config_path: str | Path | None) -> str:
+        if self.logging.name:
+            return self.logging.name
+        return Path(config_path).stem if config_path else "run"
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ConfigError(f"config {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: the top level must be a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """The config at ``path`` (or the defaults) with ``key=value`` overrides applied."""
+    data = read_yaml(path) if path is not None else {}
+    return build(Config, apply_overrides(data, list(overrides or [])))

@@ -1,0 +1,56 @@
+"""``ddp-hpc train``: load and check the config, start the group, fit, report."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_hpc.config import Config, load_config
+from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.logs import configure_logging
+from ddp_hpc.training.callbacks import create_callbacks
+from ddp_hpc.training.job import create_job
+from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    config_path: str | None
+    overrides: Sequence[str] = ()
+    device: str | None = None
+    backend: str | None = None
+    verbose: bool = False
+
+
+def distributed_options(config: Config, device: str | None, backend: str | None) -> DistributedOptions:
+    """CLI flags win over DDP_HPC_DEVICE/DDP_HPC_BACKEND, which win over the config."""
+    dist = config.distributed
+    return DistributedOptions(device=device, backend=backend, config_device=dist.device,
+                              config_backend=dist.backend, timeout_s=dist.timeout_s,
+                              host_suffix=dist.host_suffix or None)
+
+
+def train(request: TrainRequest) -> dict[str, Any]:
+    """Run one training job on this rank; returns the summary (complete on rank 0)."""
+    # Everything that can be wrong with the input is checked before any rank starts
+    # a process group or writes a file.
+    config = load_config(request.config_path, list(request.overrides))
+    job = create_job(config.job.name, config.job.params)
+    callbacks = create_callbacks(config.callbacks)
+    run = RunFolder(Path(config.logging.run_dir) / config.run_name(request.config_path))
+    with process_group(distributed_options(config, request.device, request.backend)) as ctx:
+        configure_logging(ctx.rank, verbose=request.verbose)
+        summary = Trainer(job, config, ctx, run, callbacks).fit()
+        if ctx.is_rank_zero:
+            test = summary.get("test") or {}
+            result = "  ".join(f"test {k} {v:.4f}" for k, v in sorted(test.items()))
+            print(f"done: {summary['epochs_completed']} epochs, {summary['global_step']} steps, "
+                  f"{summary['wall_time_s']:.1f}s  {result}".rstrip(), flush=True)
+            print(f"run folder: {run.path}", flush=True)
+        return summary

@@ -1,0 +1,145 @@
+"""Checkpoint files: written atomically by rank 0, read back with ``weights_only=True``.
+
+Layout in ``runs/<name>/checkpoints/``: ``step-00000120.pt`` periodic files (the newest
+``keep_last`` are kept), and ``last.pt`` / ``best.pt`` as hard links to one of them (or
+their own copy where the file system has no hard links). A file only ever appears
+complete: it is written to a hidden temporary name, flushed, fsync'd and renamed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_hpc.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used here (corrupt, other model, other world size)."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_atomic(state: Mapping[str, Any], path: Path) -> Path:
+    """Write ``state`` to ``path`` so that ``path`` is either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(dict(state), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path
+
+
+def link_atomic(target: Path, alias: Path) -> None:
+    """Point ``alias`` (``last.pt``, ``best.pt``) at ``target`` in one rename."""
+    tmp = alias.with_name(f".{alias.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(target, tmp)
+    except OSError:  # no hard links here (some network file systems): copy instead
+        tmp.write_bytes(target.read_bytes())
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+    os.replace(tmp, alias)
+    _fsync_dir(alias.parent)
+
+
+def step_path(directory: Path, global_step: int) -> Path:
+    return directory / f"step-{global_step:08d}.pt"
+
+
+def periodic_checkpoints(directory: Path) -> list[Path]:
+    """Periodic checkpoint files, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _STEP_FILE.match(p.name))
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` periodic files (last/best links stay valid)."""
+    for old in periodic_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``: tensors and plain data only, no code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except pickle.UnpicklingError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data "
+                              f"and is refused ({first_line[:160]})") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
+                              f"{str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} is not a ddp_hpc checkpoint (format {FORMAT_VERSION})")
+    return state
+
+
+def newest_loadable(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``directory`` that loads; broken ones are reported and skipped.
+
+    Every save writes a periodic file, so those are tried newest first; ``last.pt`` is the
+    fallback for a folder whose periodic files were removed by hand.
+    """
+    for path in [*reversed(periodic_checkpoints(directory)), directory / "last.pt"]:
+        if not path.exists():
+            continue
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("%s; trying the previous one", exc)
+    return None
+
+
+def adapt_state_dict(state: Mapping[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:
+    """``state`` with its ``module.`` prefixes made to match ``model``, shapes checked."""
+    expected = model.state_dict()
+    wants_prefix = all(k.startswith("module.") for k in expected)
+    adapted = {}
+    for key, value in state.items():
+        bare = key[len("module."):] if key.startswith("module.") else key
+        adapted[f"module.{bare}" if wants_prefix else bare] = value
+    missing = sorted(set(expected) - set(adapted))
+    unexpected = sorted(set(adapted) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {source} is from a different model: "
+            + "; ".join(part for part in (
+                f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "",
+                f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"
+                if unexpected else "") if part))
+    for key, tensor in expected.items():
+        if tuple(adapted[key].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {source} is from a different model: {key} has shape "
+                                  f"{list(adapted[key].shape)} there but {list(tensor.shape)} here")
+    return adapted

@@ -1,0 +1,49 @@
+"""``runs/<name>/``: the resolved config, metrics, checkpoints and summary of one run."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    def create(self, resolved_config: dict[str, Any]) -> None:
+        """Rank 0 only: make the folders and write the resolved config."""
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.path / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_file, "a") as handle:
+            handle.write(json.dumps(row, sort_keys=True) + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        _write_atomic(self.summary_file, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

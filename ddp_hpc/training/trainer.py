@@ -1,0 +1,457 @@
+"""The Trainer: everything around the user's step that distributed training needs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from ddp_hpc.config import Config
+from ddp_hpc.distributed import DistContext
+from ddp_hpc.errors import UserError
+from ddp_hpc.training import checkpoint as ckpt
+from ddp_hpc.training.callbacks import Callback
+from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
+from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
+from ddp_hpc.training.job import Datasets, Job, StepOutput
+from ddp_hpc.training.metrics import MetricSums
+from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
+from ddp_hpc.training.precision import resolve_precision
+from ddp_hpc.training.rng import capture_rng, restore_rng, seed_everything
+from ddp_hpc.training.run_folder import RunFolder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Where training stands; a checkpoint stores it and resume starts from it."""
+
+    epoch: int = 0          # the epoch in progress, or the next to start
+    batches_done: int = 0   # micro-batches of ``epoch`` already trained (at a step boundary)
+    global_step: int = 0    # optimizer steps taken in all
+
+
+def parameter_checksum(model: nn.Module) -> float:
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+class Trainer:
+    def __init__(self, job: Job, config: Config, ctx: DistContext, run: RunFolder,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        self.job, self.config, self.ctx, self.run = job, config, ctx, run
+        self.callbacks = list(callbacks)
+        self.training = config.training
+        self.device = ctx.device.torch_device
+        self.precision = resolve_precision(config.training.precision, ctx.device.device_type)
+        self.progress = Progress()
+        self.early = EarlyStoppingState()
+        self.history: list[dict[str, Any]] = []
+        #: Set (e.g. by a preemption signal handler) to checkpoint and stop at the next step.
+        self.stop_requested = False
+        self._step_save_pending = False
+
+    # ----- setup ------------------------------------------------------------------------
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.training.batch_size * self.ctx.world_size * self.training.grad_accum_steps
+
+    def _setup_runtime(self) -> None:
+        if self.training.threads_per_rank:
+            torch.set_num_threads(self.training.threads_per_rank)
+        if self.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+    def _check_datasets(self, datasets: Datasets) -> None:
+        size = len(datasets.train)
+        if size < self.ctx.world_size:
+            raise UserError(f"world size {self.ctx.world_size} is larger than the training set "
+                            f"({size} samples): use fewer ranks")
+        per_rank = math.ceil(size / self.ctx.world_size)
+        if self.config.data.drop_last and per_rank < self.training.batch_size:
+            raise UserError(f"training.batch_size {self.training.batch_size} exceeds each rank's "
+                            f"{per_rank} training samples with data.drop_last: no batch would run")
+
+    def _build_model(self) -> nn.Module:
+        seed_everything(self.training.seed)  # the same initial weights on every rank
+        model = self.job.build_model().to(self.device)
+        checksums = self.ctx.all_gather_object(parameter_checksum(model))
+        if len(set(checksums)) > 1:
+            log.warning("build_model gave different weights on different ranks (checksums %s); "
+                        "DDP copies rank 0's", checksums)
+        return model
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if not self.ctx.group_initialized:
+            return model
+        dist = self.config.distributed
+        wrapped = DistributedDataParallel(
+            model, device_ids=self.ctx.device.ddp_device_ids,
+            find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
+            bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
+        if dist.comm_hook != "none":
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+            wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
+        checksums = self.ctx.all_gather_object(parameter_checksum(model))
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"parameters differ across ranks after DDP's broadcast: {checksums}")
+        return wrapped
+
+    def _find_resume_state(self) -> tuple[Path, dict[str, Any]] | None:
+        resume = self.config.checkpoint.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return ckpt.newest_loadable(self.run.checkpoints)
+        path = Path(resume)
+        return path, ckpt.load_checkpoint(path)
+
+    # ----- the run ----------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        self._setup_runtime()
+        datasets = self.job.build_datasets()
+        self._check_datasets(datasets)
+        resume = self._find_resume_state()
+        if resume and resume[1]["world_size"] != self.ctx.world_size:
+            raise ckpt.CheckpointError(
+                f"checkpoint {resume[0]} was written by {resume[1]['world_size']} ranks, this job has "
+                f"{self.ctx.world_size}: resume with the same world size, or set checkpoint.resume=never")
+
+        self.model = self._build_model()
+        if resume:
+            self.model.load_state_dict(ckpt.adapt_state_dict(resume[1]["model"], self.model, str(resume[0])))
+        self.ddp_model = self._wrap(self.model)
+        self.lr = scaled_lr(self.training, self.ctx.world_size)
+        self.optimizer = build_optimizer(self.model.parameters(), self.training, self.lr,
+                                         shard_state=self.training.zero_optimizer and self.ctx.group_initialized)
+        self.scaler = self.precision.scaler()
+        self.ema = (AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.training.ema_decay),
+                                  use_buffers=True) if self.training.ema_decay else None)
+
+        self.sampler = ResumableDistributedSampler(datasets.train, self.ctx.world_size, self.ctx.rank,
+                                                   shuffle=self.config.data.shuffle, seed=self.training.seed)
+        pin = self.config.data.pin_memory
+        self.pin_memory = self.ctx.device.device_type == "cuda" if pin == "auto" else bool(pin)
+        self.loader = train_loader(datasets.train, self.sampler, self.training.batch_size, self.config.data,
+                                   self.pin_memory, seed=self.training.seed)
+        self.plan = LoaderPlan(self.sampler.num_samples, self.training.batch_size, self.config.data.drop_last)
+        self.steps_per_epoch = math.ceil(self.plan.batches / self.training.grad_accum_steps)
+        total_steps = self.steps_per_epoch * self.training.epochs
+        if self.training.max_steps:
+            total_steps = min(total_steps, self.training.max_steps)
+        sched = self.training.scheduler
+        self.scheduler = build_scheduler(self.optimizer, sched,
+                                         total_steps if sched.interval == "step" else self.training.epochs)
+
+        if resume:
+            self._restore(*resume)
+        else:
+            seed_everything(self.training.seed + self.ctx.rank)  # dropout, augmentation: per rank
+        if self.ctx.is_rank_zero:
+            self.run.create(self.config.to_dict())
+        self._log_start(datasets)
+        for callback in self.callbacks:
+            callback.on_fit_start(self)
+
+        stopped_early = self._train_epochs(datasets)
+        test_metrics = self._test(datasets)
+        summary = self._summary(started, stopped_early, test_metrics)
+        for callback in self.callbacks:
+            callback.on_fit_end(self, summary)
+        return summary
+
+    def _log_start(self, datasets: Datasets) -> None:
+        if not self.ctx.is_rank_zero:
+            return
+        log.info("job %s: %d train samples, world size %d, %s on %s, precision %s",
+                 self.config.job.name, len(datasets.train), self.ctx.world_size, self.ctx.device.backend,
+                 self.ctx.device.torch_device, self.precision.name)
+        log.info("batch %d per rank x %d ranks x %d accumulation = effective batch %d; lr %.3g%s; "
+                 "%d steps per epoch", self.training.batch_size, self.ctx.world_size,
+                 self.training.grad_accum_steps, self.effective_batch_size, self.lr,
+                 " (scaled linearly)" if self.training.lr_scaling == "linear" else "", self.steps_per_epoch)
+        log.info("run folder: %s", self.run.path)
+
+    def _train_epochs(self, datasets: Datasets) -> bool:
+        """Train from ``self.progress`` to the end; True if early stopping ended it."""
+        while self.progress.epoch < self.training.epochs:
+            epoch = self.progress.epoch
+            epoch_started = time.perf_counter()
+            train_metrics, samples = self._train_one_epoch(epoch)
+            if self.progress.batches_done < self.plan.batches:
+                # Stopped inside the epoch (preemption, max_steps): save where we are.
+                self.save_checkpoint(improved=False)
+                return False
+            elapsed = time.perf_counter() - epoch_started
+            self.progress = Progress(epoch + 1, 0, self.progress.global_step)
+            if self.scheduler and self.training.scheduler.interval == "epoch":
+                self.scheduler.step()
+
+            row: dict[str, Any] = {"epoch": epoch + 1, "step": self.progress.global_step,
+                                   "lr": self.optimizer.param_groups[0]["lr"],
+                                   "epoch_time_s": round(elapsed, 4),
+                                   "samples_per_s": round(samples / elapsed, 2) if elapsed > 0 else None,
+                                   **{f"train_{k}": v for k, v in train_metrics.items()}}
+            verdict = Verdict(improved=False, stop=False)
+            last_epoch = self.progress.epoch == self.training.epochs or self._reached_max_steps()
+            if datasets.val is not None and ((epoch + 1) % self.config.validation.every_n_epochs == 0 or last_epoch):
+                val_metrics, _ = self.evaluate(datasets.val)
+                row.update({f"val_{k}": v for k, v in val_metrics.items()})
+                verdict = self._early_stopping(val_metrics, epoch + 1)
+            self.history.append(row)
+            if self.ctx.is_rank_zero:
+                self.run.append_metrics(row)
+                log.info(self._epoch_line(row))
+            every = self.config.checkpoint.every_n_epochs
+            if (every and (epoch + 1) % every == 0) or last_epoch or verdict.stop or verdict.improved \
+                    or self._step_save_pending:
+                self.save_checkpoint(improved=verdict.improved)
+            for callback in self.callbacks:
+                callback.on_epoch_end(self, row)
+            if verdict.stop:
+                if self.ctx.is_rank_zero:
+                    log.info("early stopping after epoch %d: no improvement of validation %s for %d "
+                             "validations (best %.6g at epoch %d)", epoch + 1,
+                             self.config.validation.early_stopping.metric, self.early.bad_validations,
+                             self.early.best, self.early.best_epoch)
+                return True
+            if self._reached_max_steps():
+                return False
+        return False
+
+    def _reached_max_steps(self) -> bool:
+        return bool(self.training.max_steps) and self.progress.global_step >= self.training.max_steps
+
+    def _train_one_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
+        self.ddp_model.train()
+        self.sampler.set_epoch(epoch)
+        start_batch = self.progress.batches_done
+        self.sampler.skip_next(start_batch * self.training.batch_size)
+        # Reseeded per epoch so a resumed epoch gives workers the same seeds as the original.
+        self.loader.generator.manual_seed(self.training.seed * 1_000_003 + epoch)
+        accum, total_batches = self.training.grad_accum_steps, self.plan.batches
+        sums = MetricSums(self.device)
+        self._step_save_pending = False
+        batches = self._progress_bar(self.loader, epoch, start_batch, total_batches)
+        batch_index = start_batch
+        for batch in batches:
+            window_start = (batch_index // accum) * accum
+            window = min(accum, total_batches - window_start)
+            closes_window = batch_index + 1 == window_start + window
+            sync = closes_window or not isinstance(self.ddp_model, DistributedDataParallel)
+            batch = self.job.move_batch(batch, self.device, non_blocking=self.pin_memory)
+            with nullcontext() if sync else self.ddp_model.no_sync():
+                with self.precision.autocast():
+                    output = self.job.training_step(self.ddp_model, batch)
+                self.scaler.scale(output.loss / window).backward()
+            sums.add(self._per_sample(output, batch))
+            batch_index += 1
+            if not closes_window:
+                continue
+            self._optimizer_step()
+            self.progress = Progress(epoch, batch_index, self.progress.global_step + 1)
+            for callback in self.callbacks:
+                callback.on_step_end(self)
+            self._maybe_log_step(sums)
+            every = self.config.checkpoint.every_n_steps
+            if every and self.progress.global_step % every == 0:
+                if batch_index < total_batches:
+                    self.save_checkpoint(improved=False)
+                else:
+                    self._step_save_pending = True  # the epoch-end checkpoint covers it
+            if self.stop_requested or self._reached_max_steps():
+                break
+        metrics, samples = sums.reduce(self.ctx)
+        return metrics, samples
+
+    @staticmethod
+    def _per_sample(output: StepOutput, batch: Any) -> dict[str, torch.Tensor]:
+        if output.per_sample:
+            return output.per_sample
+        return {"loss": output.loss.detach().reshape(1)}
+
+    def _optimizer_step(self) -> None:
+        if self.training.grad_clip_norm:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+        if self.scheduler and self.training.scheduler.interval == "step":
+            self.scheduler.step()
+
+    def _progress_bar(self, loader, epoch: int, start: int, total: int):
+        mode = self.config.logging.progress
+        show = self.ctx.is_rank_zero and (mode == "always" or (mode == "auto" and sys.stderr.isatty()))
+        if not show:
+            return loader
+        from tqdm import tqdm
+
+        return tqdm(loader, total=total, initial=start, desc=f"epoch {epoch + 1}/{self.training.epochs}",
+                    leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def _maybe_log_step(self, sums: MetricSums) -> None:
+        every = self.config.logging.log_every_n_steps
+        if every and self.progress.global_step % every == 0 and self.ctx.is_rank_zero:
+            loss = sums.sums.get("loss")
+            if loss is not None:
+                log.info("step %d: train loss (this rank, epoch so far) %.4f", self.progress.global_step,
+                         float(loss / sums.count))
+
+    # ----- validation, early stopping, test ------------------------------------------------
+
+    def evaluate(self, dataset) -> tuple[dict[str, float], int]:
+        """Metrics over ``dataset``, each sample counted exactly once across ranks."""
+        model = self.ema.module if self.ema is not None else self.model
+        was_training = model.training
+        model.eval()
+        batch_size = self.config.validation.batch_size or self.training.batch_size
+        loader = eval_loader(dataset, self.ctx.rank, self.ctx.world_size, batch_size, self.config.data,
+                             self.pin_memory)
+        sums = MetricSums(self.device)
+        position = 0
+        with torch.no_grad(), self.precision.autocast():
+            for batch in loader:
+                batch = self.job.move_batch(batch, self.device, non_blocking=self.pin_memory)
+                per_sample = self.job.eval_step(model, batch)
+                length = next(iter(per_sample.values())).reshape(-1).shape[0]
+                mask = shard_padding_mask(position, length, self.ctx.rank, self.ctx.world_size,
+                                          len(dataset), self.device)
+                sums.add(per_sample, mask)
+                position += length
+        model.train(was_training)
+        metrics, count = sums.reduce(self.ctx)
+        if count != len(dataset):
+            raise RuntimeError(f"evaluation counted {count} samples of {len(dataset)}")
+        return metrics, count
+
+    def _early_stopping(self, val_metrics: dict[str, float], epoch: int) -> Verdict:
+        config = self.config.validation.early_stopping
+        if config.metric not in val_metrics:
+            raise UserError(f"validation.early_stopping.metric {config.metric!r} is not reported by the "
+                            f"job (it reports: {', '.join(sorted(val_metrics))})")
+        verdict = update(self.early, config, val_metrics[config.metric], epoch) if self.ctx.is_rank_zero else None
+        verdict, state = self.ctx.broadcast_object((verdict, self.early))
+        self.early = state
+        return verdict
+
+    def _test(self, datasets: Datasets) -> dict[str, float] | None:
+        if datasets.test is None:
+            return None
+        metrics, count = self.evaluate(datasets.test)
+        if self.ctx.is_rank_zero:
+            log.info("test: %s (%d samples)", "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())), count)
+        return metrics
+
+    # ----- checkpoints ----------------------------------------------------------------------
+
+    def _optimizer_state(self) -> dict[str, Any] | None:
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank calls it
+            return self.optimizer.state_dict() if self.ctx.is_rank_zero else None
+        return self.optimizer.state_dict()
+
+    def save_checkpoint(self, improved: bool) -> Path | None:
+        """Every rank calls this (it gathers RNG states); rank 0 writes the file."""
+        optimizer_state = self._optimizer_state()
+        rng_states = self.ctx.all_gather_object(capture_rng())
+        if not self.ctx.is_rank_zero:
+            return None
+        state = {
+            "format": ckpt.FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "progress": asdict(self.progress),
+            "rng": rng_states,
+            "world_size": self.ctx.world_size,
+            "early_stopping": self.early.to_dict(),
+            "history": self.history,
+            "config": self.config.to_dict(),
+        }
+        directory = self.run.checkpoints
+        path = ckpt.save_atomic(state, ckpt.step_path(directory, self.progress.global_step))
+        ckpt.link_atomic(path, directory / "last.pt")
+        if improved and self.config.checkpoint.save_best:
+            ckpt.link_atomic(path, directory / "best.pt")
+        ckpt.prune(directory, self.config.checkpoint.keep_last)
+        log.debug("checkpoint %s (epoch %d, batch %d, step %d)", path, self.progress.epoch,
+                  self.progress.batches_done, self.progress.global_step)
+        for callback in self.callbacks:
+            callback.on_checkpoint_saved(self, path)
+        return path
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> None:
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.progress = Progress(**state["progress"])
+        self.early = EarlyStoppingState(**state["early_stopping"])
+        self.history = list(state.get("history", []))
+        restore_rng(state["rng"][self.ctx.rank])
+        if self.ctx.is_rank_zero:
+            log.info("resuming from %s: epoch %d, batch %d, step %d", path, self.progress.epoch + 1,
+                     self.progress.batches_done, self.progress.global_step)
+
+    # ----- reporting ------------------------------------------------------------------------
+
+    def _epoch_line(self, row: dict[str, Any]) -> str:
+        metrics = "  ".join(f"{k} {v:.4f}" for k, v in row.items()
+                            if k.startswith(("train_", "val_")) and isinstance(v, float))
+        rate = f"{row['samples_per_s']:.0f} samples/s" if row.get("samples_per_s") else ""
+        return (f"epoch {row['epoch']}/{self.training.epochs}  {metrics}  lr {row['lr']:.3g}  {rate}  "
+                f"{row['epoch_time_s']:.2f}s")
+
+    def _summary(self, started: float, stopped_early: bool, test: dict[str, float] | None) -> dict[str, Any]:
+        epochs_per_rank = self.ctx.all_gather_object(self.progress.epoch)
+        checksums = self.ctx.all_gather_object(parameter_checksum(self.model))
+        rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
+        wall = time.perf_counter() - started
+        summary = {
+            "run_dir": str(self.run.path),
+            "job": self.config.job.name,
+            "epochs_completed": self.progress.epoch,
+            "global_step": self.progress.global_step,
+            "stopped_early": stopped_early,
+            "world_size": self.ctx.world_size,
+            "backend": self.ctx.device.backend,
+            "device": str(self.ctx.device.torch_device),
+            "effective_batch_size": self.effective_batch_size,
+            "samples_per_s": round(sum(rates) / len(rates), 2) if rates else None,
+            "wall_time_s": round(wall, 3),
+            "final": self.history[-1] if self.history else {},
+            "best": {"epoch": self.early.best_epoch, self.config.validation.early_stopping.metric: self.early.best}
+            if self.early.best is not None else None,
+            "test": test,
+            "epochs_run_per_rank": epochs_per_rank,
+            "parameter_checksums_per_rank": checksums,
+        }
+        if self.ctx.is_rank_zero:
+            self.run.write_summary(summary)
+        return summary

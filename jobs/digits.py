@@ -1,0 +1,62 @@
+"""A small CNN on scikit-learn's bundled 8x8 digits (1,797 real images, no download).
+
+The embedded default main job: `scripts/run_ddp_local.sh` trains it on 2 CPU ranks to a
+test accuracy of about 0.97 in well under a minute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddp_hpc.errors import UserError
+from ddp_hpc.training.job import Datasets, Job
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self, channels: int = 16, hidden: int = 64, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * channels * 16, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, 10),
+        )
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
+
+
+class DigitsJob(Job):
+    def __init__(self, channels: int = 16, hidden: int = 64, dropout: float = 0.0,
+                 val_fraction: float = 0.1, test_fraction: float = 0.2, split_seed: int = 0) -> None:
+        if not 0 < val_fraction + test_fraction < 1:
+            raise UserError("job.params: val_fraction + test_fraction must be in (0, 1)")
+        self.channels, self.hidden, self.dropout = channels, hidden, dropout
+        self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
+
+    def build_model(self) -> nn.Module:
+        return DigitsCNN(self.channels, self.hidden, self.dropout)
+
+    def build_datasets(self) -> Datasets:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            raise UserError("the digits job needs scikit-learn: pip install 'ddp_hpc[examples]'") from None
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        # A fixed split, the same on every rank and in every run.
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
+        n_test = int(len(labels) * self.test_fraction)
+        n_val = int(len(labels) * self.val_fraction)
+        test, val, train = order[:n_test], order[n_test:n_test + n_val], order[n_test + n_val:]
+        return Datasets(
+            train=TensorDataset(images[train], labels[train]),
+            val=TensorDataset(images[val], labels[val]),
+            test=TensorDataset(images[test], labels[test]),
+        )
