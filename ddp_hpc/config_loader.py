@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -17,6 +18,7 @@ import yaml
 from ddp_hpc.errors import UserError
 
 T = TypeVar("T")
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 class ConfigError(UserError):
@@ -77,6 +79,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 (PyYAML) reads 1e-3 as a string: accept plain scientific notation.
+        if isinstance(value, str) and _SCIENTIFIC.match(value.strip()):
             return float(value)
     elif tp is str:
         if isinstance(value, str):

@@ -70,3 +70,29 @@ def test_doctor_single_process():
     result = run([*ddp_hpc_command(), "doctor"])
     assert result.returncode == 0, result.stderr
     assert "doctor: OK: 1 ranks on 1 node(s)" in result.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["train", "configs/nope.yaml"], "cannot read config configs/nope.yaml"),
+    (["train", "configs/digits.yaml", "training.batch_size=-1"], "training.batch_size must be > 0, got -1"),
+    (["train", "configs/digits.yaml", "training.grad_accum_steps=0"], "training.grad_accum_steps must be > 0"),
+    (["train", "configs/digits.yaml", "training.bach_size=4"], "unknown key 'training.bach_size'"),
+    (["train", "configs/digits.yaml", "job.name=missing_module:Job"], "cannot import module 'missing_module'"),
+    (["train", "configs/digits.yaml", "distributed.backend=nccl"], "backend 'nccl'"),
+    (["train", "configs/digits.yaml", "training.epochs"], "is not KEY=VALUE"),
+    (["train", "configs/digits.yaml", "checkpoint.resume=/nonexistent.pt"], "checkpoint /nonexistent.pt does not exist"),
+])
+def test_bad_training_input_exits_2_and_writes_nothing(tmp_path, args, fragment):
+    result = run([*ddp_hpc_command(), *args, f"logging.run_dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr
+    assert fragment in _one_error_line(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_single_process_prints_the_run_folder(tmp_path):
+    result = run([*ddp_hpc_command(), "train", "configs/digits.yaml", "training.epochs=2",
+                  f"logging.run_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr
+    assert f"run folder: {tmp_path}/digits" in result.stdout
+    assert {p.name for p in (tmp_path / "digits").iterdir()} == {
+        "checkpoints", "config.yaml", "metrics.jsonl", "summary.json"}

@@ -90,10 +90,15 @@ def test_launch_subcommand_runs_doctor(launcher, request):
     _assert_doctor_ok(result, ranks=2, nodes=1)
 
 
-def test_local_script_runs_doctor_on_two_ranks(tmp_path):
-    venv = str(sys.prefix)
-    result = run(["scripts/run_ddp_local.sh", "2"], env={"DDP_HPC_VENV": venv}, timeout=300)
-    _assert_doctor_ok(result, ranks=2, nodes=1)
+def test_main_job_command_trains_digits_to_95_percent(tmp_path):
+    """The README's main-job command, with the full digits config."""
+    result = run(["scripts/run_ddp_local.sh", "2", f"logging.run_dir={tmp_path}"],
+                 env={"DDP_HPC_VENV": str(sys.prefix)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"run folder: {tmp_path}/digits" in result.stdout
+    summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["test"]["accuracy"] >= 0.95
 
 
 def test_local_script_refuses_a_bad_nproc():

@@ -105,6 +105,9 @@ class Trainer:
             model, device_ids=self.ctx.device.ddp_device_ids,
             find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
             bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
+        if dist.comm_hook == "bf16" and self.ctx.device.backend not in ("nccl", "xccl"):
+            raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
+                            f"{self.ctx.device.backend}: use comm_hook=fp16")
         if dist.comm_hook != "none":
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
             wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])

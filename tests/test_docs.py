@@ -1,0 +1,31 @@
+"""The user docs keep up with the code."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from conftest import REPO
+from ddp_hpc.config import Config
+
+
+def config_keys(cls=Config, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            yield from config_keys(hints[field.name], f"{prefix}{field.name}.")
+        else:
+            yield f"{prefix}{field.name}"
+
+
+def test_every_config_key_is_documented():
+    guide = (REPO / "docs" / "training.md").read_text()
+    missing = [key for key in config_keys() if f"`{key}`" not in guide]
+    assert missing == []
+
+
+def test_readme_links_resolve():
+    import re
+    readme = (REPO / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)\)", readme):
+        assert (REPO / target).exists(), target
