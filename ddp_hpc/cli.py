@@ -120,6 +120,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(train)
     train.set_defaults(func=_cmd_train)
 
+    from ddp_hpc.launch import commands
+
+    for verb, func, help_text in (
+            ("render", commands.cmd_render, "write the batch script for a scheduler (nothing is submitted)"),
+            ("submit", commands.cmd_submit, "render the batch script and submit it (qsub, sbatch or submitit)")):
+        verb_parser = sub.add_parser(verb, help=help_text)
+        schedulers = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
+        schedulers.required = True
+        for scheduler in ("pbs", "slurm"):
+            sched = schedulers.add_parser(scheduler, parents=[common], help=f"{scheduler.upper()} job")
+            commands.add_job_flags(sched, scheduler)
+            sched.add_argument("-o", "--output", help="script path (render: default stdout)")
+            if verb == "submit":
+                sched.add_argument("--dry-run", action="store_true",
+                                   help="print the script and the exact commands; submit nothing")
+                sched.add_argument("--wait", action="store_true",
+                                   help="wait for the job to end and print its training summary")
+                sched.add_argument("--poll", type=float, default=2.0, help="seconds between status checks")
+                if scheduler == "slurm":
+                    sched.add_argument("--sbatch", action="store_true",
+                                       help="submit the rendered script with sbatch instead of submitit")
+            sched.set_defaults(func=func)
+
+    port = sub.add_parser("port", parents=[common],
+                          help="print the rendezvous port derived from a job id ($PBS_JOBID, $SLURM_JOB_ID)")
+    port.add_argument("job_id", nargs="?")
+    port.set_defaults(func=commands.cmd_port)
+
     launch = sub.add_parser("launch", parents=[common],
                             help="start N ranks of a command on this machine")
     launch.add_argument("--nproc", type=int, default=2, help="number of ranks (default: 2)")
@@ -130,8 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, letting KEY=VALUE overrides stand anywhere after the config, even after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    unknown = [a for a in extra if a not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     configure_logging(None, verbose=args.verbose)
     try:
         return int(args.func(args) or 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,4 +38,5 @@ def build_local_command(launch: LocalLaunch) -> list[str]:
     if launch.launcher == "torchrun":
         return build_torchrun(launch.nproc, launch.command)
     return build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
-                                   command=launch.command, oversubscribe=True))
+                                   command=launch.command, oversubscribe=True,
+                                   allow_root=os.geteuid() == 0))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,10 +13,12 @@ from ddp_hpc.errors import UserError
 PROGRAMS: dict[str, tuple[str, ...]] = {
     "openmpi": ("mpiexec.openmpi", "mpirun.openmpi", "mpiexec"),
     "mpich": ("mpiexec.mpich", "mpiexec.hydra", "mpiexec"),
+    "pals": ("mpiexec",),
 }
 INSTALL_HINTS = {
     "openmpi": "apt-get install openmpi-bin",
     "mpich": "apt-get install mpich",
+    "pals": "load the site's cray-pals module",
 }
 
 
@@ -34,6 +35,11 @@ class MpiLaunch:
     export: Mapping[str, str] = field(default_factory=dict)
     #: Allow more ranks than cores (local runs; Open MPI refuses them otherwise).
     oversubscribe: bool = False
+    #: Cray PALS only: ``--cpu-bind`` value and ``--depth`` (cores per rank).
+    cpu_bind: str | None = None
+    depth: int | None = None
+    #: Open MPI only: pass --allow-run-as-root (local launches as root).
+    allow_root: bool = False
 
     def __post_init__(self) -> None:
         if self.flavour not in PROGRAMS:
@@ -58,7 +64,11 @@ def find_program(flavour: str, path: str | None = None) -> str:
 
 
 def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
-    """The full argument list; ``program`` defaults to the flavour's first installed name."""
+    """The full argument list; ``program`` defaults to the flavour's first installed name.
+
+    Scripts pass shell variables (``ShellVar``) for the program and host file, resolved
+    on the cluster at run time.
+    """
     program = program or find_program(launch.flavour)
     n, ppn = str(launch.world_size), str(launch.ranks_per_node)
     if launch.flavour == "openmpi":
@@ -67,10 +77,21 @@ def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
             args += ["--hostfile", launch.hostfile]
         if launch.oversubscribe:
             args.append("--oversubscribe")
-        if os.geteuid() == 0:
+        if launch.allow_root:
             args.append("--allow-run-as-root")
         for name, value in launch.export.items():
             args += ["-x", f"{name}={value}"]
+    elif launch.flavour == "pals":
+        args = [program, "-n", n, "-ppn", ppn]
+        if launch.depth:
+            args += ["--depth", str(launch.depth)]
+        if launch.cpu_bind:
+            args += ["--cpu-bind", launch.cpu_bind]
+        if launch.hostfile:
+            args += ["--hostfile", launch.hostfile]
+        args.append("--envall")
+        for name, value in launch.export.items():
+            args += ["--env", f"{name}={value}"]
     else:  # mpich / hydra
         args = [program, "-n", n, "-ppn", ppn]
         if launch.hostfile:

@@ -1,0 +1,98 @@
+"""PBS Pro job scripts (Aurora, Polaris, generic clusters): rendered, then handed to qsub."""
+
+from __future__ import annotations
+
+import shlex
+
+from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
+from ddp_hpc.launch.script import (
+    ShellVar,
+    environment_block,
+    header_comment,
+    mpiexec_lookup,
+    render_argv,
+    run_folder_line,
+)
+
+# Slurm's PBS wrappers (slurm-wlm-torque) run the script with Slurm's variables only:
+# derive what PBS Pro would have set, so the same script works on both.
+_PBS_FROM_SLURM = r'''
+# PBS Pro sets these; under Slurm's qsub wrappers they are derived from Slurm's.
+if [ -z "${PBS_NODEFILE:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+  PBS_NODEFILE=$(mktemp)
+  scontrol show hostnames "$SLURM_JOB_NODELIST" >"$PBS_NODEFILE"
+  export PBS_NODEFILE
+fi
+export PBS_JOBID="${PBS_JOBID:-${SLURM_JOB_ID:-}}"
+export PBS_JOBNAME="${PBS_JOBNAME:-${SLURM_JOB_NAME:-}}"
+export PBS_O_WORKDIR="${PBS_O_WORKDIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+: "${PBS_NODEFILE:?is not set: submit this script with qsub}"
+cd "$PBS_O_WORKDIR"'''
+
+
+def pbs_directives(request: JobRequest) -> list[str]:
+    profile = request.profile
+    hms, _ = parse_walltime(request.walltime)
+    select = f"select={request.nodes}"
+    if profile.system:
+        select += f":system={directive_value(profile.system, 'system')}"
+    lines = [f"#PBS -N {job_name_directive(request.name)}"]
+    account = request.account or profile.account
+    if account:
+        lines.append(f"#PBS -A {directive_value(account, 'account')}")
+    queue = request.queue or profile.queue
+    if queue:
+        lines.append(f"#PBS -q {directive_value(queue, 'queue')}")
+    lines.append(f"#PBS -l {select}")
+    if profile.place:
+        lines.append(f"#PBS -l place={directive_value(profile.place, 'place')}")
+    lines.append(f"#PBS -l walltime={hms}")
+    if profile.filesystems:
+        lines.append(f"#PBS -l filesystems={directive_value(profile.filesystems, 'filesystems')}")
+    lines += ["#PBS -j oe", "#PBS -k doe", "#PBS -r y"]
+    return lines
+
+
+def mpiexec_argv(request: JobRequest) -> list[str]:
+    profile = request.profile
+    launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, request.train_command(),
+                       hostfile=ShellVar("DDP_HPC_HOSTFILE"), cpu_bind=profile.cpu_bind, depth=profile.depth)
+    return build_mpiexec(launch, program=ShellVar("DDP_HPC_MPIEXEC"))
+
+
+def render_pbs(request: JobRequest) -> str:
+    """The complete PBS script for ``request`` (pure: nothing is read or run)."""
+    if request.profile.scheduler != "pbs":
+        raise ValueError(f"profile {request.profile.name!r} is for {request.profile.scheduler}, not PBS")
+    suffix = request.profile.host_suffix
+    master = f'"${{first_host%%.*}}"{shlex.quote(suffix)}' if suffix else '"$first_host"'
+    lines = [
+        "#!/bin/bash",
+        *pbs_directives(request),
+        header_comment(request, "pbs"),
+        "set -euo pipefail",
+        _PBS_FROM_SLURM,
+        *environment_block(request),
+        "",
+        "# Nodes, rank 0's address and the rendezvous port",
+        "DDP_HPC_HOSTFILE=$(mktemp)",
+        "trap 'rm -f \"$DDP_HPC_HOSTFILE\"' EXIT",
+        "awk 'NF && !seen[$0]++' \"$PBS_NODEFILE\" >\"$DDP_HPC_HOSTFILE\"",
+        'nodes_found=$(wc -l <"$DDP_HPC_HOSTFILE")',
+        f'if [ "$nodes_found" -lt {request.nodes} ]; then',
+        f'  echo "ddp_hpc: PBS_NODEFILE lists $nodes_found node(s), this job needs {request.nodes}" >&2',
+        "  exit 1",
+        "fi",
+        'first_host=$(head -n 1 "$DDP_HPC_HOSTFILE")',
+        f"export MASTER_ADDR={master}",
+        'export MASTER_PORT="$(ddp-hpc port)"',
+        mpiexec_lookup(request.profile.launcher),
+        "",
+        f'echo "ddp_hpc: job $PBS_JOBID: {request.world_size} ranks on {request.nodes} node(s), '
+        f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
+        run_folder_line(request, "PBS_O_WORKDIR"),
+        render_argv(mpiexec_argv(request)),
+        "",
+    ]
+    return "\n".join(lines)

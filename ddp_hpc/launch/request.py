@@ -1,0 +1,156 @@
+"""What to run where: the typed request every script renderer takes, and shared pieces.
+
+Rendering is pure: a ``JobRequest`` in, script text out. Every user-supplied string that
+reaches the shell is ``shlex.quote``d; values in ``#PBS``/``#SBATCH`` directives (read by
+the scheduler, not the shell) are reduced to a safe character set.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from ddp_hpc.config import Config, load_config
+from ddp_hpc.config_loader import ConfigError
+from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
+
+log = logging.getLogger(__name__)
+
+_WALLTIME = re.compile(r"^(?:(\d+):)?(\d{1,2}):(\d{2})$")
+_DIRECTIVE_UNSAFE = re.compile(r"[^A-Za-z0-9_.:=+,/@%-]")
+_ENV_ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
+
+
+def parse_walltime(text: str) -> tuple[str, int]:
+    """``"1:30:00"`` / ``"90:00"`` / ``"45"`` (minutes) -> (``"01:30:00"``, minutes rounded up)."""
+    text = text.strip()
+    if text.isdigit():
+        seconds = int(text) * 60
+    else:
+        match = _WALLTIME.match(text)
+        if not match:
+            raise ConfigError(f"--walltime {text!r}: use HH:MM:SS, MM:SS or whole minutes")
+        hours, minutes, secs = int(match.group(1) or 0), int(match.group(2)), int(match.group(3))
+        if minutes >= 60 and match.group(1) is not None or secs >= 60:
+            raise ConfigError(f"--walltime {text!r}: minutes and seconds must be below 60")
+        seconds = hours * 3600 + minutes * 60 + secs
+    if seconds <= 0:
+        raise ConfigError(f"--walltime {text!r} must be longer than zero")
+    hms = f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    return hms, -(-seconds // 60)
+
+
+def directive_value(value: str, what: str) -> str:
+    """A value safe inside a scheduler directive line; unsafe characters become ``_``."""
+    safe = _DIRECTIVE_UNSAFE.sub("_", value)
+    if safe != value:
+        log.warning("%s %r contains characters a scheduler directive cannot hold; using %r", what, value, safe)
+    return safe or "_"
+
+
+def job_name_directive(name: str) -> str:
+    """PBS and SLURM job names: letters first, at most 63 safe characters."""
+    safe = directive_value(name, "job name")
+    return (safe if safe[0].isalpha() else f"j{safe}")[:63]
+
+
+def parse_env_assignments(assignments: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for text in assignments:
+        match = _ENV_ASSIGNMENT.match(text)
+        if not match:
+            raise ConfigError(f"--env {text!r} is not NAME=VALUE")
+        env[match.group(1)] = match.group(2)
+    return env
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A training job for a scheduler: the config, the cluster profile and the shape."""
+
+    config_path: str
+    overrides: tuple[str, ...]
+    profile: ClusterProfile
+    nodes: int
+    walltime: str = "01:00:00"
+    ranks_per_node: int | None = None
+    account: str | None = None
+    queue: str | None = None
+    job_name: str | None = None
+    #: Extra shell lines run before the launch (e.g. activating an environment).
+    setup: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: Activate this Python environment in the job (the one rendering the script).
+    python_env: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes {self.nodes} must be >= 1")
+        self.profile.check_ranks_per_node(self.per_node)
+        parse_walltime(self.walltime)
+        for line in self.setup:
+            check_single_line(line, "--setup line")
+        self.config  # load and check the training config now, not on the cluster
+
+    @property
+    def per_node(self) -> int:
+        return self.ranks_per_node or self.profile.ranks_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @cached_property
+    def config(self) -> Config:
+        """The training config, loaded (and so checked) at render time."""
+        return load_config(self.config_path, list(self.overrides))
+
+    @property
+    def name(self) -> str:
+        return self.job_name or self.config.run_name(self.config_path)
+
+    @property
+    def run_folder(self) -> Path:
+        config = self.config
+        return Path(config.logging.run_dir) / config.run_name(self.config_path)
+
+    def train_command(self, program: Sequence[str] = ("ddp-hpc",)) -> list[str]:
+        """The per-rank command (an argument list, quoted when rendered)."""
+        return [*program, "train", self.config_path, *self.overrides]
+
+    def environment(self) -> dict[str, str]:
+        """Variables every rank sees: profile presets, the device choice, user extras."""
+        env = dict(self.profile.env)
+        if self.profile.device != "auto":
+            env["DDP_HPC_DEVICE"] = self.profile.device
+        if self.profile.backend != "auto":
+            env["DDP_HPC_BACKEND"] = self.profile.backend
+        if self.profile.host_suffix:
+            env["DDP_HPC_HOST_SUFFIX"] = self.profile.host_suffix
+        env.update(self.env)
+        return env
+
+    def setup_lines(self) -> list[str]:
+        lines = list(self.profile.setup)
+        if self.python_env:
+            lines.append(f"source {shlex.quote(str(Path(self.python_env) / 'bin' / 'activate'))}")
+        return lines + list(self.setup)
+
+
+def current_python_env() -> str | None:
+    """The virtual environment running ddp-hpc now, to activate in the job."""
+    return sys.prefix if sys.prefix != sys.base_prefix else None
+
+
+def export_lines(env: Mapping[str, str]) -> list[str]:
+    return [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+
+
+def quote_command(argv: Sequence[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in argv)

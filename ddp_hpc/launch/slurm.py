@@ -1,0 +1,95 @@
+"""SLURM batch scripts: one srun task per rank, or one torchrun per node."""
+
+from __future__ import annotations
+
+from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
+from ddp_hpc.launch.script import ShellVar, environment_block, header_comment, render_argv, run_folder_line
+
+SIGNAL_LEAD_S = 90
+LOG_DIR = "logs"
+
+# The batch shell gets SIGUSR2 SIGNAL_LEAD_S seconds before the time limit (or on
+# preemption with a grace time): pass it to the ranks and requeue the job, which then
+# resumes from its newest checkpoint. Without a trap, bash would die on SIGUSR2 at once.
+_WAIT_WITH_REQUEUE = r'''step_pid=$!
+on_usr2() {
+  echo "ddp_hpc: SIGUSR2 (time limit or preemption): requeueing job $SLURM_JOB_ID; it resumes from its newest checkpoint" >&2
+  scontrol requeue "$SLURM_JOB_ID" || true
+  kill -USR2 "$step_pid" 2>/dev/null || true
+}
+trap on_usr2 USR2
+status=0
+wait "$step_pid" || status=$?
+# A trapped signal ends `wait` early: wait again until the step is really over.
+while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done
+exit "$status"'''
+
+
+def sbatch_directives(request: JobRequest, torchrun: bool) -> list[str]:
+    profile = request.profile
+    hms, _ = parse_walltime(request.walltime)
+    tasks_per_node = 1 if torchrun else request.per_node
+    lines = [
+        f"#SBATCH --job-name={job_name_directive(request.name)}",
+        f"#SBATCH --nodes={request.nodes}",
+        f"#SBATCH --ntasks-per-node={tasks_per_node}",
+    ]
+    if profile.cpus_per_task:
+        cpus = profile.cpus_per_task * (request.per_node if torchrun else 1)
+        lines.append(f"#SBATCH --cpus-per-task={cpus}")
+    if profile.uses_gpus and profile.devices_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={request.per_node}")
+    lines.append(f"#SBATCH --time={hms}")
+    account = request.account or profile.account
+    if account:
+        lines.append(f"#SBATCH --account={directive_value(account, 'account')}")
+    queue = request.queue or profile.queue
+    if queue:
+        lines.append(f"#SBATCH --partition={directive_value(queue, 'partition')}")
+    lines += [
+        f"#SBATCH --output={LOG_DIR}/%x-%j.out",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --signal=B:USR2@{SIGNAL_LEAD_S}",
+        "#SBATCH --requeue",
+    ]
+    return lines
+
+
+def step_argv(request: JobRequest, torchrun: bool) -> list[str]:
+    srun = ["srun", "--kill-on-bad-exit=1", "--wait=60"]
+    if not torchrun:
+        return [*srun, *request.train_command()]
+    return [*srun, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
+            "--rdzv-id", ShellVar("SLURM_JOB_ID"),
+            "--no-python", *request.train_command()]
+
+
+def render_sbatch(request: JobRequest, torchrun: bool = False) -> str:
+    """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
+    if request.profile.scheduler != "slurm":
+        raise ValueError(f"profile {request.profile.name!r} is for {request.profile.scheduler}, not SLURM")
+    command = render_argv(step_argv(request, torchrun))
+    lines = [
+        "#!/bin/bash",
+        *sbatch_directives(request, torchrun),
+        header_comment(request, "slurm, " + ("torchrun per node" if torchrun else "srun task per rank")),
+        "set -euo pipefail",
+        'cd "${SLURM_SUBMIT_DIR:-$PWD}"',
+        *environment_block(request),
+        "",
+    ]
+    if torchrun:
+        lines += [
+            "# torchrun's c10d rendezvous on the first node, on a port derived from the job id",
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            'rdzv_endpoint="$head_node:$(ddp-hpc port)"',
+        ]
+    lines += [
+        f'echo "ddp_hpc: job $SLURM_JOB_ID: {request.world_size} ranks on {request.nodes} node(s)"',
+        run_folder_line(request, "PWD"),
+        f"{command} &",
+        _WAIT_WITH_REQUEUE,
+        "",
+    ]
+    return "\n".join(lines)
