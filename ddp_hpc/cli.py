@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import socket
@@ -51,7 +52,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
                 f"{dist_env.local_world_size} node {dist_env.node_rank}/{dist_env.num_nodes} "
                 f"source={dist_env.source} master={dist_env.master_addr}:{dist_env.master_port} "
                 f"device={choice.torch_device} backend={choice.backend} host={report['host']}")
-    print(line, flush=True)
+    # One write per line: with unbuffered output, print() writes the newline separately
+    # and another rank's line can land in between under mpiexec.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     return 0
 
 
@@ -73,6 +77,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.train import TrainRequest, train
 
     train(TrainRequest(args.config, args.overrides, args.device, args.backend, args.verbose))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.bench.runner import run_bench
+
+    run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None)
     return 0
 
 
@@ -110,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(doctor)
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
-    doctor.set_defaults(func=_cmd_doctor)
+    doctor.set_defaults(func=_cmd_doctor, exit_without_teardown=True)
 
     train = sub.add_parser("train", parents=[common],
                            help="train the job of a config on this rank (under any launcher)")
@@ -118,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. training.batch_size=64")
     _add_device_flags(train)
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=_cmd_train, exit_without_teardown=True)
 
     from ddp_hpc.launch import commands
 
@@ -148,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     port.add_argument("job_id", nargs="?")
     port.set_defaults(func=commands.cmd_port)
 
+    bench = sub.add_parser("bench", parents=[common],
+                           help="benchmark the Trainer against a hand-written DDP loop and ideal scaling")
+    bench.add_argument("--quick", action="store_true", help="a small run (under 2 minutes) for smoke tests")
+    bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
+    bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
+    bench.set_defaults(func=_cmd_bench)
+
     launch = sub.add_parser("launch", parents=[common],
                             help="start N ranks of a command on this machine")
     launch.add_argument("--nproc", type=int, default=2, help="number of ranks (default: 2)")
@@ -171,9 +191,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
-    configure_logging(None, verbose=args.verbose)
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
@@ -183,6 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    configure_logging(None, verbose=args.verbose)
+    code = _run(args)
+    if getattr(args, "exit_without_teardown", False):
+        # Commands that ran a process group end here, after it was destroyed and every
+        # file was written: gloo's C++ threads can otherwise abort the interpreter's
+        # final teardown (SIGABRT, "terminate called without an active exception"),
+        # turning a finished job into exit code 134 now and then.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -29,3 +29,21 @@ def test_readme_links_resolve():
     readme = (REPO / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#]+)\)", readme):
         assert (REPO / target).exists(), target
+
+
+def test_every_render_and_submit_flag_is_documented():
+    from ddp_hpc.cli import build_parser
+
+    guide = (REPO / "docs" / "clusters.md").read_text()
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.dest == "command_name").choices
+    missing = set()
+    for verb in ("render", "submit"):
+        schedulers = next(a for a in verbs[verb]._actions if a.dest == "scheduler").choices
+        for scheduler_parser in schedulers.values():
+            for action in scheduler_parser._actions:
+                for flag in action.option_strings:
+                    if flag.startswith("--") and flag not in ("--help", "--debug", "--verbose") \
+                            and f"`{flag}" not in guide:
+                        missing.add(flag)
+    assert missing == set()

@@ -105,3 +105,19 @@ def test_local_script_refuses_a_bad_nproc():
     result = run(["scripts/run_ddp_local.sh", "two"])
     assert result.returncode == 2
     assert "NPROC must be a positive integer" in result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launcher", ["mpich", "openmpi", "srun"])
+def test_the_same_training_config_runs_under_each_launcher(launcher, request, tmp_path):
+    if launcher == "srun":
+        request.getfixturevalue("slurm_cluster")
+        prefix = ["srun", "-n", "2"]
+    else:
+        program = request.getfixturevalue(launcher)
+        prefix = [program, "-n", "2", *(["--oversubscribe"] if launcher == "openmpi" else [])]
+    result = run([*prefix, *ddp_hpc_command(), "train", "configs/digits.yaml", "training.epochs=2",
+                  f"logging.run_dir={tmp_path}"], timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs_run_per_rank"] == [2, 2]

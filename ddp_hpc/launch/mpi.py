@@ -92,10 +92,11 @@ def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
         args.append("--envall")
         for name, value in launch.export.items():
             args += ["--env", f"{name}={value}"]
-    else:  # mpich / hydra
+    else:  # mpich / hydra (and Intel MPI): -genvall passes the whole environment
         args = [program, "-n", n, "-ppn", ppn]
         if launch.hostfile:
             args += ["-f", launch.hostfile]
+        args.append("-genvall")
         for name, value in launch.export.items():
             args += ["-genv", name, value]
     return args + list(launch.command)

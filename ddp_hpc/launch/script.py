@@ -41,5 +41,8 @@ def mpiexec_lookup(flavour: str) -> str:
 
 
 def run_folder_line(request: JobRequest, workdir_var: str) -> str:
+    """A pointer to the run folder in the job's output (relative folders are under the workdir)."""
     folder = shlex.quote(str(request.run_folder))
+    if request.run_folder.is_absolute():
+        return f'echo "ddp_hpc: run folder "{folder}'
     return f'echo "ddp_hpc: run folder ${{{workdir_var}}}/"{folder}'

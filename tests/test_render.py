@@ -1,0 +1,218 @@
+"""Script rendering: what the scripts say, directive syntax, and injection safety."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO
+from ddp_hpc.config_loader import ConfigError
+from ddp_hpc.launch.pbs import render_pbs
+from ddp_hpc.launch.profiles import load_profile
+from ddp_hpc.launch.request import JobRequest, parse_walltime
+from ddp_hpc.launch.slurm import render_sbatch
+
+DIGITS = str(REPO / "configs" / "digits.yaml")
+
+
+def request(cluster: str, nodes: int = 2, **kwargs) -> JobRequest:
+    kwargs.setdefault("walltime", "00:30:00")
+    return JobRequest(config_path=kwargs.pop("config_path", DIGITS), overrides=tuple(kwargs.pop("overrides", ())),
+                      profile=load_profile(cluster), nodes=nodes, **kwargs)
+
+
+def test_aurora_script():
+    script = render_pbs(request("aurora", account="ABC"))
+    assert "#PBS -l select=2\n" in script and "#PBS -A ABC\n" in script
+    assert "#PBS -l walltime=00:30:00" in script and "#PBS -l filesystems=home:flare" in script
+    launch = script.strip().splitlines()[-1]
+    assert '-n 24 -ppn 12' in launch and '--hostfile "${DDP_HPC_HOSTFILE}" --envall' in launch
+    assert "--cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100" in launch
+    for preset in ("CCL_PROCESS_LAUNCHER=pmix", "CCL_ATL_TRANSPORT=mpi", "CCL_KVS_MODE=mpi",
+                   "FI_MR_CACHE_MONITOR=userfaultfd", "ZE_FLAT_DEVICE_HIERARCHY=FLAT",
+                   "DDP_HPC_DEVICE=xpu", "DDP_HPC_BACKEND=xccl"):
+        assert f"export {preset}\n" in script
+    assert 'first_host=$(head -n 1 "$DDP_HPC_HOSTFILE")' in script
+    assert 'awk \'NF && !seen[$0]++\' "$PBS_NODEFILE"' in script
+    assert 'export MASTER_ADDR="${first_host%%.*}".hsn.cm.aurora.alcf.anl.gov' in script
+    assert 'export MASTER_PORT="$(ddp-hpc port)"' in script
+    assert launch.endswith(f"ddp-hpc train {DIGITS}")
+
+
+def test_polaris_script():
+    script = render_pbs(request("polaris", nodes=3))
+    launch = script.strip().splitlines()[-1]
+    assert "#PBS -l select=3:system=polaris" in script
+    assert "-n 12 -ppn 4 --depth 8 --cpu-bind depth" in launch
+    assert "--envall" in launch
+    assert "export DDP_HPC_BACKEND=nccl" in script and "export DDP_HPC_DEVICE=cuda" in script
+
+
+def test_slurm_script_srun_per_rank():
+    script = render_sbatch(request("slurm-gpu", account="proj", queue="a100"))
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --time=00:30:00", "#SBATCH --account=proj",
+                 "#SBATCH --partition=a100", "#SBATCH --output=logs/%x-%j.out", "#SBATCH --signal=B:USR2@90",
+                 "#SBATCH --requeue", "#SBATCH --job-name=digits"):
+        assert line + "\n" in script
+    assert f"srun --kill-on-bad-exit=1 --wait=60 ddp-hpc train {DIGITS} &" in script
+    assert "trap on_usr2 USR2" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_slurm_script_torchrun_per_node():
+    script = render_sbatch(request("slurm-gpu"), torchrun=True)
+    assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --cpus-per-task=32\n" in script
+    assert ('torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "${rdzv_endpoint}" '
+            '--rdzv-id "${SLURM_JOB_ID}" --no-python ddp-hpc train') in script
+    assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
+
+
+@pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
+                                               ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm")])
+def test_rendered_scripts_are_valid_bash(cluster, scheduler):
+    req = request(cluster, overrides=["training.epochs=2"], setup=("echo set up",), env={"A_B": "x y"})
+    for script in ([render_pbs(req)] if scheduler == "pbs" else [render_sbatch(req), render_sbatch(req, True)]):
+        result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+        assert result.returncode == 0, result.stderr
+
+
+# PBS Pro's qsub manual: the forms of the directives we write.
+PBS_FORMS = {
+    "-N": r"[A-Za-z][A-Za-z0-9_.+-]{0,235}",
+    "-A": r"[A-Za-z0-9_.:=+,/@%-]+",
+    "-q": r"[A-Za-z0-9_.:=+,/@%-]+",
+    "-l": (r"select=\d+(:[a-z_]+=[A-Za-z0-9_.:=+,/@%-]+)*|walltime=\d{2,}:\d{2}:\d{2}|"
+           r"filesystems=[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*|place=(free|pack|scatter|vscatter)(:(excl|shared|exclhost))?"),
+    "-j": r"oe|eo|n",
+    "-k": r"[oed]+|n",
+    "-r": r"y|n",
+}
+
+
+@pytest.mark.parametrize("cluster", ["aurora", "polaris", "pbs-generic"])
+def test_pbs_directives_follow_the_qsub_manual(cluster):
+    script = render_pbs(request(cluster, account="my.project-1", job_name="run_7"))
+    directives = [line for line in script.splitlines() if line.startswith("#PBS")]
+    assert directives
+    for line in directives:
+        _, option, value = line.split(" ", 2)
+        assert re.fullmatch(PBS_FORMS[option], value), line
+    # Directives are contiguous right after the shebang: qsub stops reading at the first command.
+    assert script.splitlines()[1:1 + len(directives)] == directives
+
+
+@pytest.mark.parametrize("text,expected", [("00:30:00", ("00:30:00", 30)), ("90", ("01:30:00", 90)),
+                                           ("45:30", ("00:45:30", 46)), ("48:00:00", ("48:00:00", 2880))])
+def test_walltime(text, expected):
+    assert parse_walltime(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "1:61:00", "abc", "00:00:00", "-5"])
+def test_bad_walltime(text):
+    with pytest.raises(ConfigError, match="walltime"):
+        parse_walltime(text)
+
+
+def test_more_ranks_than_devices_is_refused():
+    with pytest.raises(ConfigError, match="16 ranks per node but cluster 'aurora' has 12 xpu devices"):
+        request("aurora", ranks_per_node=16)
+
+
+def test_unknown_profile_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown cluster profile 'auroa': choose one of .*aurora"):
+        load_profile("auroa")
+
+
+def test_profile_by_path_and_its_errors(tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text("scheduler: slurm\nlauncher: srun\nranks_per_node: 8\n")
+    assert load_profile(str(good)).name == "mine"
+    for text, fragment in [("scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n", "does not run under"),
+                           ("scheduler: slurm\nlauncher: srun\nranks_per_node: 0\n", "ranks_per_node must be > 0"),
+                           ("scheduler: slurm\nlauncher: srun\n", "ranks_per_node"),
+                           ("scheduler: slurm\nlauncher: srun\nranks_per_node: 1\nenv: {'1X': a}\n",
+                            "not a valid environment variable"),
+                           ("scheduler: slurm\nlauncher: srun\nranks_per_node: 1\nqueue_name: x\n", "unknown key")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=fragment):
+            load_profile(str(bad))
+
+
+def test_a_bad_training_config_fails_at_render_time():
+    with pytest.raises(ConfigError, match="training.batch_size must be > 0"):
+        request("aurora", overrides=["training.batch_size=0"])
+
+
+# ----- injection safety ---------------------------------------------------------------------
+
+PAYLOADS = ["$(touch {canary})", "`touch {canary}`", "; touch {canary}", "\ntouch {canary}\n", "' ; touch {canary}; '",
+            '" ; touch {canary}; "', "${{HOME}}", "$((6*7))", "&& touch {canary} #", "| tee {canary}", "\\", "*"]
+noise = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\r/"), max_size=12)
+
+
+def hostile(draw_text, payload, canary):
+    return draw_text[0] + payload.format(canary=canary) + draw_text[1]
+
+
+STUB = "#!/bin/sh\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" >>\"$RECORD\"\n"
+PORT_STUB = "#!/bin/sh\nif [ \"$1\" = port ]; then echo 29999; exit 0; fi\nprintf '%s\\0' ddp-hpc \"$@\" >>\"$RECORD\"\n"
+
+
+@pytest.fixture(scope="module")
+def stub_bin(tmp_path_factory) -> Path:
+    """Stand-ins that record their argv: we test what reaches the launcher, not a launch."""
+    folder = tmp_path_factory.mktemp("bin")
+    for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra", "srun", "scontrol"):
+        (folder / name).write_text(STUB)
+        (folder / name).chmod(0o755)
+    (folder / "ddp-hpc").write_text(PORT_STUB)
+    (folder / "ddp-hpc").chmod(0o755)
+    return folder
+
+
+def run_script(script: str, workdir: Path, stub_bin: Path, extra_env: dict[str, str]) -> list[str]:
+    record = workdir / "record"
+    record.unlink(missing_ok=True)
+    env = {"PATH": f"{stub_bin}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(workdir), **extra_env}
+    result = subprocess.run(["bash", "-c", script], env=env, cwd=workdir, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return record.read_bytes().decode().split("\0")[:-1] if record.exists() else []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name_noise=st.tuples(noise, noise), override_noise=st.tuples(noise, noise),
+       account_noise=st.tuples(noise, noise), payload=st.sampled_from(PAYLOADS), scheduler=st.sampled_from(["pbs", "slurm"]))
+def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub_bin, name_noise, override_noise,
+                                                                  account_noise, payload, scheduler):
+    canary = tmp_path / "CANARY"
+    config_name = hostile(name_noise, payload.replace("/", ""), "CANARY").replace("\n", " ") or "c"
+    config = tmp_path / f"{config_name[:80]}.yaml"
+    config.write_text("job: {name: digits}\n")
+    overrides = (f"job.params.note={hostile(override_noise, payload, canary)}",
+                 f"logging.name={hostile(name_noise, payload, 'CANARY').replace('/', '_')}".rstrip("."))
+    if overrides[1].endswith("=") or overrides[1].split("=", 1)[1] in (".", ".."):
+        overrides = overrides[:1]
+    req = JobRequest(config_path=str(config), overrides=overrides,
+                     profile=load_profile("pbs-generic" if scheduler == "pbs" else "slurm-cpu"), nodes=1,
+                     account=hostile(account_noise, payload, canary), job_name=hostile(name_noise, payload, canary),
+                     env={"USER_NOTE": hostile(override_noise, payload, canary)})
+    script = render_pbs(req) if scheduler == "pbs" else render_sbatch(req)
+    assert subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True).returncode == 0
+    for line in script.splitlines():
+        if line.startswith(("#PBS", "#SBATCH")):
+            assert re.fullmatch(r"#(PBS|SBATCH) [-A-Za-z0-9_.:=+,/@%% ]+", line), line
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("localhost\n")
+    env = {"PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    argv = run_script(script, tmp_path, stub_bin, env)
+    assert not canary.exists() and not (tmp_path / "CANARY").exists()
+    expected_tail = ["ddp-hpc", "train", str(config), *overrides]
+    assert argv[-len(expected_tail):] == expected_tail
