@@ -160,9 +160,13 @@ class DistributedConfig:
     #: Compress gradients for the all-reduce (DDP communication hook).
     comm_hook: Literal["none", "fp16", "bf16"] = "none"
     host_suffix: str = ""
+    #: End a rank that makes no progress (no step, batch or checkpoint) for this long.
+    watchdog_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         positive(self.timeout_s, "distributed.timeout_s")
+        if self.watchdog_s is not None:
+            positive(self.watchdog_s, "distributed.watchdog_s")
         positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,15 @@ def train(request: TrainRequest) -> dict[str, Any]:
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(request.config_path))
     with process_group(distributed_options(config, request.device, request.backend)) as ctx:
         configure_logging(ctx.rank, verbose=request.verbose)
-        summary = Trainer(job, config, ctx, run, callbacks).fit()
+        trainer = Trainer(job, config, ctx, run, callbacks)
+        try:
+            summary = trainer.fit()
+        except Exception as exc:
+            # Every rank says where it failed; the first such line in a job log is the cause.
+            log.error("failed on host %s at epoch %d, step %d: %s: %s", socket.gethostname(),
+                      trainer.progress.epoch + 1, trainer.progress.global_step, type(exc).__name__,
+                      str(exc).splitlines()[0] if str(exc) else "")
+            raise
         if ctx.is_rank_zero:
             test = summary.get("test") or {}
             result = "  ".join(f"test {k} {v:.4f}" for k, v in sorted(test.items()))

@@ -72,3 +72,14 @@ def slurm_cluster() -> None:
     up = shutil.which("srun") is not None and subprocess.run(
         ["scontrol", "ping"], capture_output=True, timeout=30).returncode == 0
     need(up, "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)")
+
+
+#: Figures measured by reliability and scheduler tests, printed after the run.
+FIGURES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if FIGURES:
+        terminalreporter.section("measured figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)

@@ -7,7 +7,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from ddp_hpc.config import SchedulerConfig, TrainingConfig
@@ -34,6 +33,9 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], training: Training
     if training.optimizer == "sgd":
         kwargs["momentum"] = training.momentum
     if shard_state:
+        # Imported here: torch.distributed.optim pulls in FSDP and DTensor (~0.8 s at start-up).
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(list(parameters), optimizer_class=cls, **kwargs)
     return cls(parameters, **kwargs)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -14,8 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -32,6 +32,7 @@ from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.training.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Trainer:
         #: Set (e.g. by a preemption signal handler) to checkpoint and stop at the next step.
         self.stop_requested = False
         self._step_save_pending = False
+        self.watchdog: Watchdog | None = None
 
     # ----- setup ------------------------------------------------------------------------
 
@@ -109,6 +111,8 @@ class Trainer:
             raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
                             f"{self.ctx.device.backend}: use comm_hook=fp16")
         if dist.comm_hook != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
             wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
         checksums = self.ctx.all_gather_object(parameter_checksum(model))
@@ -126,6 +130,10 @@ class Trainer:
         return path, ckpt.load_checkpoint(path)
 
     # ----- the run ----------------------------------------------------------------------
+
+    def _beat(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(phase, self.progress.global_step)
 
     def fit(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -174,16 +182,23 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_fit_start(self)
 
-        stopped_early = self._train_epochs(datasets)
-        test_metrics = self._test(datasets)
+        # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
+        limit = self.config.distributed.watchdog_s
+        with Watchdog(limit, self.ctx.rank) if limit else nullcontext() as self.watchdog:
+            stopped_early = self._train_epochs(datasets)
+            test_metrics = self._test(datasets)
         summary = self._summary(started, stopped_early, test_metrics)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
 
     def _log_start(self, datasets: Datasets) -> None:
+        # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
+        # this line maps one to the other in the job log.
+        places = self.ctx.all_gather_object(f"{socket.gethostname()}:{os.getpid()}")
         if not self.ctx.is_rank_zero:
             return
+        log.info("ranks (host:pid): %s", " ".join(f"{rank}={place}" for rank, place in enumerate(places)))
         log.info("job %s: %d train samples, world size %d, %s on %s, precision %s",
                  self.config.job.name, len(datasets.train), self.ctx.world_size, self.ctx.device.backend,
                  self.ctx.device.torch_device, self.precision.name)
@@ -271,6 +286,7 @@ class Trainer:
                 continue
             self._optimizer_step()
             self.progress = Progress(epoch, batch_index, self.progress.global_step + 1)
+            self._beat("training")
             for callback in self.callbacks:
                 callback.on_step_end(self)
             self._maybe_log_step(sums)
@@ -342,6 +358,7 @@ class Trainer:
                                           len(dataset), self.device)
                 sums.add(per_sample, mask)
                 position += length
+                self._beat("evaluation")
         model.train(was_training)
         metrics, count = sums.reduce(self.ctx)
         if count != len(dataset):
@@ -369,13 +386,14 @@ class Trainer:
     # ----- checkpoints ----------------------------------------------------------------------
 
     def _optimizer_state(self) -> dict[str, Any] | None:
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
             self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank calls it
             return self.optimizer.state_dict() if self.ctx.is_rank_zero else None
         return self.optimizer.state_dict()
 
     def save_checkpoint(self, improved: bool) -> Path | None:
         """Every rank calls this (it gathers RNG states); rank 0 writes the file."""
+        self._beat("checkpoint")
         optimizer_state = self._optimizer_state()
         rng_states = self.ctx.all_gather_object(capture_rng())
         if not self.ctx.is_rank_zero:

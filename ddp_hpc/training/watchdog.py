@@ -1,0 +1,63 @@
+"""A progress watchdog: a rank that makes no progress for too long ends the job loudly.
+
+A collective that never completes (a peer stuck in user code, a lost node the backend
+does not notice) would otherwise hold the job until its walltime. The training loop
+calls ``beat(phase)`` at every step; a daemon thread checks the time since the last beat
+and, past the limit, logs which rank on which host was stuck in which phase, dumps every
+thread's stack (showing the blocked collective) and exits the process, so the launcher
+ends the job.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+EXIT_CODE = 3
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int, poll_s: float = 1.0) -> None:
+        self.timeout_s, self.rank, self.poll_s = timeout_s, rank, min(poll_s, timeout_s / 4)
+        self._last = time.monotonic()
+        self._phase = "start-up"
+        self._step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddp-hpc-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def beat(self, phase: str, step: int) -> None:
+        """Progress: cheap enough to call every step (two attribute stores)."""
+        self._phase, self._step = phase, step
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self._fire(idle)
+
+    def _fire(self, idle: float) -> None:
+        message = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f}s on host {socket.gethostname()} "
+                   f"during {self._phase} after step {self._step} (limit distributed.watchdog_s="
+                   f"{self.timeout_s:g}); a collective is likely waiting for a rank that is stuck or gone. "
+                   f"Stacks of every thread follow; exiting with status {EXIT_CODE}.")
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_CODE)

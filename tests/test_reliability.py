@@ -1,0 +1,87 @@
+"""A dead, failing or stuck rank ends the whole job quickly, with a message that names it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIGURES, REPO, clean_env, ddp_hpc_command
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.reliability]
+LIMIT_S = 60
+TRAIN = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=4096", "job.params.val_samples=0",
+         "job.params.input_dim=32", "job.params.hidden=64", "job.params.depth=2", "training.batch_size=16",
+         "training.epochs=5", "logging.progress=never", "checkpoint.every_n_epochs=null"]
+
+
+def fault(kind: str, marker: Path, rank: int = 1, step: int = 3) -> str:
+    return (f"callbacks=[{{target: 'fault_injection:{kind}', "
+            f"params: {{rank: {rank}, step: {step}, marker: '{marker}'}}}}]")
+
+
+def launch_prefix(launcher: str, request) -> list[str]:
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--no-python"]
+    if launcher == "srun":
+        request.getfixturevalue("slurm_cluster")
+        return ["srun", "-N2", "-n2", "--kill-on-bad-exit=1", "--wait=60"]
+    program = request.getfixturevalue(launcher)
+    return [program, "-n", "2", *(["--oversubscribe"] if launcher == "openmpi" else [])]
+
+
+def run_faulty(prefix: list[str], tmp_path: Path, extra: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    marker = tmp_path / "fault-time"
+    argv = [*prefix, *ddp_hpc_command(), *TRAIN, f"logging.run_dir={tmp_path / 'runs'}", *extra]
+    env = clean_env({"PYTHONPATH": str(REPO / "tests")})
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    ended = time.time()
+    assert marker.exists(), "the fault was never injected:\n" + result.stderr[-3000:]
+    return result, ended - float(marker.read_text())
+
+
+# What each launcher says about the rank that died first.
+DEATH_MESSAGES = {
+    "torchrun": r"host\s*:\s*\S+\s+rank\s*:\s*1 \(local_rank: 1\)\s+exitcode\s*:\s*-9",
+    "openmpi": r"process rank 1 with PID \d+ on node \S+ exited on signal 9",
+    # Hydra names the PID and host; rank 0's start-up line maps them to the rank.
+    "mpich": r"ranks \(host:pid\): 0=\S+ 1=(?P<host>[^:\s]+):(?P<pid>\d+).*PID (?P=pid) RUNNING AT (?P=host)",
+    "srun": r"srun: error: n\d: task 1: Killed",
+}
+
+
+@pytest.mark.parametrize("launcher", list(DEATH_MESSAGES))
+def test_a_sigkilled_rank_ends_the_job(launcher, request, tmp_path):
+    result, seconds = run_faulty(launch_prefix(launcher, request), tmp_path,
+                                 [fault("KillRankAtStep", tmp_path / "fault-time")])
+    FIGURES.append(f"dead rank (SIGKILL) under {launcher}: job ended {seconds:.1f}s after the kill, "
+                   f"exit {result.returncode}")
+    assert result.returncode != 0
+    assert seconds < LIMIT_S
+    assert re.search(DEATH_MESSAGES[launcher], result.stderr + result.stdout, re.DOTALL), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich"])
+def test_an_exception_on_one_rank_is_reported_with_rank_and_host(launcher, request, tmp_path):
+    result, seconds = run_faulty(launch_prefix(launcher, request), tmp_path,
+                                 [fault("RaiseOnRankAtStep", tmp_path / "fault-time")])
+    FIGURES.append(f"exception on rank 1 under {launcher}: job ended {seconds:.1f}s after it, exit {result.returncode}")
+    assert result.returncode != 0 and seconds < LIMIT_S
+    assert re.search(r"\[rank 1\] ERROR ddp_hpc.train: failed on host \S+ at epoch 1, step 3: "
+                     r"RuntimeError: injected failure on rank 1", result.stderr), result.stderr[-3000:]
+
+
+def test_a_stuck_rank_is_detected_by_the_watchdog(request, tmp_path):
+    result, seconds = run_faulty(launch_prefix("torchrun", request), tmp_path,
+                                 [fault("HangRankAtStep", tmp_path / "fault-time"), "distributed.watchdog_s=8"])
+    FIGURES.append(f"stuck rank (watchdog 8s) under torchrun: job ended {seconds:.1f}s after the hang, "
+                   f"exit {result.returncode}")
+    assert result.returncode != 0 and seconds < LIMIT_S
+    assert re.search(r"\[rank \d\] watchdog: no progress for \d+s on host \S+ during training after step 3",
+                     result.stderr), result.stderr[-3000:]
+    assert "Stacks of every thread follow" in result.stderr and 'File "' in result.stderr
