@@ -11,6 +11,7 @@ from typing import Any
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 from ddp_hpc.training.callbacks import create_callbacks
 from ddp_hpc.training.job import create_job
@@ -50,6 +51,8 @@ def train(request: TrainRequest) -> dict[str, Any]:
         trainer = Trainer(job, config, ctx, run, callbacks)
         try:
             summary = trainer.fit()
+        except UserError:
+            raise  # one line from the CLI is enough for bad input
         except Exception as exc:
             # Every rank says where it failed; the first such line in a job log is the cause.
             log.error("failed on host %s at epoch %d, step %d: %s: %s", socket.gethostname(),

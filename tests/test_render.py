@@ -152,6 +152,17 @@ def test_a_bad_training_config_fails_at_render_time():
 
 # ----- injection safety ---------------------------------------------------------------------
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40))
+def test_shell_quote_round_trips_on_one_line(value):
+    from ddp_hpc.launch.request import shell_quote
+
+    quoted = shell_quote(value)
+    assert "\n" not in quoted and "\r" not in quoted
+    out = subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True).stdout
+    assert out == value.encode("utf-8")
+
+
 PAYLOADS = ["$(touch {canary})", "`touch {canary}`", "; touch {canary}", "\ntouch {canary}\n", "' ; touch {canary}; '",
             '" ; touch {canary}; "', "${{HOME}}", "$((6*7))", "&& touch {canary} #", "| tee {canary}", "\\", "*"]
 noise = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\r/"), max_size=12)

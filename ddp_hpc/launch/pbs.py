@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shlex
-
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
+from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
     environment_block,
@@ -66,7 +64,7 @@ def render_pbs(request: JobRequest) -> str:
     if request.profile.scheduler != "pbs":
         raise ValueError(f"profile {request.profile.name!r} is for {request.profile.scheduler}, not PBS")
     suffix = request.profile.host_suffix
-    master = f'"${{first_host%%.*}}"{shlex.quote(suffix)}' if suffix else '"$first_host"'
+    master = f'"${{first_host%%.*}}"{shell_quote(suffix)}' if suffix else '"$first_host"'
     lines = [
         "#!/bin/bash",
         *pbs_directives(request),

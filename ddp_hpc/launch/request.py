@@ -1,8 +1,9 @@
 """What to run where: the typed request every script renderer takes, and shared pieces.
 
 Rendering is pure: a ``JobRequest`` in, script text out. Every user-supplied string that
-reaches the shell is ``shlex.quote``d; values in ``#PBS``/``#SBATCH`` directives (read by
-the scheduler, not the shell) are reduced to a safe character set.
+reaches the shell goes through ``shell_quote`` (one physical line, whatever it holds);
+values in ``#PBS``/``#SBATCH`` directives (read by the scheduler, not the shell) are
+reduced to a safe character set.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class JobRequest:
     def setup_lines(self) -> list[str]:
         lines = list(self.profile.setup)
         if self.python_env:
-            lines.append(f"source {shlex.quote(str(Path(self.python_env) / 'bin' / 'activate'))}")
+            lines.append(f"source {shell_quote(str(Path(self.python_env) / 'bin' / 'activate'))}")
         return lines + list(self.setup)
 
 
@@ -148,9 +149,28 @@ def current_python_env() -> str | None:
     return sys.prefix if sys.prefix != sys.base_prefix else None
 
 
+def shell_quote(value: str) -> str:
+    """``shlex.quote``, but never over several lines: control characters become ``$'\\n'``
+    escapes, so no value can start a line of a script (where a scanner might read it as
+    a ``#PBS``/``#SBATCH`` directive)."""
+    if all(ch.isprintable() for ch in value):
+        return shlex.quote(value)
+    escaped = []
+    for ch in value:
+        if ch == "\\":
+            escaped.append("\\\\")
+        elif ch == "'":
+            escaped.append("\\'")
+        elif ch.isprintable():
+            escaped.append(ch)
+        else:
+            escaped.extend(f"\\x{byte:02x}" for byte in ch.encode("utf-8", "surrogatepass"))
+    return "$'" + "".join(escaped) + "'"
+
+
 def export_lines(env: Mapping[str, str]) -> list[str]:
-    return [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    return [f"export {name}={shell_quote(value)}" for name, value in env.items()]
 
 
 def quote_command(argv: Sequence[str]) -> str:
-    return " ".join(shlex.quote(str(a)) for a in argv)
+    return " ".join(shell_quote(str(a)) for a in argv)

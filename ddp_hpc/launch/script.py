@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 
 from ddp_hpc import __version__
 from ddp_hpc.launch.mpi import PROGRAMS
-from ddp_hpc.launch.request import JobRequest, export_lines
+from ddp_hpc.launch.request import JobRequest, export_lines, shell_quote
 
 
 class ShellVar(str):
@@ -15,7 +14,7 @@ class ShellVar(str):
 
 
 def render_argv(argv: Sequence[str]) -> str:
-    return " ".join(f'"${{{a}}}"' if isinstance(a, ShellVar) else shlex.quote(str(a)) for a in argv)
+    return " ".join(f'"${{{a}}}"' if isinstance(a, ShellVar) else shell_quote(str(a)) for a in argv)
 
 
 def header_comment(request: JobRequest, scheduler: str) -> str:
@@ -42,7 +41,7 @@ def mpiexec_lookup(flavour: str) -> str:
 
 def run_folder_line(request: JobRequest, workdir_var: str) -> str:
     """A pointer to the run folder in the job's output (relative folders are under the workdir)."""
-    folder = shlex.quote(str(request.run_folder))
+    folder = shell_quote(str(request.run_folder))
     if request.run_folder.is_absolute():
         return f'echo "ddp_hpc: run folder "{folder}'
     return f'echo "ddp_hpc: run folder ${{{workdir_var}}}/"{folder}'
