@@ -6,6 +6,7 @@ test accuracy of about 0.97 in well under a minute.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -33,23 +34,39 @@ class DigitsCNN(nn.Module):
 
 class DigitsJob(Job):
     def __init__(self, channels: int = 16, hidden: int = 64, dropout: float = 0.0,
-                 val_fraction: float = 0.1, test_fraction: float = 0.2, split_seed: int = 0) -> None:
+                 val_fraction: float = 0.1, test_fraction: float = 0.2, split_seed: int = 0,
+                 data_path: str | None = None) -> None:
         if not 0 < val_fraction + test_fraction < 1:
             raise UserError("job.params: val_fraction + test_fraction must be in (0, 1)")
         self.channels, self.hidden, self.dropout = channels, hidden, dropout
         self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
+        self.data_path = data_path
 
     def build_model(self) -> nn.Module:
         return DigitsCNN(self.channels, self.hidden, self.dropout)
 
-    def build_datasets(self) -> Datasets:
+    def _load(self) -> tuple[np.ndarray, np.ndarray]:
+        """scikit-learn's bundled digits, or ``data_path``: an .npz with ``images`` (N, 8, 8,
+        values 0-16) and ``target`` (N,)."""
+        if self.data_path is not None:
+            try:
+                with np.load(self.data_path) as data:
+                    return data["images"], data["target"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise UserError(f"job.params.data_path {self.data_path!r} cannot be read as an .npz with "
+                                f"'images' and 'target': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                                ) from None
         try:
             from sklearn.datasets import load_digits
         except ImportError:
             raise UserError("the digits job needs scikit-learn: pip install 'ddp_hpc[examples]'") from None
         digits = load_digits()
-        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        labels = torch.tensor(digits.target, dtype=torch.long)
+        return digits.images, digits.target
+
+    def build_datasets(self) -> Datasets:
+        raw_images, raw_labels = self._load()
+        images = torch.tensor(raw_images, dtype=torch.float32).unsqueeze(1) / 16.0
+        labels = torch.tensor(raw_labels, dtype=torch.long)
         # A fixed split, the same on every rank and in every run.
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
         n_test = int(len(labels) * self.test_fraction)

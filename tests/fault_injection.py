@@ -10,16 +10,52 @@ from pathlib import Path
 from ddp_hpc.training import Callback
 
 
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc), deepest last."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and everything below it. torchrun starts each worker in a session of
+    its own, so killing torchrun's process group would leave the ranks running."""
+    for pid in [root, *descendants(root)]:
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if root == os.getpid() or os.getpid() in descendants(root):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def launch_root() -> int:
+    """The launcher process above this rank (torchrun's agent), or this process."""
+    parent = os.getppid()
+    return parent if parent > 1 else os.getpid()
+
+
 class KillLaunchAfterCheckpoint(Callback):
-    """SIGKILL the whole launch (the process group of torchrun/mpiexec and every rank)
-    right after rank 0 has written the checkpoint of ``step``."""
+    """SIGKILL the whole launch (the launcher and every rank) right after rank 0 has
+    written the checkpoint of ``step``."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_checkpoint_saved(self, trainer, path: Path) -> None:
         if trainer.progress.global_step == self.step:
-            os.killpg(os.getpgrp(), signal.SIGKILL)
+            kill_tree(launch_root())
 
 
 class _AtStep(Callback):
@@ -56,3 +92,27 @@ class HangRankAtStep(_AtStep):
     def on_step_end(self, trainer) -> None:
         if self.hit(trainer):
             time.sleep(3600)
+
+
+class KillLaunchDuringCheckpointWrite(Callback):
+    """SIGKILL the whole launch in the middle of rank 0's ``nth`` checkpoint write: after the
+    temporary file is written, before it is renamed into place."""
+
+    def __init__(self, nth: int) -> None:
+        self.nth = nth
+
+    def on_fit_start(self, trainer) -> None:
+        if not trainer.ctx.is_rank_zero:
+            return
+        from ddp_hpc.training import checkpoint
+
+        real_fsync, calls = checkpoint.os.fsync, [0]
+
+        def fsync_then_die(fd: int) -> None:
+            real_fsync(fd)
+            calls[0] += 1
+            # Two fsyncs per save (the file, then the folder): odd calls are mid-write.
+            if calls[0] == 2 * self.nth - 1:
+                kill_tree(launch_root())
+
+        checkpoint.os.fsync = fsync_then_die

@@ -111,3 +111,10 @@ def test_another_model_is_refused_with_the_key_named():
     with pytest.raises(ckpt.CheckpointError, match="missing 1.bias, 1.weight"):
         ckpt.adapt_state_dict(nn.Sequential(nn.Linear(2, 3)).state_dict(),
                               nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)), "x.pt")
+
+
+def test_stale_temporaries_are_removed(tmp_path):
+    ckpt.save_atomic(_state(1), tmp_path / "step-00000001.pt")
+    (tmp_path / ".step-00000002.pt.tmp-4242").write_bytes(b"half")
+    assert ckpt.remove_stale_temporaries(tmp_path) == [".step-00000002.pt.tmp-4242"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]

@@ -70,6 +70,16 @@ def link_atomic(target: Path, alias: Path) -> None:
     _fsync_dir(alias.parent)
 
 
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    """Delete temporary files of writes that a crash interrupted (they were never visible)."""
+    removed = []
+    if directory.is_dir():
+        for path in directory.glob(".*.tmp-*"):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
 def step_path(directory: Path, global_step: int) -> Path:
     return directory / f"step-{global_step:08d}.pt"
 

@@ -178,6 +178,8 @@ class Trainer:
             seed_everything(self.training.seed + self.ctx.rank)  # dropout, augmentation: per rank
         if self.ctx.is_rank_zero:
             self.run.create(self.config.to_dict())
+            for name in ckpt.remove_stale_temporaries(self.run.checkpoints):
+                log.info("removed %s, left by a checkpoint write that was interrupted", name)
         self._log_start(datasets)
         for callback in self.callbacks:
             callback.on_fit_start(self)
