@@ -181,8 +181,11 @@ class CheckpointConfig:
     save_best: bool = True
     #: ``auto``: continue from the newest checkpoint in the run folder; ``never``; or a path.
     resume: str = "auto"
+    #: After SIGUSR2/SIGTERM (time limit, preemption), ranks agree to stop this often.
+    preemption_check_every_n_steps: int = 10
 
     def __post_init__(self) -> None:
+        positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")
         if self.every_n_steps is not None:
             positive(self.every_n_steps, "checkpoint.every_n_steps")
         if self.every_n_epochs is not None:

@@ -8,9 +8,11 @@ unchanged on a laptop.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
+import socket
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -123,6 +125,46 @@ def init_url(addr: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def bind_listener(addr: str, port: int) -> socket.socket | None:
+    """A socket bound to ``addr:port`` alone, for rank 0's store; None if ``addr`` is not local.
+
+    torch's TCPStore would listen on every interface; binding the master address itself
+    keeps the rendezvous on the network the job uses (loopback on a single node).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"master address {addr!r} does not resolve: {exc.strerror}") from None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"rendezvous port {port} on {addr} is already in use: set MASTER_PORT to a free "
+                            "port") from None
+        log.warning("cannot bind the rendezvous to %s (%s): listening on all interfaces instead", addr,
+                    exc.strerror)
+        return None
+    return listener
+
+
+def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, str]) -> dist.Store:
+    """The rendezvous store: rank 0 serves it on the master address, the others connect.
+
+    Under torchrun the agent already serves it (TORCHELASTIC_USE_AGENT_STORE): every rank
+    is a client then.
+    """
+    serve = dist_env.rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    listener = bind_listener(dist_env.master_addr, dist_env.master_port) if serve else None
+    store = dist.TCPStore(dist_env.master_addr, dist_env.master_port, dist_env.world_size, is_master=serve,
+                          timeout=timeout, master_listen_fd=listener.fileno() if listener else None)
+    if listener is not None:
+        listener.detach()  # the store's server owns the socket now
+    return store
+
+
 @contextmanager
 def process_group(options: DistributedOptions | None = None,
                   environ: Mapping[str, str] | None = None) -> Iterator[DistContext]:
@@ -142,12 +184,13 @@ def process_group(options: DistributedOptions | None = None,
     if initialize:
         log.debug("init_process_group %s at %s:%d", choice.backend, dist_env.master_addr,
                   dist_env.master_port)
+        timeout = timedelta(seconds=options.timeout_s)
         dist.init_process_group(
             backend=choice.backend,
-            init_method=init_url(dist_env.master_addr, dist_env.master_port),
+            store=create_store(dist_env, timeout, environ),
             rank=dist_env.rank,
             world_size=dist_env.world_size,
-            timeout=timedelta(seconds=options.timeout_s),
+            timeout=timeout,
             device_id=choice.init_device_id,
         )
     try:

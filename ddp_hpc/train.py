@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,29 @@ class TrainRequest:
     device: str | None = None
     backend: str | None = None
     verbose: bool = False
+    #: Checkpoint and stop on SIGUSR2/SIGTERM (off where another tool owns the signals, e.g. submitit).
+    handle_signals: bool = True
+
+
+class Preempted(UserError):
+    """The run stopped on request (time limit, preemption) after writing a checkpoint."""
+
+    exit_code = 75  # EX_TEMPFAIL: try again later
+
+
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+def _install_stop_handlers(trainer: Trainer) -> dict:
+    """SIGUSR2 (SLURM's warning before the time limit) and SIGTERM (preemption, scancel,
+    PBS at walltime) ask the trainer to checkpoint and stop at the next agreed step."""
+
+    def handler(signum: int, frame: object) -> None:
+        trainer.request_stop()
+        log.warning("received %s: will checkpoint and stop within %d steps", signal.Signals(signum).name,
+                    trainer.config.checkpoint.preemption_check_every_n_steps)
+
+    return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
 
 
 def distributed_options(config: Config, device: str | None, backend: str | None) -> DistributedOptions:
@@ -49,6 +73,7 @@ def train(request: TrainRequest) -> dict[str, Any]:
     with process_group(distributed_options(config, request.device, request.backend)) as ctx:
         configure_logging(ctx.rank, verbose=request.verbose)
         trainer = Trainer(job, config, ctx, run, callbacks)
+        previous = _install_stop_handlers(trainer) if request.handle_signals else {}
         try:
             summary = trainer.fit()
         except UserError:
@@ -59,6 +84,12 @@ def train(request: TrainRequest) -> dict[str, Any]:
                       trainer.progress.epoch + 1, trainer.progress.global_step, type(exc).__name__,
                       str(exc).splitlines()[0] if str(exc) else "")
             raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if summary.get("preempted"):
+            raise Preempted(f"stopped at step {summary['global_step']} on request; the checkpoint is in "
+                            f"{run.checkpoints}: rerun or requeue to resume")
         if ctx.is_rank_zero:
             test = summary.get("test") or {}
             result = "  ".join(f"test {k} {v:.4f}" for k, v in sorted(test.items()))

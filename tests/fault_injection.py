@@ -116,3 +116,45 @@ class KillLaunchDuringCheckpointWrite(Callback):
                 kill_tree(launch_root())
 
         checkpoint.os.fsync = fsync_then_die
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """IP addresses on which process ``pid`` listens with sockets it opened itself (from
+    /proc); sockets inherited from its launcher (MPICH's control port) are the launcher's."""
+    import ipaddress
+
+    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    inodes = _socket_inodes(pid) - _socket_inodes(parent)
+    addresses = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # /proc prints each 32-bit word in host (little-endian) order.
+                ordered = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                addresses.append(str(ipaddress.ip_address(ordered)))
+    return addresses
+
+
+class RecordListeningSockets(Callback):
+    """Each rank writes the addresses it listens on once the job is running."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer) -> None:
+        path = Path(self.folder) / f"rank{trainer.ctx.rank}.txt"
+        path.write_text("\n".join(listening_addresses(os.getpid())))

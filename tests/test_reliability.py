@@ -85,3 +85,19 @@ def test_a_stuck_rank_is_detected_by_the_watchdog(request, tmp_path):
     assert re.search(r"\[rank \d\] watchdog: no progress for \d+s on host \S+ during training after step 3",
                      result.stderr), result.stderr[-3000:]
     assert "Stacks of every thread follow" in result.stderr and 'File "' in result.stderr
+
+
+@pytest.mark.mpi
+def test_ranks_listen_on_loopback_only(tmp_path, mpich):
+    """The rendezvous store and gloo bind the master/local address, never every interface."""
+    record = f"callbacks=[{{target: 'fault_injection:RecordListeningSockets', params: {{folder: '{tmp_path}'}}}}]"
+    argv = [mpich, "-n", "2", *ddp_hpc_command(), *TRAIN, "training.epochs=1", f"logging.run_dir={tmp_path / 'runs'}",
+            record]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                            env=clean_env({"PYTHONPATH": str(REPO / "tests")}), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    addresses = {rank: (tmp_path / f"rank{rank}.txt").read_text().split() for rank in (0, 1)}
+    assert addresses[0], "rank 0 serves the rendezvous store: it must listen somewhere"
+    for rank, listening in addresses.items():
+        assert all(a.startswith("127.") or a == "::1" for a in listening), (rank, listening)
+    FIGURES.append(f"listening addresses of the ranks: {addresses}")

@@ -9,12 +9,15 @@ SIGNAL_LEAD_S = 90
 LOG_DIR = "logs"
 
 # The batch shell gets SIGUSR2 SIGNAL_LEAD_S seconds before the time limit (or on
-# preemption with a grace time): pass it to the ranks and requeue the job, which then
-# resumes from its newest checkpoint. Without a trap, bash would die on SIGUSR2 at once.
+# preemption with a grace time). It passes the signal to the ranks, which agree on a step,
+# write a checkpoint and exit; only then is the job requeued (requeueing a running job
+# kills it), and the requeued job resumes from that checkpoint. Without a trap, bash
+# would die on SIGUSR2 at once.
 _WAIT_WITH_REQUEUE = r'''step_pid=$!
+requeue=0
 on_usr2() {
-  echo "ddp_hpc: SIGUSR2 (time limit or preemption): requeueing job $SLURM_JOB_ID; it resumes from its newest checkpoint" >&2
-  scontrol requeue "$SLURM_JOB_ID" || true
+  echo "ddp_hpc: SIGUSR2 (time limit or preemption): the ranks checkpoint and stop, then job $SLURM_JOB_ID is requeued" >&2
+  requeue=1
   kill -USR2 "$step_pid" 2>/dev/null || true
 }
 trap on_usr2 USR2
@@ -22,6 +25,10 @@ status=0
 wait "$step_pid" || status=$?
 # A trapped signal ends `wait` early: wait again until the step is really over.
 while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done
+if [ "$requeue" = 1 ]; then
+  echo "ddp_hpc: requeueing job $SLURM_JOB_ID" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+fi
 exit "$status"'''
 
 

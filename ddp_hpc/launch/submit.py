@@ -83,8 +83,13 @@ def slurm_state(job_id: str) -> str | None:
     return states[0] if states else None
 
 
-def wait_until_done(job_id: str, scheduler: str, poll_s: float = 2.0, timeout_s: float | None = None) -> None:
+def wait_until_done(job_id: str, scheduler: str, poll_s: float = 2.0, timeout_s: float | None = None,
+                    confirmations: int = 3) -> None:
+    """Poll until the job is over. A requeue passes through a terminal-looking state for a
+    moment (the step ended, the job is not yet pending again), so the end must be seen on
+    ``confirmations`` polls in a row."""
     started = time.monotonic()
+    seen_done = 0
     while True:
         if scheduler == "pbs":
             state = pbs_state(job_id)
@@ -92,7 +97,8 @@ def wait_until_done(job_id: str, scheduler: str, poll_s: float = 2.0, timeout_s:
         else:
             state = slurm_state(job_id)
             done = state is not None and state not in _ACTIVE_SLURM
-        if done:
+        seen_done = seen_done + 1 if done else 0
+        if seen_done >= confirmations:
             return
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             raise UserError(f"job {job_id} still {state} after {timeout_s:.0f}s")
@@ -142,7 +148,8 @@ class SubmititTrainTask:
 
         os.chdir(self.workdir)
         configure_logging(None)
-        return train(TrainRequest(self.config_path, self.overrides))
+        # submitit owns SIGUSR2 in its tasks (it calls checkpoint() and requeues).
+        return train(TrainRequest(self.config_path, self.overrides, handle_signals=False))
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit

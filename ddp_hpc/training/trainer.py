@@ -64,6 +64,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         #: Set (e.g. by a preemption signal handler) to checkpoint and stop at the next step.
         self.stop_requested = False
+        self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
 
@@ -187,9 +188,15 @@ class Trainer:
         # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
         limit = self.config.distributed.watchdog_s
         with Watchdog(limit, self.ctx.rank) if limit else nullcontext() as self.watchdog:
-            stopped_early = self._train_epochs(datasets)
+            status = self._train_epochs(datasets)
+            if status == "preempted":
+                if self.ctx.is_rank_zero:
+                    log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
+                                "the job to resume", self.progress.epoch + 1, self.progress.global_step)
+                return {"preempted": True, "global_step": self.progress.global_step,
+                        "run_dir": str(self.run.path)}
             test_metrics = self._test(datasets)
-        summary = self._summary(started, stopped_early, test_metrics)
+        summary = self._summary(started, status == "early_stopped", test_metrics)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
@@ -210,8 +217,21 @@ class Trainer:
                  " (scaled linearly)" if self.training.lr_scaling == "linear" else "", self.steps_per_epoch)
         log.info("run folder: %s", self.run.path)
 
-    def _train_epochs(self, datasets: Datasets) -> bool:
-        """Train from ``self.progress`` to the end; True if early stopping ended it."""
+    def request_stop(self) -> None:
+        """Checkpoint and stop at the next agreed step (from a signal handler: just a flag)."""
+        self.stop_requested = True
+
+    def _agreed_stop(self) -> bool:
+        """Whether any rank was asked to stop; all ranks answer at the same steps."""
+        every = self.config.checkpoint.preemption_check_every_n_steps
+        if self.progress.global_step % every:
+            return False
+        if not self.ctx.group_initialized:
+            return self.stop_requested
+        return self.ctx.all_reduce([1.0 if self.stop_requested else 0.0], op="max")[0] > 0
+
+    def _train_epochs(self, datasets: Datasets) -> str:
+        """Train from ``self.progress`` on: "completed", "early_stopped" or "preempted"."""
         while self.progress.epoch < self.training.epochs:
             epoch = self.progress.epoch
             epoch_started = time.perf_counter()
@@ -219,7 +239,7 @@ class Trainer:
             if self.progress.batches_done < self.plan.batches:
                 # Stopped inside the epoch (preemption, max_steps): save where we are.
                 self.save_checkpoint(improved=False)
-                return False
+                return "preempted" if self.preempted else "completed"
             elapsed = time.perf_counter() - epoch_started
             self.progress = Progress(epoch + 1, 0, self.progress.global_step)
             if self.scheduler and self.training.scheduler.interval == "epoch":
@@ -242,20 +262,22 @@ class Trainer:
                 log.info(self._epoch_line(row))
             every = self.config.checkpoint.every_n_epochs
             if (every and (epoch + 1) % every == 0) or last_epoch or verdict.stop or verdict.improved \
-                    or self._step_save_pending:
+                    or self._step_save_pending or self.preempted:
                 self.save_checkpoint(improved=verdict.improved)
             for callback in self.callbacks:
                 callback.on_epoch_end(self, row)
+            if self.preempted and not last_epoch:
+                return "preempted"
             if verdict.stop:
                 if self.ctx.is_rank_zero:
                     log.info("early stopping after epoch %d: no improvement of validation %s for %d "
                              "validations (best %.6g at epoch %d)", epoch + 1,
                              self.config.validation.early_stopping.metric, self.early.bad_validations,
                              self.early.best, self.early.best_epoch)
-                return True
+                return "early_stopped"
             if self._reached_max_steps():
-                return False
-        return False
+                return "completed"
+        return "completed"
 
     def _reached_max_steps(self) -> bool:
         return bool(self.training.max_steps) and self.progress.global_step >= self.training.max_steps
@@ -298,7 +320,10 @@ class Trainer:
                     self.save_checkpoint(improved=False)
                 else:
                     self._step_save_pending = True  # the epoch-end checkpoint covers it
-            if self.stop_requested or self._reached_max_steps():
+            if self._agreed_stop():
+                self.preempted = True
+                break
+            if self._reached_max_steps():
                 break
         metrics, samples = sums.reduce(self.ctx)
         return metrics, samples
