@@ -74,6 +74,18 @@ def slurm_cluster() -> None:
     need(up, "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)")
 
 
+def assert_same_training_state(expected: dict, actual: dict) -> None:
+    """Two checkpoints hold the same progress and bit-identical model and optimizer state."""
+    import torch
+
+    assert actual["progress"] == expected["progress"]
+    for key, value in expected["model"].items():
+        assert torch.equal(value, actual["model"][key]), key
+    for index, state in expected["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, actual["optimizer"]["state"][index][name]), (index, name)
+
+
 #: Figures measured by reliability and scheduler tests, printed after the run.
 FIGURES: list[str] = []
 

@@ -3,9 +3,6 @@ traceback (``--debug`` does), and leaves the run folder empty."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np

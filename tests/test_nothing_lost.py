@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import FIGURES, REPO, clean_env
+from conftest import FIGURES, REPO, assert_same_training_state, clean_env
 from fault_injection import kill_tree
 from ddp_hpc.training.checkpoint import load_checkpoint, newest_loadable
 
@@ -95,13 +94,7 @@ def test_twenty_kills_lose_nothing(tmp_path):
     _, err = final.communicate(timeout=300)
     assert final.returncode == 0, err[-3000:]
     assert list(checkpoints.glob(".*")) == []  # interrupted writes' temporaries are cleaned up
-    resumed = load_checkpoint(checkpoints / "last.pt")
-    assert resumed["progress"] == reference["progress"]
-    for key, value in reference["model"].items():
-        assert torch.equal(value, resumed["model"][key]), key
-    for index, state in reference["optimizer"]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(value, resumed["optimizer"]["state"][index][name]), (index, name)
+    assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"nothing lost: {len(kill_points)} kills ({mid_write} injected inside checkpoint writes, the "
                    f"others at random times: {', '.join(p for p in kill_points if p != 'mid-write')}); "
                    f"resumed from step {resumed_from}; final weights bit-identical; {time.monotonic() - started:.0f}s")

@@ -9,9 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import FIGURES, REPO, clean_env, ddp_hpc_command, run
+from conftest import FIGURES, REPO, assert_same_training_state, clean_env, ddp_hpc_command, run
 from ddp_hpc.training.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.reliability, pytest.mark.slow, pytest.mark.multiproc]
@@ -39,20 +38,17 @@ def nodes_idle() -> bool:
     return bool(states) and all(state == "idle" for state in states)
 
 
-def assert_same_final_state(a: dict, b: dict) -> None:
-    assert a["progress"] == b["progress"]
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for index, state in a["optimizer"]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
-
-
-def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, slurm_cluster):
+def reference_run(tmp_path: Path) -> Path:
+    """The same training, uninterrupted, with the same world size (srun -n 2)."""
     runs = tmp_path / "runs"
     reference = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES,
                      f"logging.run_dir={runs}", "logging.name=reference"], timeout=300, cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    return runs
+
+
+def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, slurm_cluster):
+    runs = reference_run(tmp_path)
 
     submit = subprocess.Popen(
         [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
@@ -87,7 +83,7 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, sl
     resumed_at = time.mktime(time.strptime(time.strftime("%Y-%m-%d ") + ":".join(resumed.group(1, 2, 3)),
                                            "%Y-%m-%d %H:%M:%S"))
 
-    assert_same_final_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
+    assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
                             load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"preemption (sbatch, SIGUSR2 to the batch shell): checkpoint {checkpointed - signalled:.1f}s after "
                    f"the signal; resumed {max(0.0, resumed_at - released):.0f}s (1 s resolution) after the requeued "
@@ -95,10 +91,7 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, sl
 
 
 def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, slurm_cluster):
-    runs = tmp_path / "runs"
-    reference = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES,
-                     f"logging.run_dir={runs}", "logging.name=reference"], timeout=300, cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    runs = reference_run(tmp_path)
     submit = subprocess.Popen(
         [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--nodes", "1", "--tasks-per-node", "2", "--walltime", "20",
          "--wait", *OVERRIDES, f"logging.run_dir={runs}", "logging.name=preempted"],
@@ -118,7 +111,7 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, s
     assert "job finished: 12 epochs" in out
     logs = "".join(p.read_text() for p in (runs / "preempted" / "submitit").glob("*_0_log.err"))
     assert "resuming from" in logs
-    assert_same_final_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
+    assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
                             load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): requeued {requeued - signalled:.1f}s after the "
                    f"signal; resumed from the newest periodic checkpoint; final weights bit-identical")

@@ -36,12 +36,10 @@ def pbs_directives(request: JobRequest) -> list[str]:
     if profile.system:
         select += f":system={directive_value(profile.system, 'system')}"
     lines = [f"#PBS -N {job_name_directive(request.name)}"]
-    account = request.account or profile.account
-    if account:
-        lines.append(f"#PBS -A {directive_value(account, 'account')}")
-    queue = request.queue or profile.queue
-    if queue:
-        lines.append(f"#PBS -q {directive_value(queue, 'queue')}")
+    if request.resolved_account:
+        lines.append(f"#PBS -A {directive_value(request.resolved_account, 'account')}")
+    if request.resolved_queue:
+        lines.append(f"#PBS -q {directive_value(request.resolved_queue, 'queue')}")
     lines.append(f"#PBS -l {select}")
     if profile.place:
         lines.append(f"#PBS -l place={directive_value(profile.place, 'place')}")

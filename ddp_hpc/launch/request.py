@@ -104,6 +104,16 @@ class JobRequest:
         return self.ranks_per_node or self.profile.ranks_per_node
 
     @property
+    def resolved_account(self) -> str | None:
+        """``--account``, else the profile's."""
+        return self.account or self.profile.account
+
+    @property
+    def resolved_queue(self) -> str | None:
+        """``--queue``/``--partition``, else the profile's."""
+        return self.queue or self.profile.queue
+
+    @property
     def world_size(self) -> int:
         return self.nodes * self.per_node
 

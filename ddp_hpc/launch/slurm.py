@@ -47,12 +47,10 @@ def sbatch_directives(request: JobRequest, torchrun: bool) -> list[str]:
     if profile.uses_gpus and profile.devices_per_node:
         lines.append(f"#SBATCH --gpus-per-node={request.per_node}")
     lines.append(f"#SBATCH --time={hms}")
-    account = request.account or profile.account
-    if account:
-        lines.append(f"#SBATCH --account={directive_value(account, 'account')}")
-    queue = request.queue or profile.queue
-    if queue:
-        lines.append(f"#SBATCH --partition={directive_value(queue, 'partition')}")
+    if request.resolved_account:
+        lines.append(f"#SBATCH --account={directive_value(request.resolved_account, 'account')}")
+    if request.resolved_queue:
+        lines.append(f"#SBATCH --partition={directive_value(request.resolved_queue, 'partition')}")
     lines += [
         f"#SBATCH --output={LOG_DIR}/%x-%j.out",
         "#SBATCH --open-mode=append",

@@ -174,10 +174,10 @@ def submitit_executor(request: JobRequest, folder: Path):
         params["cpus_per_task"] = profile.cpus_per_task
     if profile.uses_gpus and profile.devices_per_node:
         params["gpus_per_node"] = request.per_node
-    if request.queue or profile.queue:
-        params["slurm_partition"] = request.queue or profile.queue
-    if request.account or profile.account:
-        params["slurm_account"] = request.account or profile.account
+    if request.resolved_queue:
+        params["slurm_partition"] = request.resolved_queue
+    if request.resolved_account:
+        params["slurm_account"] = request.resolved_account
     executor.update_parameters(**params)
     return executor
 
