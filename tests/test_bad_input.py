@@ -10,6 +10,8 @@ import pytest
 
 from conftest import REPO, ddp_hpc_command, run
 
+pytestmark = pytest.mark.reliability
+
 DIGITS = str(REPO / "configs" / "digits.yaml")
 TRAIN = ["train", DIGITS]
 

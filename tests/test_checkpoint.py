@@ -23,6 +23,7 @@ def test_save_then_load(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000005.pt"]  # no temp file left
 
 
+@pytest.mark.reliability
 def test_a_crash_while_writing_leaves_the_old_file_whole(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     ckpt.save_atomic(_state(1), path)
@@ -39,6 +40,7 @@ def test_a_crash_while_writing_leaves_the_old_file_whole(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
 
+@pytest.mark.reliability
 def test_truncated_newest_is_reported_and_the_previous_used(tmp_path, caplog):
     for step in (10, 20, 30):
         ckpt.save_atomic(_state(step), ckpt.step_path(tmp_path, step))
@@ -59,6 +61,7 @@ class _Payload:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.reliability
 def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"format": ckpt.FORMAT_VERSION, "model": _Payload()}, path)

@@ -82,6 +82,7 @@ def test_missing_file_is_named(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+@pytest.mark.reliability
 def test_yaml_tags_that_build_objects_are_refused(tmp_path):
     path = write(tmp_path, "job: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(ConfigError):

@@ -133,6 +133,7 @@ class TestMasterPort:
     def test_same_job_same_port_on_every_rank(self):
         assert resolve_env(rec.SRUN_RANK3).master_port == resolve_env(rec.SRUN_RANK2).master_port
 
+    @pytest.mark.reliability
     def test_consecutive_jobs_get_different_ports_inside_the_range(self):
         port_range = PortRange(20000, 20099)
         ports = {resolve_env({**rec.SRUN_RANK3, "SLURM_JOB_ID": str(job)}, port_range=port_range).master_port

@@ -101,3 +101,24 @@ def test_ranks_listen_on_loopback_only(tmp_path, mpich):
     for rank, listening in addresses.items():
         assert all(a.startswith("127.") or a == "::1" for a in listening), (rank, listening)
     FIGURES.append(f"listening addresses of the ranks: {addresses}")
+
+
+@pytest.mark.slurm
+def test_a_dead_rank_fails_a_submitit_job_and_wait_reports_it(tmp_path, slurm_cluster):
+    marker = tmp_path / "fault-time"
+    argv = [*ddp_hpc_command(), "submit", "slurm", str(REPO / "configs" / "synthetic.yaml"), "--nodes", "1",
+            "--tasks-per-node", "2", "--walltime", "10", "--wait", *TRAIN[2:], f"logging.run_dir={tmp_path / 'runs'}",
+            fault("KillRankAtStep", marker)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=clean_env({"PYTHONPATH": str(REPO / "tests")}))
+    ended = time.time()
+    assert marker.exists(), result.stderr[-3000:]
+    seconds = ended - float(marker.read_text())
+    FIGURES.append(f"dead rank (SIGKILL) under submitit: submit --wait returned {seconds:.1f}s after the kill, "
+                   f"exit {result.returncode}")
+    assert result.returncode == 1 and seconds < LIMIT_S
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    assert re.search(rf"ddp-hpc: error: job {job_id} failed: rank\(s\) 1 ended without a result \(killed",
+                     result.stderr), result.stderr[-2000:]
+    state = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-o", "State"], capture_output=True, text=True).stdout
+    assert "FAILED" in state

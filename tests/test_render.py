@@ -151,6 +151,7 @@ def test_a_bad_training_config_fails_at_render_time():
 
 # ----- injection safety ---------------------------------------------------------------------
 
+@pytest.mark.reliability
 @settings(max_examples=200, deadline=None)
 @given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40))
 def test_shell_quote_round_trips_on_one_line(value):
@@ -196,6 +197,7 @@ def run_script(script: str, workdir: Path, stub_bin: Path, extra_env: dict[str, 
     return record.read_bytes().decode().split("\0")[:-1] if record.exists() else []
 
 
+@pytest.mark.reliability
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name_noise=st.tuples(noise, noise), override_noise=st.tuples(noise, noise),
        account_noise=st.tuples(noise, noise), payload=st.sampled_from(PAYLOADS), scheduler=st.sampled_from(["pbs", "slurm"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -192,6 +193,23 @@ def submit_with_submitit(request: JobRequest, workdir: Path, wait: bool) -> tupl
         return job.job_id, None
     try:
         results = job.results()
-    except Exception as exc:  # submitit raises with the failing task's stderr
-        raise JobFailed(f"job {job.job_id} failed: {str(exc).strip().splitlines()[-1][:300]}") from None
+    except Exception as exc:  # submitit raises with one failing task's traceback
+        raise JobFailed(submitit_failure(job.job_id, request.world_size, folder, str(exc))) from None
     return job.job_id, results[0]
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*)$")
+
+
+def submitit_failure(job_id: str, world_size: int, folder: Path, error: str) -> str:
+    """One line on a failed submitit job: the ranks that died without a result (a SIGKILL,
+    the OOM killer: they could not report), then what a surviving rank raised."""
+    silent = [rank for rank in range(world_size) if not (folder / f"{job_id}_{rank}_result.pkl").exists()]
+    raised = [m.group(1) for m in map(_EXCEPTION_LINE.match, error.splitlines()) if m]
+    parts = []
+    if silent:
+        parts.append(f"rank(s) {', '.join(map(str, silent))} ended without a result (killed, e.g. by SIGKILL "
+                     f"or the OOM killer)")
+    if raised:
+        parts.append(f"another rank raised {raised[-1][:200]}")
+    return f"job {job_id} failed: {'; '.join(parts) or 'see the logs'}; logs in {folder}"
