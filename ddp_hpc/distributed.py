@@ -120,11 +120,6 @@ class DistContext:
         return self.device.torch_device if self.device.index is not None else None
 
 
-def init_url(addr: str, port: int) -> str:
-    host = f"[{addr}]" if ":" in addr else addr
-    return f"tcp://{host}:{port}"
-
-
 def bind_listener(addr: str, port: int) -> socket.socket | None:
     """A socket bound to ``addr:port`` alone, for rank 0's store; None if ``addr`` is not local.
 

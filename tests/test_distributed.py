@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from ddp_hpc.distributed import DistributedOptions, init_url, process_group
+from ddp_hpc.distributed import DistributedOptions, bind_listener, process_group
 from ddp_hpc.doctor import RankReport, check_all_reduce, check_parameter_sync, find_problems, format_table
 from ddp_hpc.errors import UserError
 
@@ -50,9 +50,26 @@ def test_timeout_must_be_positive():
         DistributedOptions(timeout_s=0)
 
 
-def test_init_url_brackets_ipv6():
-    assert init_url("::1", 80) == "tcp://[::1]:80"
-    assert init_url("n1", 80) == "tcp://n1:80"
+def test_rendezvous_listener_binds_the_master_address_only():
+    listener = bind_listener("127.0.0.1", 0)
+    try:
+        host, port = listener.getsockname()
+        assert host == "127.0.0.1" and port > 0
+        listener.listen()  # the port is now taken by a running rendezvous
+        with pytest.raises(UserError, match=f"rendezvous port {port} on 127.0.0.1 is already in use"):
+            bind_listener("127.0.0.1", port)
+    finally:
+        listener.close()
+
+
+def test_rendezvous_listener_falls_back_for_a_foreign_address(caplog):
+    assert bind_listener("192.0.2.1", 0) is None  # TEST-NET-1: never a local address
+    assert "listening on all interfaces instead" in caplog.text
+
+
+def test_unresolvable_master_address_is_named():
+    with pytest.raises(UserError, match="master address 'no-such-host.invalid' does not resolve"):
+        bind_listener("no-such-host.invalid", 1234)
 
 
 def _report(rank, host="h0", local_rank=None, node_rank=0, world_size=2, local_world_size=2,

@@ -304,7 +304,7 @@ class Trainer:
                 with self.precision.autocast():
                     output = self.job.training_step(self.ddp_model, batch)
                 self.scaler.scale(output.loss / window).backward()
-            sums.add(self._per_sample(output, batch))
+            sums.add(self._per_sample(output))
             batch_index += 1
             if not closes_window:
                 continue
@@ -329,7 +329,7 @@ class Trainer:
         return metrics, samples
 
     @staticmethod
-    def _per_sample(output: StepOutput, batch: Any) -> dict[str, torch.Tensor]:
+    def _per_sample(output: StepOutput) -> dict[str, torch.Tensor]:
         if output.per_sample:
             return output.per_sample
         return {"loss": output.loss.detach().reshape(1)}
