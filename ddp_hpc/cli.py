@@ -18,6 +18,13 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 
 
+def write_line(stream, text: str) -> None:
+    """One write per line: several ranks share the launcher's output, and print() under
+    unbuffered output writes the newline separately, so lines of two ranks could merge."""
+    stream.write(text + "\n")
+    stream.flush()
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line and exits 2."""
 
@@ -52,10 +59,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
                 f"{dist_env.local_world_size} node {dist_env.node_rank}/{dist_env.num_nodes} "
                 f"source={dist_env.source} master={dist_env.master_addr}:{dist_env.master_port} "
                 f"device={choice.torch_device} backend={choice.backend} host={report['host']}")
-    # One write per line: with unbuffered output, print() writes the newline separately
-    # and another rank's line can land in between under mpiexec.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    write_line(sys.stdout, line)
     return 0
 
 
@@ -197,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"ddp-hpc: error: {exc}", file=sys.stderr, flush=True)
+        write_line(sys.stderr, f"ddp-hpc: error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
