@@ -73,11 +73,12 @@ def _loader_kwargs(data: DataConfig, pin_memory: bool) -> dict:
 
 
 def train_loader(dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int,
-                 data: DataConfig, pin_memory: bool, seed: int) -> DataLoader:
-    # A generator of its own: otherwise each new iterator draws its base seed from the
-    # global RNG, and a resumed epoch would shift every later random number.
+                 data: DataConfig, pin_memory: bool) -> DataLoader:
+    # A generator of its own (the trainer reseeds it every epoch): otherwise each new
+    # iterator draws its base seed from the global RNG, and a resumed epoch would shift
+    # every later random number.
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=data.drop_last,
-                      generator=torch.Generator().manual_seed(seed), **_loader_kwargs(data, pin_memory))
+                      generator=torch.Generator(), **_loader_kwargs(data, pin_memory))
 
 
 def eval_loader(dataset: Dataset, rank: int, world_size: int, batch_size: int, data: DataConfig,

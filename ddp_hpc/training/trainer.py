@@ -163,7 +163,7 @@ class Trainer:
         pin = self.config.data.pin_memory
         self.pin_memory = self.ctx.device.device_type == "cuda" if pin == "auto" else bool(pin)
         self.loader = train_loader(datasets.train, self.sampler, self.training.batch_size, self.config.data,
-                                   self.pin_memory, seed=self.training.seed)
+                                   self.pin_memory)
         self.plan = LoaderPlan(self.sampler.num_samples, self.training.batch_size, self.config.data.drop_last)
         self.steps_per_epoch = math.ceil(self.plan.batches / self.training.grad_accum_steps)
         total_steps = self.steps_per_epoch * self.training.epochs
