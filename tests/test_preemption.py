@@ -33,6 +33,21 @@ def job_state(job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout.strip()
 
 
+def release_requeued(job_id: str) -> float:
+    """Start a requeued job now instead of after Slurm's requeue delay (BeginTime).
+
+    Wait until the nodes are idle, and until the job's old credential (revoked by the
+    requeue) is over a second old: slurmd compares credential times at 1-second resolution,
+    and a credential created in the same second as the revocation is refused ("Job
+    credential revoked").
+    """
+    requeued = time.time()
+    wait_for(nodes_idle, 60, "the nodes to finish cleaning up")
+    time.sleep(max(0.0, requeued + 2.0 - time.time()))
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    return time.time()
+
+
 def nodes_idle() -> bool:
     states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout.split()
     return bool(states) and all(state == "idle" for state in states)
@@ -65,12 +80,9 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, sl
     wait_for(lambda: "PENDING" in job_state(job_id), 120, "the requeue")
     newest = max(checkpoints.glob("step-*.pt"), key=lambda p: p.stat().st_mtime)
     checkpointed = newest.stat().st_mtime
-    # Slurm holds a requeued job for a while (BeginTime) so that the nodes finish cleaning
-    # up the previous run first; a real cluster then starts it when resources allow. Here:
-    # release it as soon as the nodes are idle again.
-    wait_for(nodes_idle, 60, "the nodes to finish cleaning up")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-    released = time.time()
+    # Slurm holds a requeued job for a while (BeginTime); a real cluster then starts it when
+    # resources allow. Here it is released as soon as that is safe.
+    released = release_requeued(job_id)
     out, err = submit.communicate(timeout=300)
     assert submit.returncode == 0, out[-2000:] + err[-3000:]
     assert "job finished: 12 epochs" in out
@@ -104,8 +116,7 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, s
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     wait_for(lambda: "PENDING" in job_state(job_id), 120, "the requeue")
     requeued = time.time()
-    wait_for(nodes_idle, 60, "the nodes to finish cleaning up")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    release_requeued(job_id)
     out, err = submit.communicate(timeout=300)
     assert submit.returncode == 0, out[-2000:] + err[-3000:]
     assert "job finished: 12 epochs" in out
