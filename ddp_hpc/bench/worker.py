@@ -86,7 +86,7 @@ def run_handwritten(args: argparse.Namespace) -> dict:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from jobs.synthetic import SyntheticJob
+    from ddp_hpc.jobs.synthetic import SyntheticJob
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

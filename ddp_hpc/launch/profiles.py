@@ -1,14 +1,16 @@
-"""Cluster profiles: where a job runs, as YAML data (``configs/clusters/*.yaml``).
+"""Cluster profiles: where a job runs, as YAML data (shipped in ``ddp_hpc/clusters/*.yaml``).
 
 A profile names the scheduler, the launcher flavour, ranks and devices per node, the
 device/backend, CPU binding, queue and file systems, setup lines and environment presets.
-Users add a cluster by writing one file; ``--cluster`` takes a name or a path.
+Users add a cluster by writing one file (in ``./configs/clusters`` or
+``$DDP_HPC_CLUSTERS_DIR``); ``--cluster`` takes a name or a path.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from importlib import resources
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -85,9 +87,12 @@ def check_single_line(text: str, what: str) -> str:
 
 
 def profile_dirs() -> list[Path]:
+    """Where profiles are looked up by name, first match wins: ``$DDP_HPC_CLUSTERS_DIR``,
+    ``./configs/clusters``, then the profiles shipped inside the package (package data,
+    so a non-editable install finds them too)."""
     dirs = [Path(os.environ[PROFILE_DIR_VAR])] if os.environ.get(PROFILE_DIR_VAR) else []
     dirs.append(Path.cwd() / "configs" / "clusters")
-    dirs.append(Path(__file__).resolve().parents[2] / "configs" / "clusters")
+    dirs.append(Path(str(resources.files("ddp_hpc") / "clusters")))
     return dirs
 
 

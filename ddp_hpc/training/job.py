@@ -73,11 +73,11 @@ class Job(ABC):
         return batch
 
 
-#: Short names for the jobs shipped in ``jobs/``.
+#: Short names for the jobs shipped in ``ddp_hpc/jobs/``.
 REGISTRY = {
-    "digits": "jobs.digits:DigitsJob",
-    "synthetic": "jobs.synthetic:SyntheticJob",
-    "preference": "jobs.preference:PreferenceJob",
+    "digits": "ddp_hpc.jobs.digits:DigitsJob",
+    "synthetic": "ddp_hpc.jobs.synthetic:SyntheticJob",
+    "preference": "ddp_hpc.jobs.preference:PreferenceJob",
 }
 
 
