@@ -10,7 +10,9 @@ from ddp_hpc.launch.script import (
     header_comment,
     mpiexec_lookup,
     render_argv,
-    run_folder_line,
+    deadline_line,
+    launch_lines,
+    run_folder_lines,
 )
 
 # Slurm's PBS wrappers (slurm-wlm-torque) run the script with Slurm's variables only:
@@ -52,7 +54,7 @@ def pbs_directives(request: JobRequest) -> list[str]:
 
 def mpiexec_argv(request: JobRequest) -> list[str]:
     profile = request.profile
-    launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, request.train_command(),
+    launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, request.rank_command(),
                        hostfile=ShellVar("DDP_HPC_HOSTFILE"), cpu_bind=profile.cpu_bind, depth=profile.depth)
     return build_mpiexec(launch, program=ShellVar("DDP_HPC_MPIEXEC"))
 
@@ -87,8 +89,12 @@ def render_pbs(request: JobRequest) -> str:
         "",
         f'echo "ddp_hpc: job $PBS_JOBID: {request.world_size} ranks on {request.nodes} node(s), '
         f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
-        run_folder_line(request, "PBS_O_WORKDIR"),
-        render_argv(mpiexec_argv(request)),
+        *run_folder_lines(request, "PBS_O_WORKDIR"),
+        deadline_line(request),
+        # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
+        # requeue a user may ask for: a run stopped with exit 75 continues when submitted again.
+        *launch_lines(request, render_argv(mpiexec_argv(request)), "PBS_JOBID", requeue=None,
+                      trap_signals="USR2 TERM"),
         "",
     ]
     return "\n".join(lines)

@@ -72,11 +72,72 @@ def parse_env_assignments(assignments: Sequence[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class JobRequest:
-    """A training job for a scheduler: the config, the cluster profile and the shape."""
+class TrainPayload:
+    """Train a ``Job`` from a config: every rank runs ``ddp-hpc train CONFIG OVERRIDES``."""
 
     config_path: str
-    overrides: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+
+    @cached_property
+    def config(self) -> Config:
+        """The training config, loaded (and so checked) at render time."""
+        return load_config(self.config_path, list(self.overrides))
+
+    @property
+    def default_name(self) -> str:
+        return self.config.run_name(self.config_path)
+
+    def run_folder(self, name: str) -> Path:
+        return Path(self.config.logging.run_dir) / self.config.run_name(self.config_path)
+
+    def rank_command(self, program: Sequence[str]) -> list[str]:
+        return [*program, "train", self.config_path, *self.overrides]
+
+    def with_overrides(self, extra: Sequence[str]) -> TrainPayload:
+        return TrainPayload(self.config_path, (*self.overrides, *extra))
+
+    def describe(self) -> str:
+        return " ".join([self.config_path, *self.overrides])
+
+
+@dataclass(frozen=True)
+class CommandPayload:
+    """Run the user's own command on every rank, through ``ddp-hpc run`` (torchrun's
+    variables, derived from whichever launcher started the rank)."""
+
+    argv: tuple[str, ...]
+    #: Where command jobs keep their run folders (script, logs, submission record).
+    run_dir: str = "runs"
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ConfigError("no command: give it after '--', e.g. -- python train.py")
+
+    @property
+    def default_name(self) -> str:
+        """The script's name (``python train.py`` -> ``train``), else the program's."""
+        scripts = [Path(a).stem for a in self.argv[1:] if a.endswith(".py")]
+        return scripts[0] if scripts else Path(self.argv[0]).name or "command"
+
+    def run_folder(self, name: str) -> Path:
+        """``RUN_DIR/NAME``, the name reduced to safe file-name characters."""
+        return Path(self.run_dir) / (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "command")
+
+    def rank_command(self, program: Sequence[str]) -> list[str]:
+        return [*program, "run", "--", *self.argv]
+
+    def describe(self) -> str:
+        return shlex.join(self.argv)
+
+
+Payload = TrainPayload | CommandPayload
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What to run (a config or a command), on which cluster profile, in which shape."""
+
+    payload: Payload
     profile: ClusterProfile
     nodes: int
     walltime: str = "01:00:00"
@@ -89,15 +150,22 @@ class JobRequest:
     env: Mapping[str, str] = field(default_factory=dict)
     #: Activate this Python environment in the job (the one rendering the script).
     python_env: str | None = None
+    #: SLURM: one torchrun per node (c10d rendezvous) instead of one srun task per rank.
+    torchrun_per_node: bool = False
+    #: Relaunch every rank inside the same allocation after a failure, at most this often.
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ConfigError(f"--nodes {self.nodes} must be >= 1")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0")
         self.profile.check_ranks_per_node(self.per_node)
         parse_walltime(self.walltime)
         for line in self.setup:
             check_single_line(line, "--setup line")
-        self.config  # load and check the training config now, not on the cluster
+        if isinstance(self.payload, TrainPayload):
+            self.payload.config  # load and check the training config now, not on the cluster
 
     @property
     def per_node(self) -> int:
@@ -117,23 +185,23 @@ class JobRequest:
     def world_size(self) -> int:
         return self.nodes * self.per_node
 
-    @cached_property
-    def config(self) -> Config:
-        """The training config, loaded (and so checked) at render time."""
-        return load_config(self.config_path, list(self.overrides))
+    @property
+    def walltime_s(self) -> int:
+        hms, _ = parse_walltime(self.walltime)
+        hours, minutes, seconds = (int(part) for part in hms.split(":"))
+        return hours * 3600 + minutes * 60 + seconds
 
     @property
     def name(self) -> str:
-        return self.job_name or self.config.run_name(self.config_path)
+        return self.job_name or self.payload.default_name
 
     @property
     def run_folder(self) -> Path:
-        config = self.config
-        return Path(config.logging.run_dir) / config.run_name(self.config_path)
+        return self.payload.run_folder(self.name)
 
-    def train_command(self, program: Sequence[str] = ("ddp-hpc",)) -> list[str]:
+    def rank_command(self, program: Sequence[str] = ("ddp-hpc",)) -> list[str]:
         """The per-rank command (an argument list, quoted when rendered)."""
-        return [*program, "train", self.config_path, *self.overrides]
+        return self.payload.rank_command(program)
 
     def environment(self) -> dict[str, str]:
         """Variables every rank sees: profile presets, the device choice, user extras."""

@@ -7,6 +7,14 @@ from collections.abc import Sequence
 from ddp_hpc import __version__
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.launch.request import JobRequest, export_lines, shell_quote
+from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
+
+#: Where a rendered script keeps the run folder's path (also read by ``ddp-hpc status``).
+RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
+#: The job's end (epoch seconds), exported by every rendered script.
+DEADLINE_VAR = "DDP_HPC_DEADLINE"
+#: What ranks exit with after checkpointing on a stop request (EX_TEMPFAIL).
+PREEMPTED_EXIT = 75
 
 
 class ShellVar(str):
@@ -39,9 +47,65 @@ def mpiexec_lookup(flavour: str) -> str:
     return f'DDP_HPC_MPIEXEC=$({candidates}) || {{ echo "ddp_hpc: no {flavour} mpiexec on PATH" >&2; exit 1; }}'
 
 
-def run_folder_line(request: JobRequest, workdir_var: str) -> str:
-    """A pointer to the run folder in the job's output (relative folders are under the workdir)."""
+def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
+    """``DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
+    the job's output."""
     folder = shell_quote(str(request.run_folder))
-    if request.run_folder.is_absolute():
-        return f'echo "ddp_hpc: run folder "{folder}'
-    return f'echo "ddp_hpc: run folder ${{{workdir_var}}}/"{folder}'
+    value = folder if request.run_folder.is_absolute() else f'"${{{workdir_var}}}/"{folder}'
+    return [f"export {RUN_FOLDER_VAR}={value}", f'mkdir -p "${RUN_FOLDER_VAR}"',
+            f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
+
+
+def deadline_line(request: JobRequest) -> str:
+    """The job's end as epoch seconds: the ranks stop and checkpoint before it (no signal needed)."""
+    return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"
+
+
+def launch_lines(request: JobRequest, command: str, job_id_var: str, requeue: str | None, *,
+                 restarts: int | None = None, forward_signal: str = "USR2",
+                 trap_signals: str = "USR2") -> list[str]:
+    """Run the ranks' command in the background, pass the stop signal on, relaunch after a
+    failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
+
+    A trapped signal ends ``wait`` early, so the loop waits until the step is really over.
+    Exit 75 means the ranks checkpointed and stopped on request: no restart; ``requeue``
+    (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
+    request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
+    """
+    restarts = request.max_restarts if restarts is None else restarts
+    lines = [
+        "stop_requested=0",
+        "on_stop_signal() {",
+        '  echo "ddp_hpc: stop signal (time limit or preemption): the ranks checkpoint and stop" >&2',
+        "  stop_requested=1",
+        f'  kill -{forward_signal} "$step_pid" 2>/dev/null || true',
+        "}",
+        f"trap on_stop_signal {trap_signals}",
+        "attempt=0",
+        "while :; do",
+        f"  export {RESTART_COUNT_VAR}=$attempt",
+        f"  {command} &",
+        "  step_pid=$!",
+        "  status=0",
+        '  wait "$step_pid" || status=$?',
+        '  while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done',
+        f'  if [ "$status" = 0 ] || [ "$status" = {PREEMPTED_EXIT} ] || [ "$stop_requested" = 1 ] || '
+        f'[ "$attempt" -ge {restarts} ]; then break; fi',
+        "  attempt=$((attempt + 1))",
+        f'  echo "ddp_hpc: the ranks failed (exit $status): restart $attempt of {restarts}, '
+        f'resuming from the newest checkpoint" >&2',
+        "done",
+    ]
+    if requeue:
+        lines += [
+            f'if [ "$stop_requested" = 1 ] || [ "$status" = {PREEMPTED_EXIT} ]; then',
+            f'  echo "ddp_hpc: requeueing job ${{{job_id_var}}}" >&2',
+            f'  {requeue} || echo "ddp_hpc: requeue failed" >&2',
+            '  exit "$status"',
+            "fi",
+        ]
+    lines += [
+        f'printf \'%s\\n\' "$status" >"${RUN_FOLDER_VAR}/exit-${{{job_id_var}}}" || true',
+        'exit "$status"',
+    ]
+    return lines

@@ -1,0 +1,191 @@
+"""SLURM through submitit: one task per rank running a pickled Python callable.
+
+submitit owns SIGUSR2 in its tasks: on the time-limit warning or preemption it calls the
+callable's ``checkpoint()`` and requeues the job with what that returns.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.request import CommandPayload, JobRequest, TrainPayload, export_lines, parse_walltime
+from ddp_hpc.launch.schedulers.base import (
+    DryRun,
+    JobStatus,
+    Scheduler,
+    Submission,
+    run_tool,
+)
+from ddp_hpc.launch.schedulers.slurm_state import slurm_status
+
+SIGNAL_LEAD_S = 90
+PREEMPTED_EXIT = 75
+
+
+class SubmititTrainTask:
+    """What each SLURM task runs for a training config: ``train`` on this rank."""
+
+    def __init__(self, payload: TrainPayload, workdir: str) -> None:
+        self.payload, self.workdir = payload, workdir
+
+    def __call__(self) -> dict[str, Any]:
+        from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
+
+        os.chdir(self.workdir)
+        # submitit owns SIGUSR2 in its tasks (it calls checkpoint() and requeues).
+        summary = train(self.payload.config_path, self.payload.overrides, options=TrainOptions(configure_logs=True))
+        if summary.preempted:
+            requeue_from_rank_zero()  # stopped at its deadline after a checkpoint: run again
+        return raise_if_preempted(summary).to_dict()
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        import submitit
+
+        # Requeued with the same task: it resumes from the run's newest checkpoint (resume: auto).
+        return submitit.helpers.DelayedSubmission(SubmititTrainTask(self.payload, self.workdir))
+
+
+class SubmititCommandTask:
+    """What each SLURM task runs for a command job: the command, as a child with torchrun's
+    variables. A child that exits 75 (checkpointed on request) gets the job requeued."""
+
+    def __init__(self, payload: CommandPayload, workdir: str, run_folder: str) -> None:
+        self.payload, self.workdir, self.run_folder = payload, workdir, run_folder
+        self._child: subprocess.Popen | None = None
+
+    def __call__(self) -> int:
+        from ddp_hpc.api import command_environment
+
+        os.chdir(self.workdir)
+        launch = command_environment(self.payload.argv)
+        sys.stdout.flush()
+        self._child = subprocess.Popen(list(launch.argv), env=launch.environment(os.environ))
+        code = self._child.wait()
+        rank = int(launch.environment(os.environ).get("RANK", "0"))
+        job_id = os.environ.get("SLURM_JOB_ID", "")
+        if rank == 0 and job_id and code != PREEMPTED_EXIT:
+            Path(self.run_folder).mkdir(parents=True, exist_ok=True)
+            (Path(self.run_folder) / f"exit-{job_id}").write_text(f"{code}\n")
+        if code == PREEMPTED_EXIT:
+            requeue_from_rank_zero()  # the command checkpointed and asked to be run again
+        if code != 0:
+            raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """submitit's time-limit/preemption hook: pass the signal on, let the command
+        checkpoint and exit, then requeue the same task."""
+        import submitit
+
+        if self._child is not None and self._child.poll() is None:
+            self._child.send_signal(signal.SIGUSR2)
+            try:
+                self._child.wait(timeout=SIGNAL_LEAD_S - 10)
+            except subprocess.TimeoutExpired:
+                pass
+        return submitit.helpers.DelayedSubmission(SubmititCommandTask(self.payload, self.workdir, self.run_folder))
+
+
+def requeue_from_rank_zero() -> None:
+    """Requeue this job (which ends it) from the task of rank 0; submitit requeues only from
+    its signal handler, and a run that stops by itself at its deadline needs it too."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if job_id and os.environ.get("SLURM_PROCID", "0") == "0":
+        subprocess.run(["scontrol", "requeue", job_id], check=False)
+
+
+def executor_parameters(request: JobRequest) -> dict[str, Any]:
+    profile = request.profile
+    _, minutes = parse_walltime(request.walltime)
+    params: dict[str, Any] = {
+        "name": request.name, "nodes": request.nodes, "tasks_per_node": request.per_node,
+        "timeout_min": minutes, "slurm_signal_delay_s": SIGNAL_LEAD_S,
+        "slurm_setup": [*request.setup_lines(), *export_lines(request.environment())],
+    }
+    if profile.cpus_per_task:
+        params["cpus_per_task"] = profile.cpus_per_task
+    if profile.uses_gpus and profile.devices_per_node:
+        params["gpus_per_node"] = request.per_node
+    if request.resolved_queue:
+        params["slurm_partition"] = request.resolved_queue
+    if request.resolved_account:
+        params["slurm_account"] = request.resolved_account
+    return params
+
+
+class SubmititScheduler(Scheduler):
+    name = "submitit"
+    family = "slurm"
+
+    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
+        self.check_profile(request)
+        if request.torchrun_per_node:
+            raise UserError("--torchrun renders a batch script: use it with --sbatch")
+        if request.max_restarts:
+            raise UserError("--max-restarts relaunches ranks from a batch script: use it with --sbatch")
+        return DryRun(self.name, request, workdir, tuple(request.rank_command()),
+                      parameters=executor_parameters(request))
+
+    def folder(self, dry_run: DryRun) -> Path:
+        return dry_run.run_folder / "submitit"
+
+    def task(self, dry_run: DryRun):
+        payload = dry_run.request.payload
+        if isinstance(payload, CommandPayload):
+            return SubmititCommandTask(payload, str(dry_run.workdir), str(dry_run.run_folder))
+        return SubmititTrainTask(payload, str(dry_run.workdir))
+
+    def submit(self, dry_run: DryRun) -> Submission:
+        import submitit
+
+        run_tool(["sbatch", "--version"], "submitit submits through SLURM's sbatch")
+        folder = self.folder(dry_run)
+        executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+        executor.update_parameters(**dry_run.parameters)
+        job = executor.submit(self.task(dry_run))
+        logs = [str(folder / f"{job.job_id}_{rank}_log.{kind}") for rank in range(dry_run.request.world_size)
+                for kind in ("out", "err")]
+        return self._submission(dry_run, job.job_id, logs, ("submitit", "sbatch"))
+
+    def status(self, submission: Submission) -> JobStatus:
+        return slurm_status(submission.job_id, submission.exit_file)
+
+    def cancel(self, submission: Submission) -> None:
+        run_tool(["scancel", submission.job_id], "scancel cancels SLURM jobs")
+
+    def failure(self, submission: Submission) -> str | None:
+        """Why a finished job failed, from submitit's result files (None if every rank
+        returned a result)."""
+        import submitit
+
+        folder = Path(submission.run_folder) / "submitit"
+        job = submitit.SlurmJob(folder=str(folder), job_id=submission.job_id, tasks=range(submission.world_size))
+        try:
+            job.results()
+        except Exception as exc:  # submitit raises with one failing task's traceback
+            return submitit_failure(submission.job_id, submission.world_size, folder, str(exc))
+        return None
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*)$")
+
+
+def submitit_failure(job_id: str, world_size: int, folder: Path, error: str) -> str:
+    """One line on a failed submitit job: the ranks that died without a result (a SIGKILL,
+    the OOM killer: they could not report), then what a surviving rank raised."""
+    silent = [rank for rank in range(world_size) if not (folder / f"{job_id}_{rank}_result.pkl").exists()]
+    raised = [m.group(1) for m in map(_EXCEPTION_LINE.match, error.splitlines()) if m]
+    parts = []
+    if silent:
+        parts.append(f"rank(s) {', '.join(map(str, silent))} ended without a result (killed, e.g. by SIGKILL "
+                     f"or the OOM killer)")
+    if raised:
+        parts.append(f"another rank raised {raised[-1][:200]}")
+    return f"job {job_id} failed: {'; '.join(parts) or 'see the logs'}; logs in {folder}"
