@@ -240,3 +240,54 @@ def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub
     assert not canary.exists() and not (tmp_path / "CANARY").exists()
     expected_tail = ["ddp-hpc", "run", "--", *command] if as_command else ["ddp-hpc", "train", str(config), *overrides]
     assert argv[-len(expected_tail):] == expected_tail
+
+
+def test_a_sweep_is_one_array_job_with_an_element_per_combination():
+    from ddp_hpc.launch.sweep import Sweep
+
+    sweep = Sweep.parse(["training.lr=0.001,0.003", "training.batch_size=32,64"], limit=2)
+    req = request("slurm-cpu", nodes=1, sweep=sweep)
+    assert [e.describe() for e in req.elements] == [
+        "training.lr=0.001 training.batch_size=32", "training.lr=0.001 training.batch_size=64",
+        "training.lr=0.003 training.batch_size=32", "training.lr=0.003 training.batch_size=64"]
+    script = render_sbatch(req)
+    assert "#SBATCH --array=0-3%2\n" in script and "#SBATCH --output=logs/%x-%A_%a.out\n" in script
+    assert "  2) sweep_args=(training.lr=0.003 training.batch_size=32 logging.name=digits-2);" in script
+    assert launch_line(script).endswith('ddp-hpc train ' + DIGITS + ' "${sweep_args[@]}"')
+    assert 'exit-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in script
+    pbs = render_pbs(request("pbs-generic", nodes=1, sweep=sweep))
+    assert "#PBS -J 0-3%2\n" in pbs and 'case "${PBS_ARRAY_INDEX}" in' in pbs
+    for text in (script, pbs):
+        assert subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True).returncode == 0
+
+
+def test_command_sweep_elements_get_their_index_and_values_as_variables(tmp_path, stub_bin):
+    from ddp_hpc.launch.sweep import Sweep
+
+    req = JobRequest(payload=CommandPayload(("sh", "-c", "true"), run_dir=str(tmp_path / "runs")),
+                     profile=load_profile("slurm-cpu"), nodes=1, sweep=Sweep.parse(["lr=0.1,0.2"]))
+    script = render_sbatch(req)
+    assert "  1) sweep_args=(); export DDP_HPC_SWEEP_INDEX=1; export DDP_HPC_SWEEP_LR=0.2;" in script
+    assert launch_line(script).endswith("ddp-hpc run -- sh -c true")
+
+
+@pytest.mark.parametrize("specs,message", [
+    (["training.lr"], "use KEY=V1,V2"),
+    (["training.lr=0.1,,0.2"], "empty value"),
+    (["training.lr=0.1", "training.lr=0.2"], "names a key twice"),
+    (["training.lr=0.1"], "at least two elements"),
+    (["training.lr=0.1,fast"], "element 1 (training.lr=fast): training.lr: expected float"),
+    (["training.nope=1,2"], "element 0"),
+])
+def test_bad_sweeps_are_refused_before_anything_is_rendered(specs, message):
+    from ddp_hpc.errors import UserError
+    from ddp_hpc.launch.sweep import Sweep
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        request("slurm-cpu", nodes=1, sweep=Sweep.parse(specs))
+
+
+def test_a_chain_does_not_requeue_and_a_single_job_does():
+    chained = render_sbatch(request("slurm-cpu", nodes=1, chain=3))
+    single = render_sbatch(request("slurm-cpu", nodes=1))
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in single and "scontrol requeue" not in chained

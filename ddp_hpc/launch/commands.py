@@ -23,8 +23,8 @@ from ddp_hpc.launch.request import (
     current_python_env,
     parse_env_assignments,
 )
+from ddp_hpc.launch.sweep import Sweep
 
-DEFAULT_PROFILES = {"pbs": "pbs-generic", "slurm": "slurm-cpu"}
 
 
 class JobFailed(UserError):
@@ -38,8 +38,8 @@ class JobFailed(UserError):
 def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("config", nargs="?", help="training config (YAML); or give a command after '--'")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the job")
-    parser.add_argument("--cluster", default=DEFAULT_PROFILES[family],
-                        help=f"cluster profile name or YAML path (default: {DEFAULT_PROFILES[family]})")
+    default = schedulers.DEFAULT_PROFILES[family]
+    parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: {default})")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--ranks-per-node", "--tasks-per-node", dest="ranks_per_node", type=int,
                         help="ranks per node (default: the profile's)")
@@ -57,6 +57,12 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks in the same allocation after a failure, at most N times "
                              "(they resume from the newest checkpoint; default: 0)")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                        help="run every combination of these values as one array job (repeatable; command jobs "
+                             "get DDP_HPC_SWEEP_INDEX and DDP_HPC_SWEEP_<KEY>)")
+    parser.add_argument("--sweep-limit", type=int, metavar="K", help="at most K sweep elements run at once")
+    parser.add_argument("--chain", type=int, default=1, metavar="N",
+                        help="submit N jobs, each after the previous one ended (afterany), each resuming the run")
     parser.add_argument("--no-venv", action="store_true",
                         help="do not activate the current Python environment in the job")
     parser.set_defaults(command=[])
@@ -79,7 +85,8 @@ def job_request(args: argparse.Namespace) -> JobRequest:
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
-        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=args.max_restarts)
+        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=args.max_restarts,
+        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain)
 
 
 def _scheduler(args: argparse.Namespace) -> str:
@@ -103,9 +110,28 @@ def print_result(result: schedulers.JobResult) -> None:
     code = "unknown" if status.exit_code is None else str(status.exit_code)
     print(f"job {result.submission.job_id}: {status.state.value} (exit status {code}; {status.source or 'no source'}"
           f"{': ' + status.raw if status.raw else ''})")
-    if result.summary is not None:
+    if result.elements:
+        print(sweep_table(result))
+    elif result.summary is not None:
         print(f"job finished: {result.summary.headline()}")
         print(result.summary.to_json(), end="")
+
+
+def sweep_table(result: schedulers.JobResult) -> str:
+    """One row per sweep element: index, overrides, state, exit status, final metrics."""
+    rows = [("element", "overrides", "state", "exit", "result")]
+    for element in result.elements:
+        summary = element.summary
+        metrics = ""
+        if summary is not None:
+            chosen = ({f"test_{k}": v for k, v in summary.test.items()} if summary.test else
+                      {k: v for k, v in summary.final.items() if k.startswith("val_")})
+            metrics = " ".join(f"{k}={v:.4f}" for k, v in sorted(chosen.items()) if isinstance(v, float))
+        code = "" if element.status.exit_code is None else str(element.status.exit_code)
+        rows.append((str(element.element.index), element.element.assignment, element.status.state.value, code,
+                     metrics or element.element.run_folder))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
+from ddp_hpc.launch.sweep import Sweep, SweepElement
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,10 @@ class JobRequest:
     torchrun_per_node: bool = False
     #: Relaunch every rank inside the same allocation after a failure, at most this often.
     max_restarts: int = 0
+    #: Run the cartesian product of these overrides as one array job.
+    sweep: Sweep | None = None
+    #: Submit this many jobs, each starting when the previous one ended (``afterany``).
+    chain: int = 1
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -164,8 +169,52 @@ class JobRequest:
         parse_walltime(self.walltime)
         for line in self.setup:
             check_single_line(line, "--setup line")
+        if self.chain < 1:
+            raise ConfigError(f"--chain {self.chain} must be >= 1")
+        if self.sweep is not None and self.chain > 1:
+            raise ConfigError("--sweep and --chain cannot be combined: chain each element's run instead")
+        if self.sweep is not None and len(self.sweep.elements()) < 2:
+            raise ConfigError("--sweep needs at least two elements; give a single value as an override")
         if isinstance(self.payload, TrainPayload):
             self.payload.config  # load and check the training config now, not on the cluster
+            for element in self.elements:  # and every element's, before anything is submitted
+                try:
+                    self.element_payload(element).config
+                except ConfigError as exc:
+                    raise ConfigError(f"--sweep element {element.index} ({element.describe()}): {exc}") from None
+
+    @property
+    def elements(self) -> list[SweepElement]:
+        return self.sweep.elements() if self.sweep is not None else []
+
+    def element_overrides(self, element: SweepElement) -> tuple[str, ...]:
+        """What a config job's sweep element adds: its values and its own run name."""
+        if not isinstance(self.payload, TrainPayload):
+            return ()
+        name = self.payload.config.run_name(self.payload.config_path)
+        return (*element.overrides, f"logging.name={name}-{element.index}")
+
+    def element_payload(self, element: SweepElement) -> Payload:
+        if not isinstance(self.payload, TrainPayload):
+            return self.payload
+        return self.payload.with_overrides(self.element_overrides(element))
+
+    def element_run_folder(self, element: SweepElement) -> Path:
+        if isinstance(self.payload, TrainPayload):
+            return self.element_payload(element).run_folder(self.name)
+        return self.payload.run_folder(f"{self.name}-{element.index}")
+
+    @classmethod
+    def build(cls, cluster: str, nodes: int = 1, *, config: str | None = None, overrides: Sequence[str] = (),
+              command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> JobRequest:
+        """A request from plain values: a cluster profile's name (or YAML path) and either a
+        config (with overrides) or a command; ``options`` are the other fields."""
+        from ddp_hpc.launch.profiles import load_profile
+
+        if (config is None) == (command is None):
+            raise ConfigError("give a config or a command, not both")
+        payload = CommandPayload(tuple(command), run_dir) if command is not None else TrainPayload(config, tuple(overrides))
+        return cls(payload=payload, profile=load_profile(cluster), nodes=nodes, **options)
 
     @property
     def per_node(self) -> int:

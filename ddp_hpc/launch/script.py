@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ddp_hpc import __version__
 from ddp_hpc.launch.mpi import PROGRAMS
-from ddp_hpc.launch.request import JobRequest, export_lines, shell_quote
+from ddp_hpc.launch.request import JobRequest, TrainPayload, export_lines, shell_quote
 from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
 
 #: Where a rendered script keeps the run folder's path (also read by ``ddp-hpc status``).
@@ -21,8 +21,46 @@ class ShellVar(str):
     """An argument that is a shell variable (``"$NAME"``), not a literal to quote."""
 
 
+class ShellArray(str):
+    """An argument that expands a shell array (``"${NAME[@]}"``: zero or more words)."""
+
+
 def render_argv(argv: Sequence[str]) -> str:
-    return " ".join(f'"${{{a}}}"' if isinstance(a, ShellVar) else shell_quote(str(a)) for a in argv)
+    def word(arg: str) -> str:
+        if isinstance(arg, ShellArray):
+            return f'"${{{arg}[@]}}"'
+        return f'"${{{arg}}}"' if isinstance(arg, ShellVar) else shell_quote(str(arg))
+
+    return " ".join(word(a) for a in argv)
+
+
+#: The shell array holding a sweep element's overrides in a rendered array job.
+SWEEP_ARGS = ShellArray("sweep_args")
+
+
+def rank_argv(request: JobRequest) -> list[str]:
+    """The per-rank command; in a sweep of a config, the element's overrides follow."""
+    argv = request.rank_command()
+    return [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
+
+
+def sweep_block(request: JobRequest, index_var: str, workdir_var: str) -> list[str]:
+    """Pick this array task's element: its overrides, variables and run folder."""
+    lines = ["", f"# Sweep: element ${index_var} of {len(request.elements)}", f'case "${{{index_var}}}" in']
+    for element in request.elements:
+        folder = _folder_value(request.element_run_folder(element), workdir_var)
+        overrides = " ".join(shell_quote(o) for o in request.element_overrides(element))
+        exports = "; ".join(f"export {k}={shell_quote(v)}" for k, v in element.environment().items())
+        lines.append(f"  {element.index}) sweep_args=({overrides}); {exports}; export {RUN_FOLDER_VAR}={folder} ;;")
+    lines += [f'  *) echo "ddp_hpc: no sweep element ${{{index_var}}}" >&2; exit 2 ;;', "esac",
+              f'mkdir -p "${RUN_FOLDER_VAR}"', f'echo "ddp_hpc: sweep element ${index_var}: ${{sweep_args[*]}}"',
+              f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
+    return lines
+
+
+def _folder_value(folder, workdir_var: str) -> str:
+    quoted = shell_quote(str(folder))
+    return quoted if folder.is_absolute() else f'"${{{workdir_var}}}/"{quoted}'
 
 
 def header_comment(request: JobRequest, scheduler: str) -> str:
@@ -50,8 +88,7 @@ def mpiexec_lookup(flavour: str) -> str:
 def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
     """``DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
     the job's output."""
-    folder = shell_quote(str(request.run_folder))
-    value = folder if request.run_folder.is_absolute() else f'"${{{workdir_var}}}/"{folder}'
+    value = _folder_value(request.run_folder, workdir_var)
     return [f"export {RUN_FOLDER_VAR}={value}", f'mkdir -p "${RUN_FOLDER_VAR}"',
             f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
 
@@ -61,7 +98,7 @@ def deadline_line(request: JobRequest) -> str:
     return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"
 
 
-def launch_lines(request: JobRequest, command: str, job_id_var: str, requeue: str | None, *,
+def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str | None, *,
                  restarts: int | None = None, forward_signal: str = "USR2",
                  trap_signals: str = "USR2") -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
@@ -99,13 +136,13 @@ def launch_lines(request: JobRequest, command: str, job_id_var: str, requeue: st
     if requeue:
         lines += [
             f'if [ "$stop_requested" = 1 ] || [ "$status" = {PREEMPTED_EXIT} ]; then',
-            f'  echo "ddp_hpc: requeueing job ${{{job_id_var}}}" >&2',
+            f'  echo "ddp_hpc: requeueing job {job_key}" >&2',
             f'  {requeue} || echo "ddp_hpc: requeue failed" >&2',
             '  exit "$status"',
             "fi",
         ]
     lines += [
-        f'printf \'%s\\n\' "$status" >"${RUN_FOLDER_VAR}/exit-${{{job_id_var}}}" || true',
+        f'printf \'%s\\n\' "$status" >"${RUN_FOLDER_VAR}/exit-{job_key}" || true',
         'exit "$status"',
     ]
     return lines

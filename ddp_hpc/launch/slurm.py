@@ -9,8 +9,10 @@ from ddp_hpc.launch.script import (
     environment_block,
     header_comment,
     launch_lines,
+    rank_argv,
     render_argv,
     run_folder_lines,
+    sweep_block,
 )
 
 SIGNAL_LEAD_S = 90
@@ -22,6 +24,11 @@ LOG_DIR = "logs"
 # kills it), and the requeued job resumes from that checkpoint. Without a trap, bash
 # would die on SIGUSR2 at once.
 REQUEUE = 'scontrol requeue "$SLURM_JOB_ID"'
+
+
+def job_key(request: JobRequest) -> str:
+    """The job's id as ``sacct``/``scancel`` name it: ``ID``, or ``ARRAYID_INDEX`` in a sweep."""
+    return "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if request.sweep is not None else "${SLURM_JOB_ID}"
 
 
 def sbatch_directives(request: JobRequest) -> list[str]:
@@ -40,12 +47,14 @@ def sbatch_directives(request: JobRequest) -> list[str]:
     if profile.uses_gpus and profile.devices_per_node:
         lines.append(f"#SBATCH --gpus-per-node={request.per_node}")
     lines.append(f"#SBATCH --time={hms}")
+    if request.sweep is not None:
+        lines.append(f"#SBATCH --array={request.sweep.array_spec()}")
     if request.resolved_account:
         lines.append(f"#SBATCH --account={directive_value(request.resolved_account, 'account')}")
     if request.resolved_queue:
         lines.append(f"#SBATCH --partition={directive_value(request.resolved_queue, 'partition')}")
     lines += [
-        f"#SBATCH --output={LOG_DIR}/%x-%j.out",
+        f"#SBATCH --output={LOG_DIR}/%x-{'%A_%a' if request.sweep is not None else '%j'}.out",
         "#SBATCH --open-mode=append",
         f"#SBATCH --signal=B:USR2@{SIGNAL_LEAD_S}",
         "#SBATCH --requeue",
@@ -56,17 +65,15 @@ def sbatch_directives(request: JobRequest) -> list[str]:
 def step_argv(request: JobRequest) -> list[str]:
     srun = ["srun", "--kill-on-bad-exit=1", "--wait=60"]
     if not request.torchrun_per_node:
-        return [*srun, *request.rank_command()]
+        return [*srun, *rank_argv(request)]
     return [*srun, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
             "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", str(request.max_restarts),
-            "--no-python", *request.rank_command()]
+            "--no-python", *rank_argv(request)]
 
 
 def render_sbatch(request: JobRequest) -> str:
     """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
-    if request.profile.scheduler != "slurm":
-        raise ValueError(f"profile {request.profile.name!r} is for {request.profile.scheduler}, not SLURM")
     torchrun = request.torchrun_per_node
     command = render_argv(step_argv(request))
     lines = [
@@ -86,11 +93,12 @@ def render_sbatch(request: JobRequest) -> str:
         ]
     lines += [
         f'echo "ddp_hpc: job $SLURM_JOB_ID: {request.world_size} ranks on {request.nodes} node(s)"',
-        *run_folder_lines(request, "PWD"),
+        *(sweep_block(request, "SLURM_ARRAY_TASK_ID", "PWD") if request.sweep is not None
+          else run_folder_lines(request, "PWD")),
         deadline_line(request),
         # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
         # SIGUSR2, which would kill the agent) on to them.
-        *launch_lines(request, command, "SLURM_JOB_ID", requeue=REQUEUE,
+        *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
                       restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2"),
         "",
     ]

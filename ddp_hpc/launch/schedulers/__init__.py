@@ -14,6 +14,7 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import JobRequest
 from ddp_hpc.launch.schedulers.base import (
     SUBMISSION_FILE,
+    ElementRecord,
     DryRun,
     JobState,
     JobStatus,
@@ -28,8 +29,10 @@ from ddp_hpc.summary import RunSummary
 SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PbsScheduler, SbatchScheduler, SubmititScheduler)}
 #: A profile's scheduler family -> its backends, the default first.
 FAMILIES: dict[str, tuple[str, ...]] = {"pbs": ("pbs",), "slurm": ("submitit", "sbatch")}
+#: The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``.
+DEFAULT_PROFILES: dict[str, str] = {"pbs": "pbs-generic", "slurm": "slurm-cpu"}
 
-__all__ = ["FAMILIES", "SCHEDULERS", "DryRun", "JobResult", "JobState", "JobStatus", "Scheduler", "Submission",
+__all__ = ["DEFAULT_PROFILES", "FAMILIES", "SCHEDULERS", "DryRun", "ElementResult", "JobResult", "JobState", "JobStatus", "Scheduler", "Submission",
            "dry_run", "get_scheduler", "read_submission", "scheduler_for", "submit", "wait"]
 
 
@@ -66,19 +69,37 @@ def submit(request: JobRequest, scheduler: str | None = None, *, workdir: Path |
 
 
 @dataclass(frozen=True)
+class ElementResult:
+    """How one sweep element ended."""
+
+    element: ElementRecord
+    status: JobStatus
+    summary: RunSummary | None
+
+    def succeeded(self, kind: str) -> bool:
+        if kind == "train":
+            return self.summary is not None and not self.summary.preempted
+        return self.status.state is JobState.COMPLETED and not self.status.exit_code
+
+
+@dataclass(frozen=True)
 class JobResult:
-    """How a job ended: its state, exit status, training summary (config jobs) and log tail."""
+    """How a job ended: its state, exit status, training summary (config jobs), log tail,
+    and for a sweep each element's."""
 
     submission: Submission
     status: JobStatus
     summary: RunSummary | None
     failure: str | None
     log_tail: str
+    elements: tuple[ElementResult, ...] = ()
 
     @property
     def succeeded(self) -> bool:
+        if self.elements:
+            return all(e.succeeded(self.submission.kind) for e in self.elements)
         if self.submission.kind == "train":
-            return self.summary is not None and self.failure is None
+            return self.summary is not None and self.failure is None and not self.summary.preempted
         return self.status.state is JobState.COMPLETED and not self.status.exit_code
 
     @property
@@ -133,10 +154,18 @@ def wait(submission: Submission, *, poll_s: float = 2.0, timeout_s: float | None
     return job_result(scheduler, submission, status)
 
 
+def read_summary(run_folder: str | Path, since: float) -> RunSummary | None:
+    """The run's summary, if written by this submission (not an earlier run's)."""
+    path = Path(run_folder) / "summary.json"
+    if path.exists() and path.stat().st_mtime >= since - 1:
+        return RunSummary.read(path)
+    return None
+
+
 def job_result(scheduler: Scheduler, submission: Submission, status: JobStatus) -> JobResult:
-    summary = None
-    summary_file = Path(submission.run_folder) / "summary.json"
-    if submission.kind == "train" and summary_file.exists() and summary_file.stat().st_mtime >= submission.submitted_at - 1:
-        summary = RunSummary.read(summary_file)
+    elements = tuple(
+        ElementResult(element, element_status, read_summary(element.run_folder, submission.submitted_at))
+        for element, element_status in zip(submission.elements, scheduler.element_statuses(submission)))
+    summary = read_summary(submission.run_folder, submission.submitted_at) if submission.kind == "train" else None
     failure = scheduler.failure(submission) if status.state is not JobState.COMPLETED else None
-    return JobResult(submission, status, summary, failure, log_tail(scheduler, submission))
+    return JobResult(submission, status, summary, failure, log_tail(scheduler, submission), elements)

@@ -14,7 +14,7 @@ import subprocess
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
@@ -79,12 +79,32 @@ class DryRun:
             parts.append(self.script.rstrip("\n"))
             parts.append("")
         parts.append(f"# per-rank command ({self.request.world_size} ranks): {quote_command(self.rank_argv)}")
+        for element in self.request.elements:
+            parts.append(f"# sweep element {element.index}: {element.describe()} -> "
+                         f"{self.request.element_run_folder(element)}")
         if self.submit_argv:
             parts.append(f"# would run: {quote_command(self.submit_argv)}")
+        if self.request.chain > 1:
+            parts.append(f"# then {self.request.chain - 1} more link(s), each after the previous one ended "
+                         "(afterany); each resumes from the run's newest checkpoint")
         if self.parameters:
             parts.append(f"# would submit with {self.scheduler}, parameters:")
             parts += [f"#   {key} = {value!r}" for key, value in sorted(self.parameters.items())]
         return "\n".join(parts) + "\n"
+
+
+@dataclass(frozen=True)
+class ElementRecord:
+    """One element of a sweep (an array job's task): its id, run folder and overrides."""
+
+    index: int
+    job_id: str
+    run_folder: str
+    assignment: str
+
+    @property
+    def exit_file(self) -> Path:
+        return Path(self.run_folder) / f"exit-{self.job_id}"
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,10 @@ class Submission:
     script: str | None = None
     logs: tuple[str, ...] = ()
     command_line: tuple[str, ...] = ()
+    #: Every link of a chain, first to last (``job_id`` is the last).
+    chain: tuple[str, ...] = ()
+    #: A sweep's elements (``job_id`` is the array job's).
+    elements: tuple[ElementRecord, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -109,8 +133,9 @@ class Submission:
     @classmethod
     def from_json(cls, text: str) -> Submission:
         data = json.loads(text)
-        data["logs"] = tuple(data.get("logs", ()))
-        data["command_line"] = tuple(data.get("command_line", ()))
+        for name in ("logs", "command_line", "chain"):
+            data[name] = tuple(data.get(name, ()))
+        data["elements"] = tuple(ElementRecord(**e) for e in data.get("elements", ()))
         return cls(**data)
 
     def record(self) -> Path:
@@ -129,6 +154,19 @@ class Submission:
     def exit_file(self) -> Path:
         """Written by the rendered script when the job ends (see ``script.launch_lines``)."""
         return Path(self.run_folder) / f"exit-{self.job_id}"
+
+
+
+def fold(statuses: Sequence[JobStatus]) -> JobStatus:
+    """A sweep's state: running while any element is not over; then completed only if all did."""
+    for state in (JobState.RUNNING, JobState.PENDING, JobState.UNKNOWN):
+        if any(s.state is state for s in statuses):
+            return JobStatus(state, None, f"{sum(s.state.is_terminal for s in statuses)}/{len(statuses)} ended",
+                             "elements")
+    failed = [s for s in statuses if s.state is not JobState.COMPLETED]
+    code = next((s.exit_code for s in failed if s.exit_code), 1 if failed else 0)
+    return JobStatus(JobState.FAILED if failed else JobState.COMPLETED, code,
+                     f"{len(statuses) - len(failed)}/{len(statuses)} completed", "elements")
 
 
 def read_exit_file(path: Path) -> int | None:
@@ -192,12 +230,28 @@ class Scheduler(ABC):
         """Do exactly what ``dry_run`` says; return the recorded submission."""
 
     @abstractmethod
-    def status(self, submission: Submission) -> JobStatus:
-        """The job's state now; UNKNOWN where no source knows it."""
+    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
+        """One job's (or array element's) state now; UNKNOWN where no source knows it."""
 
     @abstractmethod
+    def cancel_jobs(self, job_ids: Sequence[str]) -> None:
+        """Ask the scheduler to end these jobs."""
+
+    def element_id(self, job_id: str, index: int) -> str:
+        """An array job's element, as the status and cancel tools name it."""
+        return f"{job_id}_{index}"
+
+    def status(self, submission: Submission) -> JobStatus:
+        """The job's state; for a sweep, every element's folded into one."""
+        if not submission.elements:
+            return self.job_status(submission.job_id, submission.exit_file)
+        return fold(self.element_statuses(submission))
+
+    def element_statuses(self, submission: Submission) -> list[JobStatus]:
+        return [self.job_status(e.job_id, e.exit_file) for e in submission.elements]
+
     def cancel(self, submission: Submission) -> None:
-        """Ask the scheduler to end the job."""
+        self.cancel_jobs(submission.chain or (submission.job_id,))
 
     def failure(self, submission: Submission) -> str | None:
         """A line on why a finished job failed, where the backend knows more than its state."""
@@ -212,14 +266,28 @@ class Scheduler(ABC):
             raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
                             f"use 'ddp-hpc render {request.profile.scheduler}' or another --cluster")
 
-    def _submission(self, dry_run: DryRun, job_id: str, logs: Sequence[str], command_line: Sequence[str]) -> Submission:
+    def _submission(self, dry_run: DryRun, job_ids: Sequence[str], logs: Sequence[str],
+                    command_line: Sequence[str], element_ids: Sequence[str] = ()) -> Submission:
+        """Record what was submitted: a job, a chain's links (``job_ids``), or an array job
+        (``element_ids`` name its elements)."""
         from ddp_hpc.launch.request import CommandPayload
 
+        request = dry_run.request
+        elements = tuple(
+            ElementRecord(e.index, element_ids[e.index] if element_ids else self.element_id(job_ids[-1], e.index),
+                          str(_under(dry_run.workdir, request.element_run_folder(e))), e.describe())
+            for e in request.elements)
         submission = Submission(
-            scheduler=self.name, job_id=job_id, run_folder=str(dry_run.run_folder), workdir=str(dry_run.workdir),
-            world_size=dry_run.request.world_size, submitted_at=time.time(),
-            kind="command" if isinstance(dry_run.request.payload, CommandPayload) else "train",
+            scheduler=self.name, job_id=job_ids[-1], run_folder=str(dry_run.run_folder), workdir=str(dry_run.workdir),
+            world_size=request.world_size, submitted_at=time.time(),
+            kind="command" if isinstance(request.payload, CommandPayload) else "train",
             script=str(dry_run.script_path) if dry_run.script_path else None, logs=tuple(logs),
-            command_line=tuple(command_line))
+            command_line=tuple(command_line), chain=tuple(job_ids) if len(job_ids) > 1 else (), elements=elements)
         submission.record()
+        for element in elements:  # `status runs/NAME-3` works for one element too
+            replace(submission, run_folder=element.run_folder, elements=(element,)).record()
         return submission
+
+
+def _under(workdir: Path, folder: Path) -> Path:
+    return folder if folder.is_absolute() else workdir / folder

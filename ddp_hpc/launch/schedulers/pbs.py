@@ -38,7 +38,7 @@ PBS_STATES: dict[str, JobState] = {
 
 
 def _qstat_letter(job_id: str) -> str | None:
-    out = query_tool(["qstat", job_id])
+    out = query_tool(["qstat", "-t", job_id] if "[" in job_id else ["qstat", job_id])
     for line in (out or "").splitlines():
         fields = line.split()
         if fields and fields[0].split(".")[0] == job_id.split(".")[0] and len(fields) >= 5:
@@ -61,18 +61,29 @@ class PbsScheduler(Scheduler):
         write_script(dry_run.script, dry_run.script_path)
         hint = (f"the rendered script is at {dry_run.script_path}; submit it where PBS runs: "
                 f"qsub {dry_run.script_path}")
-        job_id = run_tool(dry_run.submit_argv, hint, cwd=dry_run.workdir).strip()
-        number = job_id.split(".")[0]
+        job_ids: list[str] = []
+        for _ in range(dry_run.request.chain):
+            argv = list(dry_run.submit_argv)
+            if job_ids:
+                argv[-1:-1] = ["-W", f"depend=afterany:{job_ids[-1]}"]
+            job_ids.append(run_tool(argv, hint, cwd=dry_run.workdir).strip())
+        numbers = [job_id.split(".")[0].replace("[]", "") for job_id in job_ids]
         # PBS Pro writes NAME.oNUMBER in the submit folder (-j oe merges stderr into it);
         # Slurm's qsub wrapper ignores -N and -j for this: SCRIPT.oNUMBER and SCRIPT.eNUMBER.
         name, script = job_name_directive(dry_run.request.name), dry_run.script_path.name
-        logs = [str(dry_run.workdir / f"{stem}.{kind}{number}") for stem in dict.fromkeys((name, script))
-                for kind in ("o", "e")]
-        return self._submission(dry_run, job_id, logs, dry_run.submit_argv)
+        # Array elements: NAME.oNUMBER.INDEX (PBS Pro: NAME.oNUMBER^INDEX^ is not used here).
+        suffixes = [f".{e.index}" for e in dry_run.request.elements] or [""]
+        logs = [str(dry_run.workdir / f"{stem}.{kind}{number}{suffix}") for number in numbers
+                for stem in dict.fromkeys((name, script)) for kind in ("o", "e") for suffix in suffixes]
+        return self._submission(dry_run, job_ids, logs, dry_run.submit_argv)
 
-    def status(self, submission: Submission) -> JobStatus:
-        code = read_exit_file(submission.exit_file)
-        letter = _qstat_letter(submission.job_id)
+    def element_id(self, job_id: str, index: int) -> str:
+        """PBS Pro names subjobs ``123[4].server``; Slurm's qsub wrapper ``123_4``."""
+        return job_id.replace("[]", f"[{index}]") if "[]" in job_id else f"{job_id}_{index}"
+
+    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
+        code = read_exit_file(exit_file)
+        letter = _qstat_letter(job_id)
         if letter is not None and PBS_STATES.get(letter) in (JobState.PENDING, JobState.RUNNING):
             return JobStatus(PBS_STATES[letter], None, letter, "qstat")
         if code is not None:
@@ -83,5 +94,5 @@ class PbsScheduler(Scheduler):
             return JobStatus(JobState.FAILED, None, f"{letter} (no exit status recorded)", "qstat")
         return JobStatus(JobState.UNKNOWN)
 
-    def cancel(self, submission: Submission) -> None:
-        run_tool(["qdel", submission.job_id], "qdel cancels PBS jobs")
+    def cancel_jobs(self, job_ids) -> None:
+        run_tool(["qdel", *job_ids], "qdel cancels PBS jobs")

@@ -26,15 +26,24 @@ class SbatchScheduler(Scheduler):
         (dry_run.workdir / LOG_DIR).mkdir(exist_ok=True)
         hint = (f"the rendered script is at {dry_run.script_path}; submit it where SLURM runs: "
                 f"sbatch {dry_run.script_path}")
-        job_id = run_tool(dry_run.submit_argv, hint, cwd=dry_run.workdir).split(";")[0].strip()
-        log = dry_run.workdir / LOG_DIR / f"{_job_name(dry_run)}-{job_id}.out"
-        return self._submission(dry_run, job_id, [str(log)], dry_run.submit_argv)
+        job_ids: list[str] = []
+        for _ in range(dry_run.request.chain):
+            argv = list(dry_run.submit_argv)
+            if job_ids:
+                argv[-1:-1] = [f"--dependency=afterany:{job_ids[-1]}"]
+            job_ids.append(run_tool(argv, hint, cwd=dry_run.workdir).split(";")[0].strip())
+        name = _job_name(dry_run)
+        if dry_run.request.sweep is not None:
+            logs = [str(dry_run.workdir / LOG_DIR / f"{name}-{job_ids[0]}_{e.index}.out") for e in dry_run.request.elements]
+        else:
+            logs = [str(dry_run.workdir / LOG_DIR / f"{name}-{job_id}.out") for job_id in job_ids]
+        return self._submission(dry_run, job_ids, logs, dry_run.submit_argv)
 
-    def status(self, submission: Submission) -> JobStatus:
-        return slurm_status(submission.job_id, submission.exit_file)
+    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
+        return slurm_status(job_id, exit_file)
 
-    def cancel(self, submission: Submission) -> None:
-        run_tool(["scancel", submission.job_id], "scancel cancels SLURM jobs")
+    def cancel_jobs(self, job_ids) -> None:
+        run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")
 
 
 def _job_name(dry_run: DryRun) -> str:

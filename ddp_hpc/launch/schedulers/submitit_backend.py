@@ -32,8 +32,10 @@ PREEMPTED_EXIT = 75
 class SubmititTrainTask:
     """What each SLURM task runs for a training config: ``train`` on this rank."""
 
-    def __init__(self, payload: TrainPayload, workdir: str) -> None:
+    def __init__(self, payload: TrainPayload, workdir: str, requeue: bool = True) -> None:
         self.payload, self.workdir = payload, workdir
+        #: Off in a chain: the next link resumes the run, a requeue would run it twice.
+        self.requeue = requeue
 
     def __call__(self) -> dict[str, Any]:
         from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
@@ -41,7 +43,7 @@ class SubmititTrainTask:
         os.chdir(self.workdir)
         # submitit owns SIGUSR2 in its tasks (it calls checkpoint() and requeues).
         summary = train(self.payload.config_path, self.payload.overrides, options=TrainOptions(configure_logs=True))
-        if summary.preempted:
+        if summary.preempted and self.requeue:
             requeue_from_rank_zero()  # stopped at its deadline after a checkpoint: run again
         return raise_if_preempted(summary).to_dict()
 
@@ -49,6 +51,8 @@ class SubmititTrainTask:
         import submitit
 
         # Requeued with the same task: it resumes from the run's newest checkpoint (resume: auto).
+        if not self.requeue:
+            return None
         return submitit.helpers.DelayedSubmission(SubmititTrainTask(self.payload, self.workdir))
 
 
@@ -56,8 +60,10 @@ class SubmititCommandTask:
     """What each SLURM task runs for a command job: the command, as a child with torchrun's
     variables. A child that exits 75 (checkpointed on request) gets the job requeued."""
 
-    def __init__(self, payload: CommandPayload, workdir: str, run_folder: str) -> None:
+    def __init__(self, payload: CommandPayload, workdir: str, run_folder: str,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.payload, self.workdir, self.run_folder = payload, workdir, run_folder
+        self.extra_env = dict(extra_env or {})  # a sweep element's variables
         self._child: subprocess.Popen | None = None
 
     def __call__(self) -> int:
@@ -66,10 +72,10 @@ class SubmititCommandTask:
         os.chdir(self.workdir)
         launch = command_environment(self.payload.argv)
         sys.stdout.flush()
-        self._child = subprocess.Popen(list(launch.argv), env=launch.environment(os.environ))
+        self._child = subprocess.Popen(list(launch.argv), env={**launch.environment(os.environ), **self.extra_env})
         code = self._child.wait()
         rank = int(launch.environment(os.environ).get("RANK", "0"))
-        job_id = os.environ.get("SLURM_JOB_ID", "")
+        job_id = _slurm_job_key()
         if rank == 0 and job_id and code != PREEMPTED_EXIT:
             Path(self.run_folder).mkdir(parents=True, exist_ok=True)
             (Path(self.run_folder) / f"exit-{job_id}").write_text(f"{code}\n")
@@ -90,7 +96,15 @@ class SubmititCommandTask:
                 self._child.wait(timeout=SIGNAL_LEAD_S - 10)
             except subprocess.TimeoutExpired:
                 pass
-        return submitit.helpers.DelayedSubmission(SubmititCommandTask(self.payload, self.workdir, self.run_folder))
+        return submitit.helpers.DelayedSubmission(
+            SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env))
+
+
+def _slurm_job_key() -> str:
+    """The id ``sacct`` knows this job by: ``ID``, or ``ARRAYID_INDEX`` for an array element."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+    return os.environ.get("SLURM_JOB_ID", "")
 
 
 def requeue_from_rank_zero() -> None:
@@ -130,17 +144,24 @@ class SubmititScheduler(Scheduler):
             raise UserError("--torchrun renders a batch script: use it with --sbatch")
         if request.max_restarts:
             raise UserError("--max-restarts relaunches ranks from a batch script: use it with --sbatch")
-        return DryRun(self.name, request, workdir, tuple(request.rank_command()),
-                      parameters=executor_parameters(request))
+        parameters = executor_parameters(request)
+        if request.sweep is not None and request.sweep.limit:
+            parameters["slurm_array_parallelism"] = request.sweep.limit
+        return DryRun(self.name, request, workdir, tuple(request.rank_command()), parameters=parameters)
 
     def folder(self, dry_run: DryRun) -> Path:
         return dry_run.run_folder / "submitit"
 
-    def task(self, dry_run: DryRun):
-        payload = dry_run.request.payload
-        if isinstance(payload, CommandPayload):
-            return SubmititCommandTask(payload, str(dry_run.workdir), str(dry_run.run_folder))
-        return SubmititTrainTask(payload, str(dry_run.workdir))
+    def tasks(self, dry_run: DryRun) -> list:
+        """One callable, or one per sweep element (submitted as one array job)."""
+        request, workdir = dry_run.request, str(dry_run.workdir)
+        if isinstance(request.payload, CommandPayload):
+            if not request.elements:
+                return [SubmititCommandTask(request.payload, workdir, str(dry_run.run_folder))]
+            return [SubmititCommandTask(request.payload, workdir, str(dry_run.workdir / request.element_run_folder(e)),
+                                        e.environment()) for e in request.elements]
+        payloads = [request.element_payload(e) for e in request.elements] or [request.payload]
+        return [SubmititTrainTask(payload, workdir, requeue=request.chain == 1) for payload in payloads]
 
     def submit(self, dry_run: DryRun) -> Submission:
         import submitit
@@ -149,22 +170,39 @@ class SubmititScheduler(Scheduler):
         folder = self.folder(dry_run)
         executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
         executor.update_parameters(**dry_run.parameters)
-        job = executor.submit(self.task(dry_run))
-        logs = [str(folder / f"{job.job_id}_{rank}_log.{kind}") for rank in range(dry_run.request.world_size)
+        tasks = self.tasks(dry_run)
+        if dry_run.request.sweep is not None:
+            jobs = executor.submit_array(tasks)
+            return self._submission(dry_run, [jobs[0].job_id.split("_")[0]], self._logs(folder, jobs, 1),
+                                    ("submitit", "sbatch", "--array"), [job.job_id for job in jobs])
+        job_ids: list[str] = []
+        jobs = []
+        for _ in range(dry_run.request.chain):
+            if job_ids:
+                executor.update_parameters(slurm_additional_parameters={"dependency": f"afterany:{job_ids[-1]}"})
+            jobs.append(executor.submit(tasks[0]))
+            job_ids.append(jobs[-1].job_id)
+        return self._submission(dry_run, job_ids, self._logs(folder, jobs, dry_run.request.world_size),
+                                ("submitit", "sbatch"))
+
+    @staticmethod
+    def _logs(folder: Path, jobs, ranks: int) -> list[str]:
+        return [str(folder / f"{job.job_id}_{rank}_log.{kind}") for job in jobs for rank in range(ranks)
                 for kind in ("out", "err")]
-        return self._submission(dry_run, job.job_id, logs, ("submitit", "sbatch"))
 
-    def status(self, submission: Submission) -> JobStatus:
-        return slurm_status(submission.job_id, submission.exit_file)
+    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
+        return slurm_status(job_id, exit_file)
 
-    def cancel(self, submission: Submission) -> None:
-        run_tool(["scancel", submission.job_id], "scancel cancels SLURM jobs")
+    def cancel_jobs(self, job_ids) -> None:
+        run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")
 
     def failure(self, submission: Submission) -> str | None:
         """Why a finished job failed, from submitit's result files (None if every rank
         returned a result)."""
         import submitit
 
+        if submission.elements:
+            return None  # each element's state says it; see ``ddp-hpc status`` per element
         folder = Path(submission.run_folder) / "submitit"
         job = submitit.SlurmJob(folder=str(folder), job_id=submission.job_id, tasks=range(submission.world_size))
         try:
