@@ -34,7 +34,8 @@ class CsvTracker(Tracker):
     name = "csv"
 
     def start(self, start: TrackerStart) -> tuple[str, Held]:
-        self.path = Path(start.run_id) if start.run_id else start.folder / "metrics.csv"
+        stored = Path(start.run_id) if start.run_id else None
+        self.path = stored if stored is not None and stored.is_file() else (start.folder / "metrics.csv").resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         held: dict[str, int] = {}
         if start.run_id is None or not self.path.exists():

@@ -14,7 +14,10 @@ class TensorBoardTracker(Tracker):
     def start(self, start: TrackerStart) -> tuple[str, Held]:
         from torch.utils.tensorboard import SummaryWriter
 
-        folder = Path(start.run_id) if start.run_id else start.folder / "tensorboard"
+        # The folder of the run being continued: a chained job in a new run folder keeps
+        # writing to it while it exists.
+        stored = Path(start.run_id) if start.run_id else None
+        folder = stored if stored is not None and stored.is_dir() else (start.folder / "tensorboard").resolve()
         earlier = folder.exists() and any(folder.glob("events.out.tfevents.*"))
         # purge_step: TensorBoard hides the events of earlier attempts from this step on, so
         # steps logged after the checkpoint by a killed attempt are not shown twice. A fresh

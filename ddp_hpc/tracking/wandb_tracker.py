@@ -41,4 +41,6 @@ class WandbTracker(Tracker):
         self.run.log(dict(metrics), step=step)
 
     def close(self, finished: bool) -> None:
-        self.run.finish(exit_code=0 if finished else 1)
+        if not finished:
+            self.run.mark_preempting()  # the requeued job resumes this run
+        self.run.finish()
