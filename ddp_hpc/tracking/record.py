@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -54,14 +55,11 @@ def versions() -> dict[str, str | None]:
 
     import ddp_hpc
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ddp_hpc": ddp_hpc.__version__,
-        "mpi": _first_line(["mpiexec", "--version"]),
-        "slurm": _first_line(["sinfo", "--version"]),
-        "pbs": _first_line(["qstat", "--version"]),
-    }
+    tools = {"mpi": ["mpiexec", "--version"], "slurm": ["sinfo", "--version"], "pbs": ["qstat", "--version"]}
+    with ThreadPoolExecutor(len(tools)) as pool:  # at the start of every run: in parallel
+        lines = dict(zip(tools, pool.map(_first_line, tools.values())))
+    return {"python": platform.python_version(), "torch": torch.__version__, "ddp_hpc": ddp_hpc.__version__,
+            **lines}
 
 
 def packages() -> list[str]:
