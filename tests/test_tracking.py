@@ -291,3 +291,22 @@ def test_epoch_rows_become_tracker_metrics():
     assert row_metrics(row) == {"epoch": 2.0, "train/epoch_lr": 0.1, "epoch/epoch_time_s": 1.5,
                                 "epoch/samples_per_s": 100.0, "train/epoch_loss": 0.5, "val/loss": 0.6,
                                 "val/accuracy": 0.9}
+
+
+def test_a_resumed_run_neither_repeats_nor_skips_points_the_killed_attempt_logged(tmp_path):
+    # 256 samples, batch 16: 16 steps per epoch. The first attempt stops at step 6 with a
+    # checkpoint there; then, as a killed attempt would, it logged steps 7 and 8 and half a line.
+    common = ["training.epochs=1", "logging.trackers=[csv]", "logging.log_every_n_steps=1", "logging.plot=false",
+              "checkpoint.every_n_epochs=null"]
+    fit_in_process(tmp_path, [*common, "training.max_steps=6"])
+    csv_file = tmp_path / "r" / "tracking" / "metrics.csv"
+    with open(csv_file, "a") as handle:
+        handle.write("7,train/loss,0.5\n7,train/lr,0.05\n8,train/loss,0.25\n8,train/lr,0.05\n9,train/lo")
+    summary = fit_in_process(tmp_path, common)
+    assert summary["global_step"] == 16
+    points = read_points(csv_file)
+    loss = [(s, v) for s, k, v in points if k == "train/loss"]
+    assert [s for s, _ in loss] == list(range(1, 17))
+    assert dict(loss)[8] == 0.25  # held from the earlier attempt, not logged again
+    assert [s for s, k, _ in points if k == "val/loss"] == [16]
+    assert "train/lo\n" not in csv_file.read_text()
