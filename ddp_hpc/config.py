@@ -236,7 +236,8 @@ class LoggingConfig:
             raise ConfigError(f"logging.trackers names a tracker twice: {self.trackers}")
         from ddp_hpc.tracking.registry import check_installed
 
-        check_installed(self.trackers)  # a missing package stops the job before any rank starts
+        # A missing package stops the job before any rank starts.
+        check_installed(self.trackers, self.mlflow.tracking_uri)
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"logging.name {self.name!r} must be a plain folder name")
 

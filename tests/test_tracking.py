@@ -310,3 +310,12 @@ def test_a_resumed_run_neither_repeats_nor_skips_points_the_killed_attempt_logge
     assert dict(loss)[8] == 0.25  # held from the earlier attempt, not logged again
     assert [s for s, k, _ in points if k == "val/loss"] == [16]
     assert "train/lo\n" not in csv_file.read_text()
+
+
+def test_mlflow_local_store_needs_sqlalchemy_but_a_server_does_not(monkeypatch):
+    real = registry.importlib.util.find_spec
+    monkeypatch.setattr(registry.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    with pytest.raises(UserError, match="'sqlalchemy' package is not installed: pip install 'ddp_hpc\\[mlflow\\]'"):
+        load_config(None, ["logging.trackers=[mlflow]"])
+    load_config(None, ["logging.trackers=[mlflow]", "logging.mlflow.tracking_uri=http://127.0.0.1:5000"])

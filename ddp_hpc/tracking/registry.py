@@ -26,14 +26,18 @@ class TrackerNotInstalled(UserError):
     """A tracker named in logging.trackers whose package is missing."""
 
 
-def check_installed(names: Sequence[str]) -> None:
+def check_installed(names: Sequence[str], mlflow_tracking_uri: str | None = None) -> None:
     """Raise (one line, exit 2) if a named tracker's package cannot be imported."""
     for name in names:
         module, extra = REQUIREMENTS[name]
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise TrackerNotInstalled(
-                f"logging.trackers names {name!r}, but the {module!r} package is not installed: "
-                f"pip install 'ddp_hpc[{extra}]', or remove it from logging.trackers")
+        modules = [module] if module else []
+        if name == "mlflow" and (mlflow_tracking_uri is None or mlflow_tracking_uri.startswith("sqlite:")):
+            modules += ["sqlalchemy", "alembic"]  # mlflow-skinny's SQLite store needs them
+        for needed in modules:
+            if importlib.util.find_spec(needed) is None:
+                raise TrackerNotInstalled(
+                    f"logging.trackers names {name!r}, but the {needed!r} package is not installed: "
+                    f"pip install 'ddp_hpc[{extra}]', or remove it from logging.trackers")
 
 
 def create(name: str, config: LoggingConfig) -> Tracker:
