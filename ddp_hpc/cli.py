@@ -104,6 +104,16 @@ def _cmd_run(args: argparse.Namespace) -> NoReturn:
         raise SystemExit(127 if isinstance(exc, FileNotFoundError) else 126) from None
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.tracking.plot import plot_run
+
+    path = plot_run(Path(args.run_folder), Path(args.output) if args.output else None)
+    write_line(sys.stdout, str(path))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -217,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
+
+    plot = sub.add_parser("plot", parents=[common],
+                          help="draw a run folder's training curves as a PNG (also while it runs)")
+    plot.add_argument("run_folder", help="e.g. runs/digits")
+    plot.add_argument("-o", "--output", help="PNG path (default: RUN_FOLDER/curves.png)")
+    plot.set_defaults(func=_cmd_plot)
 
     launch = sub.add_parser("launch", parents=[common],
                             help="start N ranks of a command on this machine")

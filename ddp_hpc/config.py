@@ -194,6 +194,23 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MlflowConfig:
+    #: null: a SQLite store in the run folder (``tracking/mlflow.db``); or a server's URI.
+    tracking_uri: str | None = None
+    #: Experiment name; null = the run name.
+    experiment: str | None = None
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    #: null = ``ddp_hpc``.
+    project: str | None = None
+    entity: str | None = None
+    #: ``offline`` writes ``tracking/wandb`` only (``wandb sync`` uploads it); ``online`` needs network.
+    mode: Literal["offline", "online"] = "offline"
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     #: Folder that holds one folder per run.
     run_dir: str = "runs"
@@ -203,9 +220,24 @@ class LoggingConfig:
     progress: Literal["auto", "always", "never"] = "auto"
     #: Also log a line every N optimizer steps (0: epoch lines only).
     log_every_n_steps: int = 0
+    #: Experiment trackers rank 0 feeds (docs/tracking.md); each needs its extra installed.
+    trackers: list[Literal["tensorboard", "mlflow", "wandb", "csv"]] = field(default_factory=list)
+    #: Without a progress bar (e.g. a batch job's log), a progress line this often (0: none).
+    progress_every_s: float = 30.0
+    #: Draw the training curves (``curves.png``) at the end of the run (needs matplotlib).
+    plot: bool = True
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         non_negative(self.log_every_n_steps, "logging.log_every_n_steps")
+        non_negative(self.progress_every_s, "logging.progress_every_s")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(f"logging.trackers names a tracker twice: {self.trackers}")
+        from ddp_hpc.tracking.registry import check_installed
+
+        # A missing package stops the job before any rank starts.
+        check_installed(self.trackers, self.mlflow.tracking_uri)
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"logging.name {self.name!r} must be a plain folder name")
 

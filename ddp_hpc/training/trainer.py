@@ -23,6 +23,7 @@ from ddp_hpc.config import Config
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
+from ddp_hpc.tracking import RunShape, Tracking
 from ddp_hpc.training import checkpoint as ckpt
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
@@ -68,6 +69,7 @@ class Trainer:
         self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
+        self.tracking = Tracking(config, ctx, run)
 
     # ----- setup ------------------------------------------------------------------------
 
@@ -183,6 +185,9 @@ class Trainer:
             for name in ckpt.remove_stale_temporaries(self.run.checkpoints):
                 log.info("removed %s, left by a checkpoint write that was interrupted", name)
         self._log_start(datasets)
+        self.tracking.start(RunShape(self.ctx.world_size, self.effective_batch_size, self.training.epochs,
+                                     self.steps_per_epoch, total_steps), self.progress.global_step,
+                            resume[1].get("tracking") if resume else None, self.history)
         for callback in self.callbacks:
             callback.on_fit_start(self)
 
@@ -194,9 +199,11 @@ class Trainer:
                 if self.ctx.is_rank_zero:
                     log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
                                 "the job to resume", self.progress.epoch + 1, self.progress.global_step)
+                self.tracking.finish(completed=False)
                 return self._summary(started, RunStatus.PREEMPTED, None, write=False)
             test_metrics = self._test(datasets)
         summary = self._summary(started, RunStatus(status), test_metrics)
+        self.tracking.finish(completed=True)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
@@ -257,6 +264,7 @@ class Trainer:
                 row.update({f"val_{k}": v for k, v in val_metrics.items()})
                 verdict = self._early_stopping(val_metrics, epoch + 1)
             self.history.append(row)
+            self.tracking.on_epoch(row)
             if self.ctx.is_rank_zero:
                 self.run.append_metrics(row)
                 log.info(self._epoch_line(row))
@@ -314,6 +322,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self)
             self._maybe_log_step(sums)
+            self.tracking.on_step(epoch, self.progress.global_step, sums, self.optimizer.param_groups[0]["lr"])
             every = self.config.checkpoint.every_n_steps
             if every and self.progress.global_step % every == 0:
                 if batch_index < total_batches:
@@ -406,6 +415,7 @@ class Trainer:
         if datasets.test is None:
             return None
         metrics, count = self.evaluate(datasets.test)
+        self.tracking.on_test(self.progress.global_step, metrics)
         if self.ctx.is_rank_zero:
             log.info("test: %s (%d samples)", "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())), count)
         return metrics
@@ -438,6 +448,7 @@ class Trainer:
             "early_stopping": self.early.to_dict(),
             "history": self.history,
             "config": self.config.to_dict(),
+            "tracking": self.tracking.state(self.progress.global_step),
         }
         directory = self.run.checkpoints
         path = ckpt.save_atomic(state, ckpt.step_path(directory, self.progress.global_step))
