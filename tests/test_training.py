@@ -216,6 +216,6 @@ def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path):
 
     a = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")
     b = load_checkpoint(checkpoints / "last.pt")
-    assert a["progress"] == {"epoch": 3, "batches_done": 0, "global_step": 24}
+    assert a["progress"] == {"epoch": 3, "batches_done": 0, "global_step": 24, "epoch_offset": 0}
     assert_same_training_state(a, b)
     assert a["scheduler"] == b["scheduler"]

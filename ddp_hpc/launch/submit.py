@@ -15,6 +15,7 @@ from typing import Any
 
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import JobRequest, export_lines, parse_walltime
+from ddp_hpc.stop import SLURM_DEADLINE_LINES
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,13 @@ class SubmititTrainTask:
 
     ``checkpoint`` is submitit's hook on preemption and timeout: the job is requeued with
     the same task, which resumes from the run's newest checkpoint (``resume: auto``).
+
+    submitit's own handler for its signal (SIGUSR2) would requeue at once, killing the
+    ranks wherever they are. Instead the ranks take the signal as under sbatch: they agree
+    on a step, checkpoint there and stop; only then is submitit's handler called, which
+    calls ``checkpoint`` and requeues. A stop for the job's deadline is handed over the
+    same way. After SIGTERM (scancel, preemption; submitit ignores it) the ranks stop
+    and the scheduler decides what comes next.
     """
 
     def __init__(self, config_path: str, overrides: tuple[str, ...], workdir: str) -> None:
@@ -145,17 +153,51 @@ class SubmititTrainTask:
 
     def __call__(self) -> dict[str, Any]:
         from ddp_hpc.logs import configure_logging
-        from ddp_hpc.train import TrainRequest, train
+        from ddp_hpc.train import Preempted, TrainRequest, train
 
         os.chdir(self.workdir)
         configure_logging(None)
-        # submitit owns SIGUSR2 in its tasks (it calls checkpoint() and requeues).
-        return train(TrainRequest(self.config_path, self.overrides, handle_signals=False))
+        try:
+            return train(TrainRequest(self.config_path, self.overrides))
+        except Preempted as stopped:
+            hand_over_to_submitit(stopped.signum)
+            raise
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit
 
         return submitit.helpers.DelayedSubmission(SubmititTrainTask(self.config_path, self.overrides, self.workdir))
+
+
+#: How long the other ranks wait for rank 0's requeue to end them.
+REQUEUE_WAIT_S = 120.0
+
+
+def hand_over_to_submitit(signum: int | None) -> None:
+    """After the agreed-step checkpoint: let submitit do what its signal handler is for.
+
+    Every rank calls submitit's handler for its preemption signal (now restored): rank 0's
+    calls ``checkpoint()``, requeues the job and exits; the others' only log. They then
+    wait to be ended by the requeue rather than exit first (a task that ends with an error
+    would report the job as failed, and ``--kill-on-bad-exit`` would stop the requeue).
+    ``SystemExit`` leaves no submitit result behind, as submitit's own exit does.
+    """
+    import signal
+
+    import submitit
+
+    preemption = submitit.JobEnvironment._usr_sig()
+    if signum not in (None, preemption):
+        log.warning("stopped after %s: not requeueing (the scheduler decides)", signal.Signals(signum).name)
+        raise SystemExit(75)
+    handler = signal.getsignal(preemption)
+    if callable(handler):
+        handler(preemption, None)  # rank 0: checkpoint(), scontrol requeue, sys.exit
+    deadline = time.monotonic() + REQUEUE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+    log.error("the job was not requeued within %.0f s of the checkpoint; stopping", REQUEUE_WAIT_S)
+    raise SystemExit(75)
 
 
 def submitit_executor(request: JobRequest, folder: Path):
@@ -169,7 +211,7 @@ def submitit_executor(request: JobRequest, folder: Path):
     params: dict[str, Any] = {
         "name": request.name, "nodes": request.nodes, "tasks_per_node": request.per_node,
         "timeout_min": minutes, "slurm_signal_delay_s": 90,
-        "slurm_setup": [*request.setup_lines(), *export_lines(request.environment())],
+        "slurm_setup": [*request.setup_lines(), *export_lines(request.environment()), *SLURM_DEADLINE_LINES],
     }
     if profile.cpus_per_task:
         params["cpus_per_task"] = profile.cpus_per_task
