@@ -121,8 +121,15 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, s
     assert submit.returncode == 0, out[-2000:] + err[-3000:]
     assert "job finished: 12 epochs" in out
     logs = "".join(p.read_text() for p in (runs / "preempted" / "submitit").glob("*_0_log.err"))
-    assert "resuming from" in logs
+    # The ranks took the signal before submitit's handler: they agreed on a step (a multiple
+    # of preemption_check_every_n_steps=5) and checkpointed there, then submitit requeued.
+    assert "received SIGUSR2: will checkpoint and stop" in logs
+    stopped = re.search(r"stopped on request at epoch \d+, step (\d+)", logs)
+    assert stopped and int(stopped.group(1)) % 5 == 0, logs[-3000:]
+    assert re.search(rf"resuming from \S+step-{int(stopped.group(1)):08d}\.pt:", logs), logs[-3000:]
+    # submitit's own handler ran only after the checkpoint.
+    assert logs.index("stopped on request") < logs.index("Caught signal SIGUSR2") < logs.index("resuming from")
     assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
                             load_checkpoint(checkpoints / "last.pt"))
-    FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): requeued {requeued - signalled:.1f}s after the "
-                   f"signal; resumed from the newest periodic checkpoint; final weights bit-identical")
+    FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): checkpoint at the agreed step {stopped.group(1)}, "
+                   f"requeued {requeued - signalled:.1f}s after the signal; final weights bit-identical")

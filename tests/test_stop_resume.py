@@ -21,11 +21,13 @@ from stop_helpers import count_ids
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 
 
-def assert_every_rank_stopped_with_75(result: subprocess.CompletedProcess[str], nproc: int) -> None:
-    """torchrun itself exits 1 when its workers fail; its summary names each worker's status."""
+def assert_stopped_with_75(result: subprocess.CompletedProcess[str], nproc: int) -> None:
+    """torchrun exits 1 when a worker ends non-zero; its summary gives each worker's status.
+    The first rank to exit 75 makes torchrun SIGTERM the others, which may still be on their
+    way out (after the barrier that follows the checkpoint), so those show 75 or -15."""
     assert result.returncode != 0, result.stderr[-3000:]
-    stopped = set(re.findall(r"exitcode\s+:\s*75 \(pid: (\d+)\)", result.stderr))
-    assert len(stopped) == nproc, result.stderr[-3000:]
+    codes = dict((pid, int(code)) for code, pid in re.findall(r"exitcode\s+:\s*(-?\d+) \(pid: (\d+)\)", result.stderr))
+    assert len(codes) == nproc and 75 in codes.values() and set(codes.values()) <= {75, -15}, result.stderr[-3000:]
 
 
 def torchrun(tmp_path: Path, nproc: int, config: str | Path, overrides: list[str], *, name: str,
@@ -56,7 +58,7 @@ def test_resume_on_fewer_and_more_ranks_trains_every_sample_of_the_epoch_once(tm
     stopped = torchrun(tmp_path, 2, config, [
         *WORLD_SIZE_CONFIG, _record(tmp_path / "ids-2", "{target: 'stop_helpers:StopAtStep', params: {step: 11}}")],
         name="two")
-    assert_every_rank_stopped_with_75(stopped, 2)
+    assert_stopped_with_75(stopped, 2)
     state = load_checkpoint(runs / "two" / "checkpoints" / "last.pt")
     assert state["progress"] == {"epoch": 1, "batches_done": 3, "global_step": 11, "epoch_offset": 0}
     assert state["world_size"] == 2
@@ -108,7 +110,7 @@ def test_deadline_stops_the_job_in_time_and_the_rerun_ends_bit_identical(tmp_pat
     stopped = torchrun(tmp_path, 2, config, [*DEADLINE_CONFIG, slow], name="deadline",
                        env={"DDP_HPC_DEADLINE": f"{deadline:.3f}"})
     ended = time.time()
-    assert_every_rank_stopped_with_75(stopped, 2)
+    assert_stopped_with_75(stopped, 2)
     assert "checkpointing and stopping at step" in stopped.stderr
     checkpoints = tmp_path / "runs" / "deadline" / "checkpoints"
     newest = max(checkpoints.glob("step-*.pt"))
@@ -116,7 +118,8 @@ def test_deadline_stops_the_job_in_time_and_the_rerun_ends_bit_identical(tmp_pat
     step = state["progress"]["global_step"]
     assert step % 4 == 0 and 0 < step < 12 * 16, step
     assert f"stopping at step {step}" in stopped.stderr
-    assert newest.stat().st_mtime < deadline, "the checkpoint came after the deadline"
+    checkpointed = newest.stat().st_mtime
+    assert checkpointed < deadline, "the checkpoint came after the deadline"
     assert ended < deadline, "the job ended after its deadline"
 
     resumed = torchrun(tmp_path, 2, config, DEADLINE_CONFIG, name="deadline")
@@ -127,5 +130,5 @@ def test_deadline_stops_the_job_in_time_and_the_rerun_ends_bit_identical(tmp_pat
     assert_same_training_state(a, b)
     assert a["scheduler"] == b["scheduler"]
     FIGURES.append(f"deadline stop (torchrun, 2 ranks, DDP_HPC_DEADLINE 35 s ahead, margin 8 s): checkpoint at "
-                   f"step {step} {deadline - newest.stat().st_mtime:.1f} s before the deadline, job ended "
+                   f"step {step} {deadline - checkpointed:.1f} s before the deadline, job ended "
                    f"{deadline - ended:.1f} s before it; resumed run bit-identical")
