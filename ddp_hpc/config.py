@@ -12,9 +12,6 @@ from typing import Any, Literal
 
 import yaml
 
-from ddp_hpc.errors import UserError
-from ddp_hpc.stop import parse_stop_signal
-
 from ddp_hpc.config_loader import (
     ConfigError,
     apply_overrides,
@@ -23,6 +20,8 @@ from ddp_hpc.config_loader import (
     positive,
     to_plain,
 )
+from ddp_hpc.errors import UserError
+from ddp_hpc.stop import parse_stop_signal
 
 
 @dataclass(frozen=True)
