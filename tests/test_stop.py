@@ -3,6 +3,7 @@ decision to stop ahead of it, and the re-sharding of an epoch for another world 
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from conftest import REPO, ddp_hpc_command, run
+from conftest import REPO, clean_env, ddp_hpc_command, run
 from ddp_hpc.cli import _Parser
 from ddp_hpc.config import load_config
 from ddp_hpc.distributed import process_group
@@ -245,3 +246,24 @@ def test_resume_with_another_batch_size_counts_every_sample_once(tmp_path):
     assert state["scheduler"]["last_epoch"] == 22
     assert state["scheduler"]["base_lrs"] == [pytest.approx(1e-3 * 6 / 4)]
     assert int(state["optimizer"]["state"][0]["step"]) == 22
+
+
+def test_the_configured_stop_signal_checkpoints_and_exits_75(tmp_path):
+    """``checkpoint.stop_signal=USR1@60``: SIGUSR1 (whose default action would kill the
+    process) asks for the agreed stop, like SIGUSR2."""
+    args = [*ddp_hpc_command(), "train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=512",
+            "job.params.input_dim=16", "job.params.hidden=32", "job.params.depth=2", "training.epochs=200",
+            "checkpoint.stop_signal=USR1@60", "checkpoint.preemption_check_every_n_steps=3",
+            "logging.progress=never", f"logging.run_dir={tmp_path}", "logging.name=usr1"]
+
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    for line in process.stderr:
+        if "epoch 1/200" in line:  # training is under way
+            break
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 75, err[-3000:]
+    assert "received SIGUSR1: will checkpoint and stop within 3 steps" in err
+    step = int(re.search(r"stopped at step (\d+) on request", err).group(1))
+    assert step % 3 == 0
+    assert load_checkpoint(tmp_path / "usr1" / "checkpoints" / "last.pt")["progress"]["global_step"] == step
