@@ -20,6 +20,8 @@ from ddp_hpc.config_loader import (
     positive,
     to_plain,
 )
+from ddp_hpc.errors import UserError
+from ddp_hpc.stop import parse_stop_signal
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,12 @@ class CheckpointConfig:
     resume: str = "auto"
     #: After SIGUSR2/SIGTERM (time limit, preemption), ranks agree to stop this often.
     preemption_check_every_n_steps: int = 10
+    #: A signal that asks the ranks to checkpoint and stop, besides SIGUSR2 and SIGTERM,
+    #: and its lead before the time limit: ``NAME@SECONDS`` (rendered scripts ask for it).
+    stop_signal: str = "USR2@90"
+    #: With a known job end (DDP_HPC_DEADLINE), stop when the time left would not cover
+    #: the next check interval, a checkpoint and this margin; null: never stop for it.
+    deadline_margin_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")
@@ -191,6 +199,12 @@ class CheckpointConfig:
         if self.every_n_epochs is not None:
             positive(self.every_n_epochs, "checkpoint.every_n_epochs")
         positive(self.keep_last, "checkpoint.keep_last")
+        if self.deadline_margin_s is not None:
+            non_negative(self.deadline_margin_s, "checkpoint.deadline_margin_s")
+        try:
+            parse_stop_signal(self.stop_signal)
+        except UserError as exc:
+            raise ConfigError(f"checkpoint.stop_signal: {exc}") from None
 
 
 @dataclass(frozen=True)

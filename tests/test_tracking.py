@@ -80,7 +80,7 @@ def test_a_tracker_that_fails_to_start_is_a_warning_and_training_goes_on(tmp_pat
         summary = fit_in_process(tmp_path, ["training.epochs=1", "logging.trackers=[mlflow,csv]",
                                             "logging.mlflow.tracking_uri=nosuchscheme://nowhere",
                                             "logging.log_every_n_steps=2", "logging.plot=false"])
-    assert summary["epochs_completed"] == 1
+    assert summary.epochs_completed == 1
     warnings = [r.getMessage() for r in caplog.records if "tracker mlflow did not start" in r.getMessage()]
     assert len(warnings) == 1
     # The other tracker still logged every second step.
@@ -303,7 +303,7 @@ def test_a_resumed_run_neither_repeats_nor_skips_points_the_killed_attempt_logge
     with open(csv_file, "a") as handle:
         handle.write("7,train/loss,0.5\n7,train/lr,0.05\n8,train/loss,0.25\n8,train/lr,0.05\n9,train/lo")
     summary = fit_in_process(tmp_path, common)
-    assert summary["global_step"] == 16
+    assert summary.global_step == 16
     points = read_points(csv_file)
     loss = [(s, v) for s, k, v in points if k == "train/loss"]
     assert [s for s, _ in loss] == list(range(1, 17))

@@ -15,6 +15,8 @@ RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 DEADLINE_VAR = "DDP_HPC_DEADLINE"
 #: What ranks exit with after checkpointing on a stop request (EX_TEMPFAIL).
 PREEMPTED_EXIT = 75
+#: The file rank 0 writes in the run folder after such a checkpoint (training/run_folder.py).
+PREEMPTED_MARKER = "preempted"
 
 
 class ShellVar(str):
@@ -121,11 +123,16 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
         "attempt=0",
         "while :; do",
         f"  export {RESTART_COUNT_VAR}=$attempt",
+        "  step_started=$(date +%s)",
         f"  {command} &",
         "  step_pid=$!",
         "  status=0",
         '  wait "$step_pid" || status=$?',
         '  while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done',
+        # srun --kill-on-bad-exit turns the ranks' 75 into 143: the marker rank 0 wrote says it.
+        f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
+        f'  if [ "$status" != 0 ] && [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
+        f'status={PREEMPTED_EXIT}; fi',
         f'  if [ "$status" = 0 ] || [ "$status" = {PREEMPTED_EXIT} ] || [ "$stop_requested" = 1 ] || '
         f'[ "$attempt" -ge {restarts} ]; then break; fi',
         "  attempt=$((attempt + 1))",

@@ -6,11 +6,13 @@ callable's ``checkpoint()`` and requeues the job with what that returns.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +26,24 @@ from ddp_hpc.launch.schedulers.base import (
     run_tool,
 )
 from ddp_hpc.launch.schedulers.slurm_state import slurm_status
+from ddp_hpc.stop import SLURM_DEADLINE_LINES
+
+log = logging.getLogger(__name__)
 
 SIGNAL_LEAD_S = 90
 PREEMPTED_EXIT = 75
 
 
 class SubmititTrainTask:
-    """What each SLURM task runs for a training config: ``train`` on this rank."""
+    """What each SLURM task runs for a training config: ``train`` on this rank.
+
+    submitit's own handler for its signal (SIGUSR2) would requeue at once, killing the
+    ranks wherever they are. Instead the ranks take the signal as under sbatch: they agree
+    on a step, checkpoint there and stop; only then is submitit's handler called, which
+    calls ``checkpoint`` and requeues. A stop for the job's deadline is handed over the
+    same way. After SIGTERM (scancel, preemption; submitit ignores it) the ranks stop
+    and the scheduler decides what comes next.
+    """
 
     def __init__(self, payload: TrainPayload, workdir: str, requeue: bool = True) -> None:
         self.payload, self.workdir = payload, workdir
@@ -38,14 +51,18 @@ class SubmititTrainTask:
         self.requeue = requeue
 
     def __call__(self) -> dict[str, Any]:
-        from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
+        from ddp_hpc.train_job import Preempted, TrainOptions, raise_if_preempted, train
 
         os.chdir(self.workdir)
-        # submitit owns SIGUSR2 in its tasks (it calls checkpoint() and requeues).
-        summary = train(self.payload.config_path, self.payload.overrides, options=TrainOptions(configure_logs=True))
-        if summary.preempted and self.requeue:
-            requeue_from_rank_zero()  # stopped at its deadline after a checkpoint: run again
-        return raise_if_preempted(summary).to_dict()
+        options = TrainOptions(configure_logs=True, handle_signals=True)
+        summary = train(self.payload.config_path, self.payload.overrides, options=options)
+        try:
+            return raise_if_preempted(summary).to_dict()
+        except Preempted as stopped:
+            if not self.requeue:  # a chain's next link continues the run
+                raise SystemExit(PREEMPTED_EXIT) from None
+            hand_over_to_submitit(stopped.signum)
+            raise
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit
@@ -100,6 +117,35 @@ class SubmititCommandTask:
             SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env))
 
 
+#: How long the other ranks wait for rank 0's requeue to end them.
+REQUEUE_WAIT_S = 120.0
+
+
+def hand_over_to_submitit(signum: int | None) -> None:
+    """After the agreed-step checkpoint: let submitit do what its signal handler is for.
+
+    Every rank calls submitit's handler for its preemption signal (now restored): rank 0's
+    calls ``checkpoint()``, requeues the job and exits; the others' only log. They then
+    wait to be ended by the requeue rather than exit first (a task that ends with an error
+    would report the job as failed, and ``--kill-on-bad-exit`` would stop the requeue).
+    ``SystemExit`` leaves no submitit result behind, as submitit's own exit does.
+    """
+    import submitit
+
+    preemption = submitit.JobEnvironment._usr_sig()
+    if signum not in (None, preemption):
+        log.warning("stopped after %s: not requeueing (the scheduler decides)", signal.Signals(signum).name)
+        raise SystemExit(PREEMPTED_EXIT)
+    handler = signal.getsignal(preemption)
+    if callable(handler):
+        handler(preemption, None)  # rank 0: checkpoint(), scontrol requeue, sys.exit
+    deadline = time.monotonic() + REQUEUE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+    log.error("the job was not requeued within %.0f s of the checkpoint; stopping", REQUEUE_WAIT_S)
+    raise SystemExit(PREEMPTED_EXIT)
+
+
 def _slurm_job_key() -> str:
     """The id ``sacct`` knows this job by: ``ID``, or ``ARRAYID_INDEX`` for an array element."""
     if os.environ.get("SLURM_ARRAY_JOB_ID"):
@@ -121,7 +167,7 @@ def executor_parameters(request: JobRequest) -> dict[str, Any]:
     params: dict[str, Any] = {
         "name": request.name, "nodes": request.nodes, "tasks_per_node": request.per_node,
         "timeout_min": minutes, "slurm_signal_delay_s": SIGNAL_LEAD_S,
-        "slurm_setup": [*request.setup_lines(), *export_lines(request.environment())],
+        "slurm_setup": [*request.setup_lines(), *export_lines(request.environment()), *SLURM_DEADLINE_LINES],
     }
     if profile.cpus_per_task:
         params["cpus_per_task"] = profile.cpus_per_task
