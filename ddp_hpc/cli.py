@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("render", commands.cmd_render, "write the batch script for a scheduler (nothing is submitted)"),
             ("submit", commands.cmd_submit, "submit a config or a command (qsub, sbatch or submitit)")):
         verb_parser = sub.add_parser(verb, help=help_text,
-                                     usage=f"ddp-hpc {verb} SCHEDULER [CONFIG [KEY=VALUE...] | [options] -- COMMAND...]")
+                                     description=f"ddp-hpc {verb} SCHEDULER [options] CONFIG [KEY=VALUE...], or "
+                                                 f"ddp-hpc {verb} SCHEDULER [options] -- COMMAND [ARGS...]")
         families = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
         families.required = True
         for family, backends in FAMILIES.items():

@@ -40,6 +40,10 @@ class StopSignal:
     signal: signal.Signals
     lead_s: int = DEFAULT_LEAD_S
 
+    @classmethod
+    def default(cls) -> StopSignal:
+        return cls(signal.SIGUSR2, DEFAULT_LEAD_S)
+
     @property
     def name(self) -> str:
         """``USR1``: the spelling SLURM's ``--signal`` and bash's ``trap`` take."""

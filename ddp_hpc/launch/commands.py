@@ -24,6 +24,7 @@ from ddp_hpc.launch.request import (
     parse_env_assignments,
 )
 from ddp_hpc.launch.sweep import Sweep
+from ddp_hpc.stop import StopSignal, stop_signal_arg
 
 
 
@@ -63,6 +64,9 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--sweep-limit", type=int, metavar="K", help="at most K sweep elements run at once")
     parser.add_argument("--chain", type=int, default=1, metavar="N",
                         help="submit N jobs, each after the previous one ended (afterany), each resuming the run")
+    parser.add_argument("--signal", type=stop_signal_arg, default=None, metavar="SIG@SECONDS",
+                        help="SLURM: the signal sent ahead of the time limit and how far ahead (default: USR2@90); "
+                             "the script passes it to the ranks, which checkpoint and stop")
     parser.add_argument("--no-venv", action="store_true",
                         help="do not activate the current Python environment in the job")
     parser.set_defaults(command=[])
@@ -86,7 +90,8 @@ def job_request(args: argparse.Namespace) -> JobRequest:
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
         torchrun_per_node=getattr(args, "torchrun", False), max_restarts=args.max_restarts,
-        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain)
+        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
+        stop_signal=args.signal or StopSignal.default())
 
 
 def _scheduler(args: argparse.Namespace) -> str:

@@ -101,7 +101,7 @@ def render_pbs(request: JobRequest) -> str:
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with exit 75 continues when submitted again.
         *launch_lines(request, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
-                      trap_signals="USR2 TERM"),
+                      trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name)))),
         "",
     ]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from ddp_hpc.config import Config, load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
 from ddp_hpc.launch.sweep import Sweep, SweepElement
+from ddp_hpc.stop import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,8 @@ class JobRequest:
     sweep: Sweep | None = None
     #: Submit this many jobs, each starting when the previous one ended (``afterany``).
     chain: int = 1
+    #: The signal the scheduler sends ahead of the time limit, and how far ahead (SLURM).
+    stop_signal: StopSignal = field(default_factory=StopSignal.default)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

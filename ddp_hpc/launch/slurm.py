@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
+from ddp_hpc.stop import SLURM_DEADLINE_LINES
 from ddp_hpc.launch.script import (
     ShellVar,
     deadline_line,
@@ -15,10 +16,9 @@ from ddp_hpc.launch.script import (
     sweep_block,
 )
 
-SIGNAL_LEAD_S = 90
 LOG_DIR = "logs"
 
-# The batch shell gets SIGUSR2 SIGNAL_LEAD_S seconds before the time limit (or on
+# The batch shell gets the stop signal (SIGUSR2, 90 s ahead by default; --signal) before the time limit (or on
 # preemption with a grace time). It passes the signal to the ranks, which agree on a step,
 # write a checkpoint and exit; only then is the job requeued (requeueing a running job
 # kills it), and the requeued job resumes from that checkpoint. Without a trap, bash
@@ -56,7 +56,7 @@ def sbatch_directives(request: JobRequest) -> list[str]:
     lines += [
         f"#SBATCH --output={LOG_DIR}/%x-{'%A_%a' if request.sweep is not None else '%j'}.out",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --signal=B:USR2@{SIGNAL_LEAD_S}",
+        f"#SBATCH --signal=B:{request.stop_signal}",
         "#SBATCH --requeue",
     ]
     return lines
@@ -96,10 +96,12 @@ def render_sbatch(request: JobRequest) -> str:
         *(sweep_block(request, "SLURM_ARRAY_TASK_ID", "PWD") if request.sweep is not None
           else run_folder_lines(request, "PWD")),
         deadline_line(request),
+        *SLURM_DEADLINE_LINES,
         # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
         # SIGUSR2, which would kill the agent) on to them.
         *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
-                      restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2"),
+                      restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2",
+                      trap_signals=request.stop_signal.name),
         "",
     ]
     return "\n".join(lines)

@@ -30,7 +30,8 @@ from ddp_hpc.stop import SLURM_DEADLINE_LINES
 
 log = logging.getLogger(__name__)
 
-SIGNAL_LEAD_S = 90
+#: How long a command job's checkpoint() waits for the command to stop, at most.
+COMMAND_STOP_WAIT_S = 80
 PREEMPTED_EXIT = 75
 
 
@@ -110,7 +111,7 @@ class SubmititCommandTask:
         if self._child is not None and self._child.poll() is None:
             self._child.send_signal(signal.SIGUSR2)
             try:
-                self._child.wait(timeout=SIGNAL_LEAD_S - 10)
+                self._child.wait(timeout=COMMAND_STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 pass
         return submitit.helpers.DelayedSubmission(
@@ -166,7 +167,7 @@ def executor_parameters(request: JobRequest) -> dict[str, Any]:
     _, minutes = parse_walltime(request.walltime)
     params: dict[str, Any] = {
         "name": request.name, "nodes": request.nodes, "tasks_per_node": request.per_node,
-        "timeout_min": minutes, "slurm_signal_delay_s": SIGNAL_LEAD_S,
+        "timeout_min": minutes, "slurm_signal_delay_s": request.stop_signal.lead_s,
         "slurm_setup": [*request.setup_lines(), *export_lines(request.environment()), *SLURM_DEADLINE_LINES],
     }
     if profile.cpus_per_task:
@@ -190,6 +191,9 @@ class SubmititScheduler(Scheduler):
             raise UserError("--torchrun renders a batch script: use it with --sbatch")
         if request.max_restarts:
             raise UserError("--max-restarts relaunches ranks from a batch script: use it with --sbatch")
+        if request.stop_signal.name != "USR2":
+            raise UserError(f"--signal {request.stop_signal}: submitit's tasks take SIGUSR2 only; give USR2@SECONDS, "
+                            "or use --sbatch")
         parameters = executor_parameters(request)
         if request.sweep is not None and request.sweep.limit:
             parameters["slurm_array_parallelism"] = request.sweep.limit
