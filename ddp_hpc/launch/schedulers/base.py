@@ -289,5 +289,56 @@ class Scheduler(ABC):
         return submission
 
 
+class ScriptScheduler(Scheduler):
+    """A backend that renders a batch script and hands it to a submit command (qsub,
+    sbatch). Subclasses fill in the hooks; chains are links with a dependency each."""
+
+    #: The submit tool and what to tell a user where it is missing.
+    tool: ClassVar[str]
+    where: ClassVar[str]
+
+    @abstractmethod
+    def render(self, request: JobRequest) -> str:
+        """The script (pure)."""
+
+    @abstractmethod
+    def submit_argv(self, script_path: Path) -> list[str]:
+        """The submit command for the script."""
+
+    @abstractmethod
+    def after(self, job_id: str) -> list[str]:
+        """The options that make a job start once ``job_id`` ended, for any reason."""
+
+    @abstractmethod
+    def log_paths(self, dry_run: DryRun, job_ids: Sequence[str]) -> list[Path]:
+        """Where the scheduler writes the jobs' output."""
+
+    def job_id_from(self, output: str) -> str:
+        return output.strip()
+
+    def prepare(self, dry_run: DryRun) -> None:
+        """Anything the submit command needs to exist first."""
+
+    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
+        self.check_profile(request)
+        script_path = script_path or workdir / request.run_folder / f"job{self.script_suffix}"
+        return DryRun(self.name, request, workdir, tuple(request.rank_command()), script=self.render(request),
+                      script_path=script_path, submit_argv=tuple(self.submit_argv(script_path)))
+
+    def submit(self, dry_run: DryRun) -> Submission:
+        write_script(dry_run.script, dry_run.script_path)
+        self.prepare(dry_run)
+        hint = (f"the rendered script is at {dry_run.script_path}; submit it where {self.where} runs: "
+                f"{self.tool} {dry_run.script_path}")
+        job_ids: list[str] = []
+        for _ in range(dry_run.request.chain):
+            argv = list(dry_run.submit_argv)
+            if job_ids:
+                argv[-1:-1] = self.after(job_ids[-1])
+            job_ids.append(self.job_id_from(run_tool(argv, hint, cwd=dry_run.workdir)))
+        logs = [str(path) for path in self.log_paths(dry_run, job_ids)]
+        return self._submission(dry_run, job_ids, logs, dry_run.submit_argv)
+
+
 def _under(workdir: Path, folder: Path) -> Path:
     return folder if folder.is_absolute() else workdir / folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_hpc.launch.pbs import render_pbs
@@ -10,12 +11,10 @@ from ddp_hpc.launch.schedulers.base import (
     DryRun,
     JobState,
     JobStatus,
-    Scheduler,
-    Submission,
+    ScriptScheduler,
     query_tool,
     read_exit_file,
     run_tool,
-    write_script,
 )
 
 #: ``qstat``'s one-letter job states (PBS Pro reference guide, "Job states") onto ours.
@@ -46,36 +45,31 @@ def _qstat_letter(job_id: str) -> str | None:
     return None
 
 
-class PbsScheduler(Scheduler):
+class PbsScheduler(ScriptScheduler):
     name = "pbs"
     family = "pbs"
     script_suffix = ".pbs"
+    tool = "qsub"
+    where = "PBS"
 
-    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
-        self.check_profile(request)
-        script_path = script_path or workdir / request.run_folder / f"job{self.script_suffix}"
-        return DryRun(self.name, request, workdir, tuple(request.rank_command()), script=render_pbs(request),
-                      script_path=script_path, submit_argv=("qsub", str(script_path)))
+    def render(self, request: JobRequest) -> str:
+        return render_pbs(request)
 
-    def submit(self, dry_run: DryRun) -> Submission:
-        write_script(dry_run.script, dry_run.script_path)
-        hint = (f"the rendered script is at {dry_run.script_path}; submit it where PBS runs: "
-                f"qsub {dry_run.script_path}")
-        job_ids: list[str] = []
-        for _ in range(dry_run.request.chain):
-            argv = list(dry_run.submit_argv)
-            if job_ids:
-                argv[-1:-1] = ["-W", f"depend=afterany:{job_ids[-1]}"]
-            job_ids.append(run_tool(argv, hint, cwd=dry_run.workdir).strip())
-        numbers = [job_id.split(".")[0].replace("[]", "") for job_id in job_ids]
+    def submit_argv(self, script_path: Path) -> list[str]:
+        return ["qsub", str(script_path)]
+
+    def after(self, job_id: str) -> list[str]:
+        return ["-W", f"depend=afterany:{job_id}"]
+
+    def log_paths(self, dry_run: DryRun, job_ids: Sequence[str]) -> list[Path]:
         # PBS Pro writes NAME.oNUMBER in the submit folder (-j oe merges stderr into it);
-        # Slurm's qsub wrapper ignores -N and -j for this: SCRIPT.oNUMBER and SCRIPT.eNUMBER.
-        name, script = job_name_directive(dry_run.request.name), dry_run.script_path.name
-        # Array elements: NAME.oNUMBER.INDEX (PBS Pro: NAME.oNUMBER^INDEX^ is not used here).
+        # Slurm's qsub wrapper ignores -N and -j for this: SCRIPT.oNUMBER and SCRIPT.eNUMBER,
+        # and SCRIPT.oNUMBER.INDEX for array elements.
+        numbers = [job_id.split(".")[0].replace("[]", "") for job_id in job_ids]
+        stems = dict.fromkeys((job_name_directive(dry_run.request.name), dry_run.script_path.name))
         suffixes = [f".{e.index}" for e in dry_run.request.elements] or [""]
-        logs = [str(dry_run.workdir / f"{stem}.{kind}{number}{suffix}") for number in numbers
-                for stem in dict.fromkeys((name, script)) for kind in ("o", "e") for suffix in suffixes]
-        return self._submission(dry_run, job_ids, logs, dry_run.submit_argv)
+        return [dry_run.workdir / f"{stem}.{kind}{number}{suffix}" for number in numbers for stem in stems
+                for kind in ("o", "e") for suffix in suffixes]
 
     def element_id(self, job_id: str, index: int) -> str:
         """PBS Pro names subjobs ``123[4].server``; Slurm's qsub wrapper ``123_4``."""
