@@ -135,3 +135,9 @@ def test_heartbeat_without_the_store_says_this_rank_is_cut_off():
     beat = Heartbeat(1, 2, "h2", "127.0.0.1", free_port(), interval_s=0.1, store_timeout_s=1)
     assert beat.explain().startswith("this rank cannot reach the rendezvous store at 127.0.0.1:")
     assert "host h2 has likely lost the job's network" in beat.explain()
+
+
+def test_the_first_address_counts_when_a_name_has_a_loopback_and_a_real_line():
+    with pytest.raises(UserError, match="the host name 'h2' resolves to 127.0.1.1"):
+        check(env(), names={"h2": ["127.0.1.1", "198.18.14.12"]})
+    assert check(env(), names={"h2": ["198.18.14.12", "127.0.1.1"]}).gloo_ifname is None

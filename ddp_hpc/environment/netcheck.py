@@ -99,8 +99,10 @@ def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
     where = f"rank {dist_env.rank} on host {host}"
     nodes = f"the job spans {dist_env.num_nodes} nodes"
 
+    # The first address counts: rank 0's store binds it and gloo offers it (with glibc's
+    # "multi on", the 127.0.1.1 line and the real one both come back, loopback first).
     master_addresses = resolve(dist_env.master_addr)
-    if master_addresses and all(is_loopback(a) for a in master_addresses):
+    if master_addresses and is_loopback(master_addresses[0]):
         address = master_addresses[0]
         raise UserError(
             f"{where}: the rendezvous host {dist_env.master_addr!r} resolves to {address}, a loopback "
@@ -125,7 +127,7 @@ def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
             f"{where}: the host name {host!r} does not resolve, so gloo would fall back to the loopback "
             f"address, but {nodes}. Fix: add {host} with its network address to /etc/hosts (or DNS), "
             f"or export {GLOO_IFNAME_VAR}=<the interface of the job's network>")
-    if all(is_loopback(a) for a in own):
+    if is_loopback(own[0]):
         raise UserError(
             f"{where}: the host name {host!r} resolves to {own[0]}, a loopback address, so gloo would "
             f"offer the other ranks an address they cannot reach ({nodes}). Fix: delete the line "
@@ -154,7 +156,7 @@ def _suffix_interface(name: str, suffix: str, where: str, nodes: str, resolve: R
         raise UserError(f"{where}: the host suffix {suffix!r} gives {name!r}, which does not resolve "
                         f"here. Fix: check the suffix (--host-suffix, {HOST_SUFFIX_VAR}, the cluster "
                         f"profile's host_suffix) or export {GLOO_IFNAME_VAR}")
-    if all(is_loopback(a) for a in addresses):
+    if is_loopback(addresses[0]):
         raise UserError(f"{where}: {name!r} resolves to {addresses[0]}, a loopback address, but {nodes}. "
                         f"Fix: delete the line {_hosts_line(addresses[0], name)} from /etc/hosts")
     for ifname, own in interfaces.items():
