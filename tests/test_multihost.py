@@ -9,8 +9,10 @@ a command on a host (also the MPI launchers' remote-start agent). docs/test-worl
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -19,7 +21,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -33,17 +35,32 @@ SLURM_CONF = "/etc/slurm-mh/slurm.conf"
 NAMESPACE = "ddpmh-{host}"
 SLURMD_PID = "/run/slurm-mh/slurmd-{host}.pid"
 ADDRESSES = {"h1": "198.18.14.11", "h2": "198.18.14.12", "h1-hsn": "198.18.15.11", "h2-hsn": "198.18.15.12"}
+LOCK = "/run/ddp-hpc-mh/tests.lock"
 TIMEOUT = 240  # a loaded 2-core machine starts 4 torch processes slowly
 
 
 @pytest.fixture(scope="session")
-def world() -> None:
+def world_up() -> None:
     status = subprocess.run([str(REPO / "scripts" / "dev-cluster.sh"), "status", "--hosts"],
                             capture_output=True, text=True, timeout=60)
     need(status.returncode == 0 and status.stdout.startswith("hosts: "),
          "the multihost test world is not up (scripts/dev-cluster.sh up --hosts 2, as root)")
     hosts = int(status.stdout.split()[1])
     need(hosts >= 2, f"the multihost test world has {hosts} host(s); 2 are needed")
+
+
+@pytest.fixture
+def world(world_up: None) -> Iterator[None]:
+    """The world, to this test alone: test runs from several checkouts share it, and one
+    test takes a link down."""
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def some_port() -> int:
+    """A port for a rendezvous inside the world (its namespaces have no other listeners)."""
+    return random.randrange(20000, 30000)
 
 
 def slurm_env(**extra: str) -> dict[str, str]:
@@ -111,7 +128,7 @@ def test_srun_doctor_runs_on_two_hosts(world):
 def test_srun_digits_trains_over_the_high_speed_network(world, tmp_path):
     """With the host suffix, the store listens on h1-hsn alone, h2 reaches it there, and the
     gradients cross hsn0 (gloo's interface is picked from h2-hsn), not eth0."""
-    port = 20000 + int(time.time()) % 9000
+    port = some_port()
     seen: set[tuple[str, int, str, int, str]] = set()
     done = threading.Event()
 
@@ -137,13 +154,14 @@ def test_srun_digits_trains_over_the_high_speed_network(world, tmp_path):
 
     listening = {(ip, p) for ip, p, _, _, state in seen if state == "LISTEN" and p == port}
     assert listening == {(ADDRESSES["h1-hsn"], port)}, seen
-    assert any(state == "ESTABLISHED" and local == (ADDRESSES["h1-hsn"], port) and remote_ip == ADDRESSES["h2-hsn"]
-               for *local_ip_port, remote_ip, _, state in seen
-               for local in [tuple(local_ip_port)]), seen
+    from_h2 = [s for s in seen if s[4] == "ESTABLISHED" and s[:2] == (ADDRESSES["h1-hsn"], port)
+               and s[2] == ADDRESSES["h2-hsn"]]
+    assert from_h2, seen
 
     hsn, eth = after["hsn0"] - before["hsn0"], after["eth0"] - before["eth0"]
-    FIGURES.append(f"digits under srun on 2 hosts x 2 ranks, {steps} steps: h2 hsn0 moved {hsn / 1e6:.2f} MB, "
-                   f"eth0 {eth / 1e6:.3f} MB (gradients {digits_param_bytes() / 1e6:.3f} MB per step)")
+    FIGURES.append(f"digits under srun on 2 hosts x 2 ranks, {steps} steps: h2 hsn0 moved "
+                   f"{hsn / 1e6:.2f} MB, eth0 {eth / 1e6:.3f} MB (gradients "
+                   f"{digits_param_bytes() / 1e6:.3f} MB per step)")
     # Every step all-reduces the gradients across the two hosts: at least their size in
     # and out of h2 together. The management network only carries SLURM's own traffic.
     assert hsn >= steps * digits_param_bytes(), (hsn, eth)
@@ -160,7 +178,8 @@ def test_open_mpi_doctor_across_hosts_through_its_rsh_agent(world, openmpi):
 
 def test_mpich_doctor_across_hosts_through_its_launcher_exec(world, mpich):
     command = [mpich, "-hosts", "h1,h2", "-ppn", "2", "-n", "4", "-launcher", "ssh",
-               "-launcher-exec", ON_HOST, "-genv", "MASTER_ADDR", "h1", "-genv", "MASTER_PORT", "24571",
+               "-launcher-exec", ON_HOST, "-genv", "MASTER_ADDR", "h1",
+               "-genv", "MASTER_PORT", str(some_port()),
                *ddp_hpc_command(), "doctor"]
     result = run(on_host("h1", command), timeout=TIMEOUT)
     assert_doctor_on_two_hosts(result, "mpich")
@@ -168,8 +187,8 @@ def test_mpich_doctor_across_hosts_through_its_launcher_exec(world, mpich):
 
 def test_torchrun_per_host_with_a_c10d_rendezvous_on_h1(world, tmp_path):
     command = ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", "h1:29400", "--rdzv-id", f"mh{time.time_ns()}", "--max-restarts", "0",
-               "-m", "ddp_hpc", "doctor"]
+               "--rdzv-endpoint", f"h1:{some_port()}", "--rdzv-id", f"mh{time.time_ns()}",
+               "--max-restarts", "0", "-m", "ddp_hpc", "doctor"]
     h1, h2 = run_together([on_host("h1", command), on_host("h2", command)], tmp_path)
     assert h2.returncode == 0, h2.stdout + h2.stderr
     assert_doctor_on_two_hosts(h1, "torchrun")
@@ -234,7 +253,7 @@ def test_a_hostname_on_a_loopback_line_is_named_before_the_rendezvous(world, tmp
     commands = []
     for rank, host in enumerate(("h1", "h2")):
         environment = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h1",
-                       "MASTER_PORT": "24573"}
+                       "MASTER_PORT": str(some_port())}
         command = ["env", *(f"{k}={v}" for k, v in environment.items()), *ddp_hpc_command(), "doctor",
                    "--timeout", "60"]
         hosts_file = hosts_file_with_loopback_line(tmp_path / f"hosts-{host}", host)
@@ -261,11 +280,13 @@ def test_a_host_whose_link_goes_down_is_named_and_the_job_ends(world, tmp_path):
     """h2's high-speed link goes down mid-training: no reset, just silence. Every rank's
     watchdog (20 s) fires; h1's ranks name ranks 2 and 3 on h2 from the heartbeats in the
     store, h2's ranks find the store unreachable; srun ends non-zero within 60 s."""
-    command = ["srun", "-N2", "-n4", "--ntasks-per-node=2", *ddp_hpc_command(), "train", "configs/digits.yaml",
-               "training.epochs=1000", "distributed.watchdog_s=20", "logging.progress=never",
+    command = ["srun", "-N2", "-n4", "--ntasks-per-node=2", *ddp_hpc_command(), "train",
+               "configs/digits.yaml", "training.epochs=1000", "distributed.watchdog_s=20",
+               "logging.progress=never",
                f"logging.run_dir={tmp_path}"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=clean_env(slurm_env(DDP_HPC_HOST_SUFFIX="-hsn")), cwd=REPO, start_new_session=True)
+                           env=clean_env(slurm_env(DDP_HPC_HOST_SUFFIX="-hsn")), cwd=REPO,
+                           start_new_session=True)
     lines: list[str] = []
     training = threading.Event()
 

@@ -50,8 +50,9 @@ def test_hostname_on_a_loopback_line_is_named_with_the_fix():
 
 
 def test_master_name_on_a_loopback_line_is_named_with_the_fix():
-    with pytest.raises(UserError, match=r"rank 0 on host h1: the rendezvous host 'h1' resolves to 127\.0\.1\.1"
-                                        r".*delete the line '127\.0\.1\.1 h1' from /etc/hosts on h1"):
+    with pytest.raises(UserError, match=r"rank 0 on host h1: the rendezvous host 'h1' resolves to "
+                                        r"127\.0\.1\.1.*delete the line '127\.0\.1\.1 h1' from "
+                                        r"/etc/hosts on h1"):
         check(env(rank=0), names={"h1": ["127.0.1.1"]}, host="h1")
 
 
@@ -110,7 +111,8 @@ def test_this_hosts_interfaces_and_names_are_read():
 
 
 def test_describe_ranks_groups_by_host():
-    assert describe_ranks([2, 3, 5], {2: "h2", 3: "h2", 5: "h3"}) == "ranks 2, 3 on host h2; rank 5 on host h3"
+    assert describe_ranks([2, 3, 5], {2: "h2", 3: "h2", 5: "h3"}) == \
+        "ranks 2, 3 on host h2; rank 5 on host h3"
 
 
 def test_heartbeat_names_the_rank_that_stopped_and_finds_nobody_when_all_beat():
