@@ -179,7 +179,8 @@ def process_group(options: DistributedOptions | None = None,
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
         # Before anything connects: a loopback name across nodes would only hang.
-        network = check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ)
+        network = check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ,
+                                store_timeout_s=options.timeout_s)
         log.debug("init_process_group %s at %s:%d", choice.backend, dist_env.master_addr,
                   dist_env.master_port)
         timeout = timedelta(seconds=options.timeout_s)

@@ -274,6 +274,23 @@ def test_a_hostname_on_a_loopback_line_is_named_before_the_rendezvous(world, tmp
         "of the job's network>"], err1
 
 
+def test_a_rank_that_cannot_reach_the_store_says_so_in_one_line(world):
+    """Rank 1 on h2, and nothing serves the store on h1 (rank 0 never started; a firewall
+    dropping the port looks the same, only slower): one line naming the address, exit 2."""
+    port = some_port()
+    environment = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h1-hsn",
+                   "MASTER_PORT": str(port)}
+    command = ["env", *(f"{k}={v}" for k, v in environment.items()), *ddp_hpc_command(), "doctor",
+               "--timeout", "3"]
+    result = run(on_host("h2", command), timeout=TIMEOUT)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"ddp-hpc: error: rank 1 on host h2: the rendezvous store at h1-hsn:{port} did not answer in 3s "
+        "(last error: Connection refused). Either rank 0 did not start (see its log), or the address is not "
+        f"reachable from here (MASTER_ADDR, the host suffix), or a firewall blocks TCP port {port}; the "
+        "ranks also need TCP to each other on any port for gloo"], result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.reliability
 def test_a_host_whose_link_goes_down_is_named_and_the_job_ends(world, tmp_path):

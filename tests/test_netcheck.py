@@ -6,6 +6,7 @@ tests/test_multihost.py."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.netcheck import (GLOO_IFNAME_VAR, NetworkPlan, check_network, gloo_interface,
-                                          local_interfaces, resolve_addresses)
+                                          local_interfaces, resolve_addresses, wait_for_store)
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 from ddp_hpc.training.liveness import Heartbeat, describe_ranks
@@ -143,3 +144,22 @@ def test_the_first_address_counts_when_a_name_has_a_loopback_and_a_real_line():
     with pytest.raises(UserError, match="the host name 'h2' resolves to 127.0.1.1"):
         check(env(), names={"h2": ["127.0.1.1", "198.18.14.12"]})
     assert check(env(), names={"h2": ["198.18.14.12", "127.0.1.1"]}).gloo_ifname is None
+
+
+def test_an_unresolvable_rendezvous_host_is_refused_at_once():
+    with pytest.raises(UserError, match="rank 2 on host h2: the rendezvous host 'h9' does not resolve here"):
+        check(env(master="h9"))
+
+
+def test_a_client_waits_for_the_store_and_names_the_port_when_nothing_answers():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        wait_for_store("127.0.0.1", server.getsockname()[1], 5, "rank 1 on host h2")
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(UserError) as info:
+        wait_for_store("127.0.0.1", port, 1, "rank 1 on host h2")
+    assert 1 <= time.monotonic() - started < 10
+    assert str(info.value).startswith(f"rank 1 on host h2: the rendezvous store at 127.0.0.1:{port} did not "
+                                      "answer in 1s (last error: Connection refused)")

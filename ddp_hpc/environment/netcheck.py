@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,8 +88,10 @@ def _hosts_line(address: str, name: str) -> str:
 def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
                   environ: Mapping[str, str], hostname: str | None = None,
                   resolve: Resolver = resolve_addresses,
-                  interfaces: Mapping[str, Sequence[str]] | None = None) -> NetworkPlan:
-    """Refuse names that cannot work across nodes; pick gloo's interface for a host suffix.
+                  interfaces: Mapping[str, Sequence[str]] | None = None,
+                  store_timeout_s: float | None = None) -> NetworkPlan:
+    """Refuse names that cannot work across nodes; pick gloo's interface for a host suffix;
+    with ``store_timeout_s``, wait until the rendezvous store answers (clients only).
 
     Only multi-node jobs are checked: on one node loopback is the right answer. Raises
     ``UserError`` naming the rank, the host and the fix.
@@ -97,12 +100,48 @@ def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
         return NetworkPlan()
     host = hostname or socket.gethostname()
     where = f"rank {dist_env.rank} on host {host}"
+    plan = _check_names(dist_env, backend, host_suffix, environ, host, where, resolve, interfaces)
+    serves_store = dist_env.rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if store_timeout_s is not None and not serves_store:
+        wait_for_store(dist_env.master_addr, dist_env.master_port, store_timeout_s, where)
+    return plan
+
+
+def wait_for_store(addr: str, port: int, timeout_s: float, where: str) -> None:
+    """Return once a TCP connection to the rendezvous store opens; else one line saying why.
+
+    torch's own client would retry just as long, then end in a traceback that names
+    neither the likely causes nor the fix.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            attempt_s = max(min(5.0, deadline - time.monotonic()), 0.1)
+            socket.create_connection((addr, port), timeout=attempt_s).close()
+            return
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"{where}: the rendezvous store at {addr}:{port} did not answer in {timeout_s:g}s (last "
+                f"error: {reason}). Either rank 0 did not start (see its log), or the address is not "
+                f"reachable from here (MASTER_ADDR, the host suffix), or a firewall blocks TCP port {port}; "
+                f"the ranks also need TCP to each other on any port for gloo")
+        time.sleep(0.5)
+
+
+def _check_names(dist_env: DistEnv, backend: str, host_suffix: str | None, environ: Mapping[str, str],
+                 host: str, where: str, resolve: Resolver,
+                 interfaces: Mapping[str, Sequence[str]] | None) -> NetworkPlan:
     nodes = f"the job spans {dist_env.num_nodes} nodes"
 
     # The first address counts: rank 0's store binds it and gloo offers it (with glibc's
     # "multi on", the 127.0.1.1 line and the real one both come back, loopback first).
     master_addresses = resolve(dist_env.master_addr)
-    if master_addresses and is_loopback(master_addresses[0]):
+    if not master_addresses:
+        raise UserError(f"{where}: the rendezvous host {dist_env.master_addr!r} does not resolve here. Fix: "
+                        f"check MASTER_ADDR or the host suffix, or add the name to /etc/hosts (or DNS)")
+    if is_loopback(master_addresses[0]):
         address = master_addresses[0]
         raise UserError(
             f"{where}: the rendezvous host {dist_env.master_addr!r} resolves to {address}, a loopback "
