@@ -1,3 +1,64 @@
-"""ddp_hpc: one config takes a PyTorch DDP job from a laptop to a supercomputer."""
+"""ddp_hpc: PyTorch DDP from a laptop to a supercomputer.
+
+The public API is the names in ``__all__``, imported lazily (``import ddp_hpc`` stays
+cheap: torch is loaded on first use). docs/api.md describes each with an example.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    # Where this rank is, and the process group
+    "resolve_env": "ddp_hpc.api",
+    "process_group": "ddp_hpc.api",
+    "command_environment": "ddp_hpc.api",
+    "DistEnv": "ddp_hpc.environment.base",
+    "DistContext": "ddp_hpc.distributed",
+    # Training a Job with the Trainer
+    "Config": "ddp_hpc.config",
+    "load_config": "ddp_hpc.config",
+    "Job": "ddp_hpc.training.job",
+    "Datasets": "ddp_hpc.training.job",
+    "StepOutput": "ddp_hpc.training.job",
+    "train": "ddp_hpc.train_job",
+    "TrainOptions": "ddp_hpc.train_job",
+    "RunSummary": "ddp_hpc.summary",
+    "RunStatus": "ddp_hpc.summary",
+    # Submitting to a scheduler
+    "JobRequest": "ddp_hpc.launch.request",
+    "submit": "ddp_hpc.launch.schedulers",
+    "UserError": "ddp_hpc.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddp_hpc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from ddp_hpc.api import command_environment, process_group, resolve_env
+    from ddp_hpc.config import Config, load_config
+    from ddp_hpc.distributed import DistContext
+    from ddp_hpc.environment.base import DistEnv
+    from ddp_hpc.errors import UserError
+    from ddp_hpc.launch.request import JobRequest
+    from ddp_hpc.launch.schedulers import submit
+    from ddp_hpc.summary import RunStatus, RunSummary
+    from ddp_hpc.train_job import TrainOptions, train
+    from ddp_hpc.training.job import Datasets, Job, StepOutput

@@ -78,10 +78,35 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ddp_hpc.train import TrainRequest, train
+    from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
 
-    train(TrainRequest(args.config, args.overrides, args.device, args.backend, args.verbose))
+    options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
+                           verbose=args.verbose, report=True)
+    raise_if_preempted(train(args.config, args.overrides, options=options))
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> NoReturn:
+    from ddp_hpc.api import command_environment
+
+    launch = command_environment(_after_dashes(args.command), device=args.device, backend=args.backend,
+                                 host_suffix=args.host_suffix)
+    log = logging.getLogger("ddp_hpc.run")
+    log.debug("exec %s with %s", shlex.join(launch.argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        # exec, not a child: signals from the launcher reach the command itself, and its
+        # exit status is the rank's.
+        os.execvpe(launch.argv[0], list(launch.argv), launch.environment(os.environ))
+    except OSError as exc:
+        write_line(sys.stderr, f"ddp-hpc: error: cannot run {launch.argv[0]!r}: {exc.strerror}")
+        raise SystemExit(127 if isinstance(exc, FileNotFoundError) else 126) from None
+
+
+def _after_dashes(command: Sequence[str]) -> list[str]:
+    command = list(command)
+    return command[1:] if command and command[0] == "--" else command
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -96,9 +121,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, build_local_command
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _after_dashes(args.command)
     argv = build_local_command(LocalLaunch(nproc=args.nproc, command=command, launcher=args.launcher))
     if args.dry_run:
         print(shlex.join(argv))
@@ -136,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config overrides, e.g. training.batch_size=64")
     _add_device_flags(train)
     train.set_defaults(func=_cmd_train, exit_without_teardown=True)
+
+    run = sub.add_parser("run", parents=[common],
+                         help="run any command on this rank with the variables torchrun gives its workers "
+                              "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)")
+    _add_device_flags(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    run.set_defaults(func=_cmd_run)
 
     from ddp_hpc.launch import commands
 

@@ -236,6 +236,10 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)
 
+    def with_overrides(self, overrides: list[str]) -> Config:
+        """A copy with ``key=value`` overrides applied (and checked like a file's)."""
+        return build(Config, apply_overrides(self.to_dict(), list(overrides))) if overrides else self
+
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:

@@ -70,8 +70,34 @@ class DistContext:
         return self.env.world_size
 
     @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.env.local_world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    @property
     def is_rank_zero(self) -> bool:
         return self.env.rank == 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device this rank computes on (``cuda:N``, ``xpu:N`` or ``cpu``)."""
+        return self.device.torch_device
+
+    @property
+    def backend(self) -> str:
+        return self.device.backend
+
+    def print0(self, *values: object) -> None:
+        """``print`` on rank 0 only, flushed (several ranks share the launcher's output)."""
+        if self.is_rank_zero:
+            print(*values, flush=True)
 
     def barrier(self) -> None:
         if self.group_initialized:

@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import REPO, assert_same_training_state, clean_env
 from ddp_hpc.config import load_config
+from ddp_hpc.summary import RunSummary
 from ddp_hpc.distributed import process_group
 from ddp_hpc.training import Datasets, Job, StepOutput
 from ddp_hpc.training.checkpoint import load_checkpoint
@@ -52,7 +53,7 @@ class IndexJob(Job):
         return StepOutput(loss.mean(), {"loss": loss.detach()})
 
 
-def _fit_in_process(job: Job, tmp_path: Path, overrides: list[str]) -> dict:
+def _fit_in_process(job: Job, tmp_path: Path, overrides: list[str]) -> RunSummary:
     config = load_config(None, [f"logging.run_dir={tmp_path}", "logging.name=r", "logging.progress=never",
                                 *overrides])
     with process_group(environ={}) as ctx:
@@ -103,7 +104,7 @@ def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
         job = load_config(None, config_overrides)
         from ddp_hpc.training.job import create_job
         summary = _fit_in_process(create_job(job.job.name, job.job.params), tmp_path / overrides[0], config_overrides)
-        return summary["parameter_checksums_per_rank"][0], summary["final"]["train_loss"]
+        return summary.parameter_checksums_per_rank[0], summary.final["train_loss"]
 
     big = final_weights(["training.batch_size=32", "training.grad_accum_steps=1"])
     accumulated = final_weights(["training.batch_size=16", "training.grad_accum_steps=2"])
@@ -119,7 +120,7 @@ def test_preference_job_learns(tmp_path):
                                "validation.early_stopping.metric=pair_accuracy",
                                "validation.early_stopping.mode=max"])
     assert config.job.name == "preference"
-    assert summary["final"]["val_pair_accuracy"] > 0.85
+    assert summary.final["val_pair_accuracy"] > 0.85
 
 
 # ----- real ranks -------------------------------------------------------------------------

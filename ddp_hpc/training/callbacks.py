@@ -11,6 +11,7 @@ from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.training.job import import_object
 
 if TYPE_CHECKING:
+    from ddp_hpc.summary import RunSummary
     from ddp_hpc.training.trainer import Trainer
 
 
@@ -26,7 +27,7 @@ class Callback:
 
     def on_epoch_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None: ...
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None: ...
 
 
 def create_callbacks(configs: Sequence[CallbackConfig]) -> list[Callback]:

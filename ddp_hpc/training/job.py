@@ -9,9 +9,13 @@ mean over samples.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -81,17 +85,38 @@ REGISTRY = {
 }
 
 
+def _module_from_file(path: Path, target: str, what: str) -> ModuleType:
+    """A job module given by file path (``jobs/my_job.py:MyJob``), imported under its stem."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {target!r}: no file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(f"ddp_hpc_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {target!r}: cannot import {str(path)!r} ({exc})") from None
+    return module
+
+
 def import_object(target: str, what: str) -> Any:
-    """``package.module:Name`` (or ``package.module.Name``) -> the object."""
-    module_name, sep, attribute = target.partition(":")
+    """``package.module:Name``, ``package.module.Name`` or ``path/to/file.py:Name`` -> the object."""
+    module_name, sep, attribute = target.rpartition(":") if target.count(":") else ("", "", "")
     if not sep:
         module_name, _, attribute = target.rpartition(".")
     if not module_name or not attribute:
-        raise ConfigError(f"{what} {target!r} is not 'package.module:Name'")
+        raise ConfigError(f"{what} {target!r} is not 'package.module:Name' or 'path/to/file.py:Name'")
+    if module_name.endswith(".py"):
+        module = _module_from_file(Path(module_name), target, what)
+        return _attribute(module, module_name, attribute, target, what)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"{what} {target!r}: cannot import module {module_name!r} ({exc})") from None
+    return _attribute(module, module_name, attribute, target, what)
+
+
+def _attribute(module: ModuleType, module_name: str, attribute: str, target: str, what: str) -> Any:
     try:
         return getattr(module, attribute)
     except AttributeError:

@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from ddp_hpc.summary import RunSummary
+
 
 @dataclass(frozen=True)
 class RunFolder:
@@ -36,8 +38,8 @@ class RunFolder:
         with open(self.metrics_file, "a") as handle:
             handle.write(json.dumps(row, sort_keys=True) + "\n")
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        _write_atomic(self.summary_file, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    def write_summary(self, summary: RunSummary) -> None:
+        _write_atomic(self.summary_file, summary.to_json())
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -22,6 +22,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from ddp_hpc.config import Config
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
+from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.training import checkpoint as ckpt
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
@@ -137,7 +138,7 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.beat(phase, self.progress.global_step)
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> RunSummary:
         started = time.perf_counter()
         self._setup_runtime()
         datasets = self.job.build_datasets()
@@ -194,10 +195,9 @@ class Trainer:
                 if self.ctx.is_rank_zero:
                     log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
                                 "the job to resume", self.progress.epoch + 1, self.progress.global_step)
-                return {"preempted": True, "global_step": self.progress.global_step,
-                        "run_dir": str(self.run.path)}
+                return self._summary(started, RunStatus.PREEMPTED, None, write=False)
             test_metrics = self._test(datasets)
-        summary = self._summary(started, status == "early_stopped", test_metrics)
+        summary = self._summary(started, RunStatus(status), test_metrics)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
@@ -477,30 +477,30 @@ class Trainer:
         return (f"epoch {row['epoch']}/{self.training.epochs}  {metrics}  lr {row['lr']:.3g}  {rate}  "
                 f"{row['epoch_time_s']:.2f}s")
 
-    def _summary(self, started: float, stopped_early: bool, test: dict[str, float] | None) -> dict[str, Any]:
+    def _summary(self, started: float, status: RunStatus, test: dict[str, float] | None,
+                 write: bool = True) -> RunSummary:
         epochs_per_rank = self.ctx.all_gather_object(self.progress.epoch)
         checksums = self.ctx.all_gather_object(parameter_checksum(self.model))
         rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
-        wall = time.perf_counter() - started
-        summary = {
-            "run_dir": str(self.run.path),
-            "job": self.config.job.name,
-            "epochs_completed": self.progress.epoch,
-            "global_step": self.progress.global_step,
-            "stopped_early": stopped_early,
-            "world_size": self.ctx.world_size,
-            "backend": self.ctx.device.backend,
-            "device": str(self.ctx.device.torch_device),
-            "effective_batch_size": self.effective_batch_size,
-            "samples_per_s": round(sum(rates) / len(rates), 2) if rates else None,
-            "wall_time_s": round(wall, 3),
-            "final": self.history[-1] if self.history else {},
-            "best": {"epoch": self.early.best_epoch, self.config.validation.early_stopping.metric: self.early.best}
-            if self.early.best is not None else None,
-            "test": test,
-            "epochs_run_per_rank": epochs_per_rank,
-            "parameter_checksums_per_rank": checksums,
-        }
-        if self.ctx.is_rank_zero:
+        metric = self.config.validation.early_stopping.metric
+        summary = RunSummary(
+            status=status,
+            run_dir=str(self.run.path),
+            job=self.config.job.name,
+            epochs_completed=self.progress.epoch,
+            global_step=self.progress.global_step,
+            world_size=self.ctx.world_size,
+            backend=self.ctx.device.backend,
+            device=str(self.ctx.device.torch_device),
+            effective_batch_size=self.effective_batch_size,
+            samples_per_s=round(sum(rates) / len(rates), 2) if rates else None,
+            wall_time_s=round(time.perf_counter() - started, 3),
+            final=self.history[-1] if self.history else {},
+            best={"epoch": self.early.best_epoch, metric: self.early.best} if self.early.best is not None else None,
+            test=test,
+            epochs_run_per_rank=epochs_per_rank,
+            parameter_checksums_per_rank=checksums,
+        )
+        if self.ctx.is_rank_zero and write:
             self.run.write_summary(summary)
         return summary

@@ -1,4 +1,4 @@
-"""``ddp-hpc train``: load and check the config, start the group, fit, report."""
+"""Train a ``Job`` on this rank: load and check the config, start the group, fit, report."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 from ddp_hpc.training.callbacks import create_callbacks
-from ddp_hpc.training.job import create_job
+from ddp_hpc.summary import RunSummary
+from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
 
@@ -23,14 +23,19 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TrainRequest:
-    config_path: str | None
-    overrides: Sequence[str] = ()
+class TrainOptions:
+    """How ``train`` behaves in its process. The defaults suit a library caller; the CLI,
+    which owns its process, asks for signal handling, log set-up and the printed report."""
+
     device: str | None = None
     backend: str | None = None
+    #: Checkpoint and stop on SIGUSR2/SIGTERM (installs signal handlers for the run's duration).
+    handle_signals: bool = False
+    #: Send ddp_hpc's logs to stderr with the rank in the prefix once the rank is known.
+    configure_logs: bool = False
     verbose: bool = False
-    #: Checkpoint and stop on SIGUSR2/SIGTERM (off where another tool owns the signals, e.g. submitit).
-    handle_signals: bool = True
+    #: Print the result and the run folder on rank 0.
+    report: bool = False
 
 
 class Preempted(UserError):
@@ -62,18 +67,29 @@ def distributed_options(config: Config, device: str | None, backend: str | None)
                               host_suffix=dist.host_suffix or None)
 
 
-def train(request: TrainRequest) -> dict[str, Any]:
-    """Run one training job on this rank; returns the summary (complete on rank 0)."""
+def train(config: Config | str | Path | None = None, overrides: Sequence[str] = (), *,
+          job: Job | None = None, options: TrainOptions = TrainOptions()) -> RunSummary:
+    """Run one training job on this rank, under whatever launcher started the process.
+
+    ``config`` is a ``Config``, a YAML path, or None for the defaults; ``overrides`` are
+    ``key=value`` strings applied on top; ``job`` replaces the job the config names. Every
+    rank returns the run's ``RunSummary`` (``status`` says whether it was preempted).
+    """
     # Everything that can be wrong with the input is checked before any rank starts
     # a process group or writes a file.
-    config = load_config(request.config_path, list(request.overrides))
-    job = create_job(config.job.name, config.job.params)
+    config_path = None if config is None or isinstance(config, Config) else str(config)
+    if isinstance(config, Config):
+        config = config.with_overrides(list(overrides))
+    else:
+        config = load_config(config_path, list(overrides))
+    job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
-    run = RunFolder(Path(config.logging.run_dir) / config.run_name(request.config_path))
-    with process_group(distributed_options(config, request.device, request.backend)) as ctx:
-        configure_logging(ctx.rank, verbose=request.verbose)
+    run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
+    with process_group(distributed_options(config, options.device, options.backend)) as ctx:
+        if options.configure_logs:
+            configure_logging(ctx.rank, verbose=options.verbose)
         trainer = Trainer(job, config, ctx, run, callbacks)
-        previous = _install_stop_handlers(trainer) if request.handle_signals else {}
+        previous = _install_stop_handlers(trainer) if options.handle_signals else {}
         try:
             summary = trainer.fit()
         except UserError:
@@ -87,13 +103,19 @@ def train(request: TrainRequest) -> dict[str, Any]:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        if summary.get("preempted"):
-            raise Preempted(f"stopped at step {summary['global_step']} on request; the checkpoint is in "
-                            f"{run.checkpoints}: rerun or requeue to resume")
-        if ctx.is_rank_zero:
-            test = summary.get("test") or {}
+        if options.report and ctx.is_rank_zero and not summary.preempted:
+            test = summary.test or {}
             result = "  ".join(f"test {k} {v:.4f}" for k, v in sorted(test.items()))
-            print(f"done: {summary['epochs_completed']} epochs, {summary['global_step']} steps, "
-                  f"{summary['wall_time_s']:.1f}s  {result}".rstrip(), flush=True)
+            print(f"done: {summary.epochs_completed} epochs, {summary.global_step} steps, "
+                  f"{summary.wall_time_s:.1f}s  {result}".rstrip(), flush=True)
             print(f"run folder: {run.path}", flush=True)
         return summary
+
+
+def raise_if_preempted(summary: RunSummary) -> RunSummary:
+    """For process owners (the CLI, submitit tasks): a preempted run exits 75 so the
+    scheduler's requeue (or the next link of a chain) resumes it."""
+    if summary.preempted:
+        raise Preempted(f"stopped at step {summary.global_step} on request; the checkpoint is in "
+                        f"{summary.run_dir}/checkpoints: rerun or requeue to resume")
+    return summary

@@ -1,0 +1,58 @@
+"""The public Python API: what the CLI does, as functions over typed values.
+
+Imported lazily through ``ddp_hpc.<name>`` (see ``ddp_hpc/__init__.py``); documented in
+docs/api.md. None of these functions installs signal handlers, configures logging or ends
+the process: those belong to the program that owns the process (the CLI is one).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
+from ddp_hpc.distributed import DistContext, DistributedOptions
+from ddp_hpc.distributed import process_group as _process_group
+from ddp_hpc.environment import DistEnv, detect_launcher
+from ddp_hpc.environment import resolve_env as _resolve_env
+from ddp_hpc.torchrun_env import WorkerLaunch, worker_environment
+
+
+def resolve_env(environ: Mapping[str, str] | None = None, *, host_suffix: str | None = None) -> DistEnv:
+    """Where this process sits in the job (rank, sizes, node, rank 0's address and port),
+    from the launcher's variables alone: no process group is started.
+
+    Raises ``UserError`` when the variables are malformed or two launchers disagree.
+    """
+    return _resolve_env(environ, host_suffix=host_suffix)
+
+
+@contextmanager
+def process_group(device: str | None = None, backend: str | None = None, *, timeout_s: float = 600.0,
+                  host_suffix: str | None = None,
+                  environ: Mapping[str, str] | None = None) -> Iterator[DistContext]:
+    """Start the process group for this rank, yield its ``DistContext``, always tear it down.
+
+    ``device``/``backend`` default to ``$DDP_HPC_DEVICE``/``$DDP_HPC_BACKEND``, else auto
+    (xpu, then cuda, then cpu). With one process no group is created and the context's
+    collectives work locally, so the same script runs on a laptop.
+    """
+    options = DistributedOptions(device=device, backend=backend, timeout_s=timeout_s, host_suffix=host_suffix)
+    with _process_group(options, environ) as ctx:
+        yield ctx
+
+
+def command_environment(command: Sequence[str], *, device: str | None = None, backend: str | None = None,
+                        host_suffix: str | None = None,
+                        environ: Mapping[str, str] | None = None) -> WorkerLaunch:
+    """What ``ddp-hpc run -- COMMAND`` executes on this rank: the command and the torchrun
+    worker variables to export for it (nothing under torchrun itself)."""
+    environ = os.environ if environ is None else environ
+    dist_env = _resolve_env(environ, host_suffix=host_suffix)
+    choice = select_device(requested(device, environ, DEVICE_ENV_VAR),
+                           requested(backend, environ, BACKEND_ENV_VAR),
+                           local_rank=dist_env.local_rank, local_world_size=dist_env.local_world_size,
+                           env=environ)
+    return worker_environment(command, dist_env, choice, environ,
+                              launcher_key=detect_launcher(environ).job_key(environ))

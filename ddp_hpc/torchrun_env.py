@@ -1,0 +1,117 @@
+"""``ddp-hpc run``: give any command the environment torchrun gives its workers.
+
+A script written for torchrun (``init_process_group(backend)`` with the default ``env://``,
+``LOCAL_RANK`` for the device) and frameworks that detect torchrun (Lightning's
+``TorchElasticEnvironment`` needs RANK, GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE;
+``torch.distributed.is_torchelastic_launched()`` looks at TORCHELASTIC_RUN_ID) then run
+unmodified under mpiexec, srun or a PBS script. The variable names and values follow
+``LocalElasticAgent._start_workers`` in torch/distributed/elastic/agent/server/.
+
+Everything here is pure: the CLI resolves, calls ``worker_environment`` and ``exec``s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, DeviceChoice
+from ddp_hpc.environment import DistEnv
+from ddp_hpc.errors import UserError
+
+#: The role name torchrun gives workers when none is asked for (``--role``).
+ROLE_NAME = "default"
+#: A restart loop in a rendered script says which attempt this is; torchrun's workers see
+#: the same number as TORCHELASTIC_RESTART_COUNT.
+RESTART_COUNT_VAR = "DDP_HPC_RESTART_COUNT"
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What ``ddp-hpc run`` executes: the command and the variables it adds."""
+
+    argv: tuple[str, ...]
+    #: The variables set for the command (the rest of the environment passes through).
+    exported: Mapping[str, str]
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        return {**base, **self.exported}
+
+
+def torchrun_variables(dist_env: DistEnv, run_id: str, restart_count: int = 0) -> dict[str, str]:
+    """The variables torchrun's elastic agent exports to each worker, from our resolution."""
+    return {
+        "RANK": str(dist_env.rank),
+        "WORLD_SIZE": str(dist_env.world_size),
+        "LOCAL_RANK": str(dist_env.local_rank),
+        "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
+        "GROUP_RANK": str(dist_env.node_rank),
+        "GROUP_WORLD_SIZE": str(dist_env.num_nodes),
+        "ROLE_RANK": str(dist_env.rank),
+        "ROLE_WORLD_SIZE": str(dist_env.world_size),
+        "ROLE_NAME": ROLE_NAME,
+        "MASTER_ADDR": dist_env.master_addr,
+        "MASTER_PORT": str(dist_env.master_port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        # No agent serves a store here: rank 0 of the command serves it (env:// does this).
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
+def omp_threads(local_world_size: int, environ: Mapping[str, str], cpus_visible: int) -> int:
+    """Threads per rank when OMP_NUM_THREADS is unset, so ranks sharing a node do not
+    oversubscribe it (torchrun sets 1; a fair share of the CPUs is as safe and faster).
+
+    A launcher that already bound this rank to its own CPUs (srun's ``--cpus-per-task``,
+    PALS ``--depth``) leaves fewer CPUs visible than the node has: then all of them are
+    this rank's.
+    """
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if per_task.isdigit() and int(per_task) > 0:
+        return int(per_task)
+    total = os.cpu_count() or cpus_visible
+    if cpus_visible < total:
+        return max(1, cpus_visible)
+    return max(1, cpus_visible // max(local_world_size, 1))
+
+
+def visible_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def run_id_for(environ: Mapping[str, str], dist_env: DistEnv, launcher_key: str | None) -> str:
+    """A string every rank of this launch shares (torchrun's ``--rdzv-id``)."""
+    job_id = (environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID") or "").strip()
+    parts = [part for part in (job_id, launcher_key) if part]
+    return "|".join(parts) if parts else f"{dist_env.master_addr}:{dist_env.master_port}"
+
+
+def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: DeviceChoice,
+                       environ: Mapping[str, str], *, launcher_key: str | None = None,
+                       cpus: int | None = None) -> WorkerLaunch:
+    """The command and what to export for it on this rank.
+
+    Under torchrun nothing is changed: its workers already have every variable.
+    """
+    if not command:
+        raise UserError("no command to run: give it after '--', e.g. ddp-hpc run -- python train.py")
+    if dist_env.source == "torchrun":
+        return WorkerLaunch(tuple(command), {})
+    restart = environ.get(RESTART_COUNT_VAR, "0").strip() or "0"
+    if not restart.isdigit():
+        raise UserError(f"environment variable {RESTART_COUNT_VAR}={restart!r} is not a whole number")
+    exported = torchrun_variables(dist_env, run_id_for(environ, dist_env, launcher_key), int(restart))
+    exported[DEVICE_ENV_VAR] = choice.device_type
+    exported[BACKEND_ENV_VAR] = choice.backend
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environ:
+        exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    if not environ.get("OMP_NUM_THREADS", "").strip():
+        exported["OMP_NUM_THREADS"] = str(omp_threads(dist_env.local_world_size, environ,
+                                                      cpus if cpus is not None else visible_cpus()))
+    return WorkerLaunch(tuple(command), exported)

@@ -1,0 +1,69 @@
+"""A plain torchrun-style DDP script: no ddp_hpc import.
+
+Run it with torchrun, or under any launcher through `ddp-hpc run`, unmodified:
+
+    torchrun --nproc_per_node 2 examples/plain_ddp.py
+    mpiexec -n 4 ddp-hpc run -- python examples/plain_ddp.py
+    srun -N2 -n4 ddp-hpc run -- python examples/plain_ddp.py
+
+It trains a small classifier on scikit-learn's bundled 8x8 digits (no download), then every
+rank prints its rank and the all_reduce of the test accuracy counts.
+"""
+
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    digits = load_digits()
+    inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    targets = torch.tensor(digits.target)
+    train = TensorDataset(inputs[:1500], targets[:1500])
+    test_inputs, test_targets = inputs[1500:].to(device), targets[1500:].to(device)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    sampler = DistributedSampler(train, shuffle=True, seed=0)
+    loader = DataLoader(train, batch_size=32, sampler=sampler)
+    for epoch in range(5):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+
+    with torch.no_grad():  # each rank scores its share of the test set; all_reduce sums
+        mine = slice(rank, None, world_size)
+        correct = (model(test_inputs[mine]).argmax(1) == test_targets[mine]).sum()
+    counts = torch.stack([correct, torch.tensor(len(test_targets[mine]), device=device)]).float()
+    dist.all_reduce(counts)
+    print(f"rank {rank}/{world_size} local_rank {local_rank}: all_reduce correct={int(counts[0])} "
+          f"total={int(counts[1])} test_accuracy={counts[0] / counts[1]:.4f}", flush=True)
+    # Free DDP (it sits in a reference cycle) while the group is alive: with gloo, a
+    # DistributedDataParallel that outlives destroy_process_group can abort the process at exit.
+    del model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
