@@ -196,10 +196,6 @@ def test_torchrun_per_host_with_a_c10d_rendezvous_on_h1(world, tmp_path):
 
 def test_command_job_runs_on_two_hosts_with_ddp_hpc_run(world, tmp_path):
     """The user's own script, unmodified, under ``ddp-hpc run`` inside srun."""
-    usage = run([*ddp_hpc_command(), "run", "--help"])
-    if usage.returncode != 0:
-        pytest.skip("`ddp-hpc run -- COMMAND` is not in this build yet (the lead's command jobs): "
-                    "this test runs as soon as it is")
     script = tmp_path / "hosts.py"
     script.write_text(
         "import socket, torch.distributed as dist\n"
