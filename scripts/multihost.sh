@@ -236,7 +236,7 @@ up() {  # up N
   write_config "$n"
   start_munge
   start_slurm "$n"
-  log "up in $((SECONDS - started))s: hosts h[1-$n] ($MGMT_NET.0/24 eth0, $HSN_NET.0/24 hsn0 as hI$HSN_SUFFIX); " \
+  log "up in $((SECONDS - started))s: hosts h[1-$n] ($MGMT_NET.0/24 eth0, $HSN_NET.0/24 hsn0 as hI$HSN_SUFFIX);" \
       "SLURM_CONF=$CONF; run on a host with scripts/on-host HOST COMMAND"
 }
 
