@@ -41,6 +41,7 @@ TIMEOUT = 240  # a loaded 2-core machine starts 4 torch processes slowly
 
 @pytest.fixture(scope="session")
 def world_up() -> None:
+    need(os.geteuid() == 0, "the multihost tests enter network namespaces: run them as root")
     status = subprocess.run([str(REPO / "scripts" / "dev-cluster.sh"), "status", "--hosts"],
                             capture_output=True, text=True, timeout=60)
     need(status.returncode == 0 and status.stdout.startswith("hosts: "),
