@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 BEAT_KEY = "ddp_hpc/heartbeat/{rank}"
 HOST_KEY = "ddp_hpc/host/{rank}"
 
+
 def describe_ranks(ranks: Sequence[int], hosts: dict[int, str]) -> str:
     """``"ranks 2, 3 on host h2"``; grouped by host, in rank order."""
     by_host: dict[str, list[int]] = {}
