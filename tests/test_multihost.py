@@ -246,11 +246,16 @@ def hosts_file_with_loopback_line(path: Path, host: str) -> Path:
 def test_a_hostname_on_a_loopback_line_is_named_before_the_rendezvous(world, tmp_path):
     """h1's and h2's /etc/hosts carry ``127.0.1.1 <own name>``: rank 0 would serve the store
     on loopback, rank 1 would offer gloo peers a loopback address. Each says so in one line
-    and exits 2, before anything connects (rank 0 does not wait for rank 1)."""
+    and exits 2, before anything connects (rank 0 does not wait for rank 1).
+
+    The ranks are started as a launcher inside a SLURM allocation would start them: with the
+    allocation's node list, from which rank 0 learns that h2 is another machine.
+    """
     commands = []
+    port = some_port()
     for rank, host in enumerate(("h1", "h2")):
         environment = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h1",
-                       "MASTER_PORT": str(some_port())}
+                       "MASTER_PORT": str(port), "SLURM_JOB_NODELIST": "h[1-2]"}
         command = ["env", *(f"{k}={v}" for k, v in environment.items()), *ddp_hpc_command(), "doctor",
                    "--timeout", "60"]
         hosts_file = hosts_file_with_loopback_line(tmp_path / f"hosts-{host}", host)

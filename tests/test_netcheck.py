@@ -22,7 +22,9 @@ from ddp_hpc.training.liveness import Heartbeat, describe_ranks
 
 NAMES = {"h1": ["198.18.14.11"], "h2": ["198.18.14.12"], "h1-hsn": ["198.18.15.11"],
          "h2-hsn": ["198.18.15.12"], "localhost": ["127.0.0.1"]}
-H2_INTERFACES = {"lo": ("127.0.0.1",), "eth0": ("198.18.14.12",), "hsn0": ("198.18.15.12",)}
+INTERFACES = {"h1": {"lo": ("127.0.0.1",), "eth0": ("198.18.14.11",), "hsn0": ("198.18.15.11",)},
+              "h2": {"lo": ("127.0.0.1",), "eth0": ("198.18.14.12",), "hsn0": ("198.18.15.12",)},
+              "vm": {"lo": ("127.0.0.1",), "eth0": ("192.0.2.2",)}}
 
 
 def env(rank: int = 2, master: str = "h1", num_nodes: int = 2) -> DistEnv:
@@ -33,7 +35,7 @@ def env(rank: int = 2, master: str = "h1", num_nodes: int = 2) -> DistEnv:
 def check(dist_env: DistEnv, *, names=None, environ=None, suffix=None, backend="gloo", host="h2"):
     table = {**NAMES, **(names or {})}
     return check_network(dist_env, backend, host_suffix=suffix, environ=environ or {}, hostname=host,
-                         resolve=lambda name: table.get(name, []), interfaces=H2_INTERFACES)
+                         resolve=lambda name: table.get(name, []), interfaces=INTERFACES[host])
 
 
 def test_a_healthy_two_host_job_passes_and_leaves_gloo_its_choice():
@@ -51,10 +53,24 @@ def test_hostname_on_a_loopback_line_is_named_with_the_fix():
 
 
 def test_master_name_on_a_loopback_line_is_named_with_the_fix():
+    # mpiexec inside a SLURM allocation: the node list shows that h2 is another machine.
     with pytest.raises(UserError, match=r"rank 0 on host h1: the rendezvous host 'h1' resolves to "
                                         r"127\.0\.1\.1.*delete the line '127\.0\.1\.1 h1' from "
                                         r"/etc/hosts on h1"):
-        check(env(rank=0), names={"h1": ["127.0.1.1"]}, host="h1")
+        check(env(rank=0), names={"h1": ["127.0.1.1"]}, host="h1", environ={"SLURM_JOB_NODELIST": "h[1-2]"})
+    # Without a host list, rank 0 cannot tell that the other nodes are elsewhere.
+    assert check(env(rank=0), names={"h1": ["127.0.1.1"]}, host="h1") == NetworkPlan(
+        reason="host name h1, all nodes on this machine")
+
+
+def test_several_nodes_on_one_machine_may_use_loopback():
+    """The shared test cluster: n1 and n2 are two slurmd on one machine, all on 127.0.0.1."""
+    names = {"n1": ["127.0.0.1"], "n2": ["127.0.0.1"], "vm": ["127.0.0.1"]}
+    slurm = {"SLURM_STEP_NODELIST": "n[1-2]"}
+    for rank in range(4):
+        assert check(env(rank=rank, master="n1"), names=names, host="vm", environ=slurm).gloo_ifname is None
+        assert check(env(rank=rank, master="n1"), names=names, host="vm",
+                     environ={**slurm, GLOO_IFNAME_VAR: "lo"}).gloo_ifname is None
 
 
 def test_one_node_may_use_loopback():
@@ -64,7 +80,8 @@ def test_one_node_may_use_loopback():
 def test_nccl_needs_no_hostname_but_still_a_reachable_master():
     assert check(env(), names={"h2": ["127.0.1.1"]}, backend="nccl") == NetworkPlan()
     with pytest.raises(UserError, match="rendezvous host 'h1' resolves to 127.0.0.1"):
-        check(env(), names={"h1": ["127.0.0.1"]}, backend="nccl")
+        check(env(rank=0), names={"h1": ["127.0.0.1"]}, backend="nccl", host="h1",
+              environ={"SLURM_STEP_NODELIST": "h[1-2]"})
 
 
 def test_unresolvable_hostname_is_refused():

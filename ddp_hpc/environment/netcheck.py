@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ddp_hpc.environment.base import DistEnv
-from ddp_hpc.environment.hosts import with_suffix
+from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
 from ddp_hpc.environment.resolve import HOST_SUFFIX_VAR
 from ddp_hpc.errors import UserError
 
@@ -90,10 +90,11 @@ def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
                   resolve: Resolver = resolve_addresses,
                   interfaces: Mapping[str, Sequence[str]] | None = None,
                   store_timeout_s: float | None = None) -> NetworkPlan:
-    """Refuse names that cannot work across nodes; pick gloo's interface for a host suffix;
-    with ``store_timeout_s``, wait until the rendezvous store answers (clients only).
+    """Refuse names that cannot work across machines; pick gloo's interface for a host
+    suffix; with ``store_timeout_s``, wait until the rendezvous store answers (clients only).
 
-    Only multi-node jobs are checked: on one node loopback is the right answer. Raises
+    Only multi-node jobs are checked, and loopback names only when some name of the job
+    (rank 0's, the first hosts of the node list) is on another machine. Raises
     ``UserError`` naming the rank, the host and the fix.
     """
     if dist_env.num_nodes <= 1:
@@ -130,10 +131,46 @@ def wait_for_store(addr: str, port: int, timeout_s: float, where: str) -> None:
         time.sleep(0.5)
 
 
+#: How many hosts of a job's host list are resolved to tell whether it spans machines: the
+#: first is rank 0's, any other is a different node, and every rank of a large job
+#: resolving all of them would flood the name service.
+HOSTS_TO_PROBE = 4
+
+
+def listed_hosts(environ: Mapping[str, str]) -> list[str]:
+    """The first hosts of the SLURM node list or PBS node file, if the job has one."""
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    try:
+        if nodelist:
+            return expand_nodelist(nodelist)[:HOSTS_TO_PROBE]
+        if environ.get("PBS_NODEFILE", "").strip():
+            return read_nodefile(environ["PBS_NODEFILE"].strip())[:HOSTS_TO_PROBE]
+    except UserError:  # resolve_env reports a malformed list
+        return []
+    return []
+
+
+def other_machine(names: Sequence[str], resolve: Resolver,
+                  interfaces: Mapping[str, Sequence[str]]) -> str | None:
+    """The first of ``names`` that lives on another machine (its address is neither loopback
+    nor one of this host's), or None when all of them are here."""
+    local = {address for addresses in interfaces.values() for address in addresses}
+    for name in names:
+        addresses = resolve(name)
+        if addresses and not is_loopback(addresses[0]) and addresses[0] not in local:
+            return name
+    return None
+
+
 def _check_names(dist_env: DistEnv, backend: str, host_suffix: str | None, environ: Mapping[str, str],
                  host: str, where: str, resolve: Resolver,
                  interfaces: Mapping[str, Sequence[str]] | None) -> NetworkPlan:
     nodes = f"the job spans {dist_env.num_nodes} nodes"
+    if interfaces is None:
+        interfaces = local_interfaces()
+    # Loopback is wrong only where another machine takes part: test clusters run several
+    # "nodes" on one machine (all names on 127.0.0.1), and there it is right.
+    remote = other_machine([dist_env.master_addr, *listed_hosts(environ)], resolve, interfaces)
 
     # The first address counts: rank 0's store binds it and gloo offers it (with glibc's
     # "multi on", the 127.0.1.1 line and the real one both come back, loopback first).
@@ -141,7 +178,7 @@ def _check_names(dist_env: DistEnv, backend: str, host_suffix: str | None, envir
     if not master_addresses:
         raise UserError(f"{where}: the rendezvous host {dist_env.master_addr!r} does not resolve here. Fix: "
                         f"check MASTER_ADDR or the host suffix, or add the name to /etc/hosts (or DNS)")
-    if is_loopback(master_addresses[0]):
+    if is_loopback(master_addresses[0]) and remote:
         address = master_addresses[0]
         raise UserError(
             f"{where}: the rendezvous host {dist_env.master_addr!r} resolves to {address}, a loopback "
@@ -154,13 +191,15 @@ def _check_names(dist_env: DistEnv, backend: str, host_suffix: str | None, envir
     suffix = environ.get(HOST_SUFFIX_VAR, "") if host_suffix is None else host_suffix
     ifname = environ.get(GLOO_IFNAME_VAR, "").strip()
     if ifname:
-        _check_ifnames(ifname, where, nodes, local_interfaces() if interfaces is None else interfaces)
+        _check_ifnames(ifname, where, nodes if remote else "", interfaces)
         return NetworkPlan(reason=f"{GLOO_IFNAME_VAR}={ifname}")
     if suffix:
-        return _suffix_interface(with_suffix(host, suffix), suffix, where, nodes, resolve,
-                                 local_interfaces() if interfaces is None else interfaces)
+        return _suffix_interface(with_suffix(host, suffix), suffix, where, nodes if remote else "", resolve,
+                                 interfaces)
 
     own = resolve(host)
+    if not remote:
+        return NetworkPlan(reason=f"host name {host}, all nodes on this machine")
     if not own:
         raise UserError(
             f"{where}: the host name {host!r} does not resolve, so gloo would fall back to the loopback "
@@ -183,7 +222,7 @@ def _check_ifnames(value: str, where: str, nodes: str, interfaces: Mapping[str, 
         addresses = interfaces[name]
         if not addresses:
             raise UserError(f"{where}: {GLOO_IFNAME_VAR}={value}: interface {name!r} has no IPv4 address")
-        if all(is_loopback(a) for a in addresses):
+        if nodes and all(is_loopback(a) for a in addresses):
             raise UserError(f"{where}: {GLOO_IFNAME_VAR}={value} is the loopback interface, but {nodes}: "
                             f"name the interface of the job's network instead")
 
@@ -195,7 +234,7 @@ def _suffix_interface(name: str, suffix: str, where: str, nodes: str, resolve: R
         raise UserError(f"{where}: the host suffix {suffix!r} gives {name!r}, which does not resolve "
                         f"here. Fix: check the suffix (--host-suffix, {HOST_SUFFIX_VAR}, the cluster "
                         f"profile's host_suffix) or export {GLOO_IFNAME_VAR}")
-    if is_loopback(addresses[0]):
+    if nodes and is_loopback(addresses[0]):
         raise UserError(f"{where}: {name!r} resolves to {addresses[0]}, a loopback address, but {nodes}. "
                         f"Fix: delete the line {_hosts_line(addresses[0], name)} from /etc/hosts")
     for ifname, own in interfaces.items():
