@@ -28,10 +28,10 @@ _EXPORTS = {
     "train": "ddp_hpc.train_job",
     "TrainOptions": "ddp_hpc.train_job",
     "RunSummary": "ddp_hpc.summary",
-    "RunStatus": "ddp_hpc.summary",
     # Submitting to a scheduler
     "JobRequest": "ddp_hpc.launch.request",
     "submit": "ddp_hpc.launch.schedulers",
+    "wait": "ddp_hpc.launch.schedulers",
     "UserError": "ddp_hpc.errors",
 }
 
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
     from ddp_hpc.launch.request import JobRequest
-    from ddp_hpc.launch.schedulers import submit
-    from ddp_hpc.summary import RunStatus, RunSummary
+    from ddp_hpc.launch.schedulers import submit, wait
+    from ddp_hpc.summary import RunSummary
     from ddp_hpc.train_job import TrainOptions, train
     from ddp_hpc.training.job import Datasets, Job, StepOutput

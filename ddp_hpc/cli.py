@@ -89,7 +89,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
     from ddp_hpc.api import command_environment
 
-    launch = command_environment(_after_dashes(args.command), device=args.device, backend=args.backend,
+    launch = command_environment(args.command, device=args.device, backend=args.backend,
                                  host_suffix=args.host_suffix)
     log = logging.getLogger("ddp_hpc.run")
     log.debug("exec %s with %s", shlex.join(launch.argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
@@ -104,9 +104,14 @@ def _cmd_run(args: argparse.Namespace) -> NoReturn:
         raise SystemExit(127 if isinstance(exc, FileNotFoundError) else 126) from None
 
 
-def _after_dashes(command: Sequence[str]) -> list[str]:
-    command = list(command)
-    return command[1:] if command and command[0] == "--" else command
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.tracking.plot import plot_run
+
+    path = plot_run(Path(args.run_folder), Path(args.output) if args.output else None)
+    write_line(sys.stdout, str(path))
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -121,7 +126,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, build_local_command
 
-    command = _after_dashes(args.command)
+    command = list(args.command)
     argv = build_local_command(LocalLaunch(nproc=args.nproc, command=command, launcher=args.launcher))
     if args.dry_run:
         print(shlex.join(argv))
@@ -154,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", parents=[common],
                            help="train the job of a config on this rank (under any launcher)")
-    train.add_argument("config", help="YAML config, e.g. configs/digits.yaml")
+    train.add_argument("config", nargs="?", default=None,
+                       help="YAML config, e.g. configs/digits.yaml (default: the built-in digits job)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. training.batch_size=64")
     _add_device_flags(train)
@@ -169,26 +175,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ddp_hpc.launch import commands
 
+    from ddp_hpc.launch.schedulers import FAMILIES
+
     for verb, func, help_text in (
             ("render", commands.cmd_render, "write the batch script for a scheduler (nothing is submitted)"),
-            ("submit", commands.cmd_submit, "render the batch script and submit it (qsub, sbatch or submitit)")):
-        verb_parser = sub.add_parser(verb, help=help_text)
-        schedulers = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
-        schedulers.required = True
-        for scheduler in ("pbs", "slurm"):
-            sched = schedulers.add_parser(scheduler, parents=[common], help=f"{scheduler.upper()} job")
-            commands.add_job_flags(sched, scheduler)
+            ("submit", commands.cmd_submit, "submit a config or a command (qsub, sbatch or submitit)")):
+        verb_parser = sub.add_parser(verb, help=help_text,
+                                     description=f"ddp-hpc {verb} SCHEDULER [options] CONFIG [KEY=VALUE...], or "
+                                                 f"ddp-hpc {verb} SCHEDULER [options] -- COMMAND [ARGS...]")
+        families = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
+        families.required = True
+        for family, backends in FAMILIES.items():
+            sched = families.add_parser(family, parents=[common],
+                                        help=f"{family.upper()} job ({', '.join(backends)})")
+            commands.add_job_flags(sched, family)
             sched.add_argument("-o", "--output", help="script path (render: default stdout)")
             if verb == "submit":
                 sched.add_argument("--dry-run", action="store_true",
                                    help="print the script and the exact commands; submit nothing")
                 sched.add_argument("--wait", action="store_true",
-                                   help="wait for the job to end and print its training summary")
+                                   help="wait for the job to end; print its state, exit status and result")
                 sched.add_argument("--poll", type=float, default=2.0, help="seconds between status checks")
-                if scheduler == "slurm":
-                    sched.add_argument("--sbatch", action="store_true",
-                                       help="submit the rendered script with sbatch instead of submitit")
+            if len(backends) > 1:
+                sched.add_argument("--sbatch", action="store_true",
+                                   help=f"submit a rendered batch script instead of using {backends[0]}")
+                sched.add_argument("--torchrun", action="store_true",
+                                   help="one torchrun per node with a c10d rendezvous, instead of one task per "
+                                        "rank (a batch script)")
             sched.set_defaults(func=func)
+
+    for verb, func, help_text in (
+            ("status", commands.cmd_status, "the state of a submitted job"),
+            ("cancel", commands.cmd_cancel, "cancel a submitted job"),
+            ("logs", commands.cmd_logs, "print (or follow) a submitted job's output")):
+        job_parser = sub.add_parser(verb, parents=[common], help=help_text)
+        job_parser.add_argument("target", metavar="JOB_ID|RUN_FOLDER",
+                                help="a run folder (runs/NAME), or a job id submitted from this folder")
+        if verb == "logs":
+            job_parser.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+            job_parser.add_argument("-n", "--lines", type=int, default=40, help="lines per file (default: 40)")
+            job_parser.add_argument("--poll", type=float, default=2.0, help="seconds between checks with -f")
+        job_parser.set_defaults(func=func)
 
     port = sub.add_parser("port", parents=[common],
                           help="print the rendezvous port derived from a job id ($PBS_JOBID, $SLURM_JOB_ID)")
@@ -202,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
 
+    plot = sub.add_parser("plot", parents=[common],
+                          help="draw a run folder's training curves as a PNG (also while it runs)")
+    plot.add_argument("run_folder", help="e.g. runs/digits")
+    plot.add_argument("-o", "--output", help="PNG path (default: RUN_FOLDER/curves.png)")
+    plot.set_defaults(func=_cmd_plot)
+
     launch = sub.add_parser("launch", parents=[common],
                             help="start N ranks of a command on this machine")
     launch.add_argument("--nproc", type=int, default=2, help="number of ranks (default: 2)")
@@ -213,9 +246,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse, letting KEY=VALUE overrides stand anywhere after the config, even after options."""
+    """Parse, letting KEY=VALUE overrides stand anywhere after the config, even after options.
+
+    Everything after the first ``--`` is the command (run, launch, render, submit) and is
+    never read as options.
+    """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = None
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
     args, extra = parser.parse_known_args(argv)
+    config = getattr(args, "config", None)
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        # An optional config followed by overrides: the first override landed in ``config``.
+        extra, args.config = [config, *extra], None
+    if command is not None:
+        if not hasattr(args, "command"):
+            parser.error(f"'ddp-hpc {args.command_name}' takes no command after '--'")
+        args.command = command
     overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     unknown = [a for a in extra if a not in overrides]
     if unknown or (overrides and not hasattr(args, "overrides")):

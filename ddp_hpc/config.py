@@ -20,6 +20,8 @@ from ddp_hpc.config_loader import (
     positive,
     to_plain,
 )
+from ddp_hpc.errors import UserError
+from ddp_hpc.stop import parse_stop_signal
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,12 @@ class CheckpointConfig:
     resume: str = "auto"
     #: After SIGUSR2/SIGTERM (time limit, preemption), ranks agree to stop this often.
     preemption_check_every_n_steps: int = 10
+    #: A signal that asks the ranks to checkpoint and stop, besides SIGUSR2 and SIGTERM,
+    #: and its lead before the time limit: ``NAME@SECONDS`` (rendered scripts ask for it).
+    stop_signal: str = "USR2@90"
+    #: With a known job end (DDP_HPC_DEADLINE), stop when the time left would not cover
+    #: the next check interval, a checkpoint and this margin; null: never stop for it.
+    deadline_margin_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")
@@ -191,6 +199,29 @@ class CheckpointConfig:
         if self.every_n_epochs is not None:
             positive(self.every_n_epochs, "checkpoint.every_n_epochs")
         positive(self.keep_last, "checkpoint.keep_last")
+        if self.deadline_margin_s is not None:
+            non_negative(self.deadline_margin_s, "checkpoint.deadline_margin_s")
+        try:
+            parse_stop_signal(self.stop_signal)
+        except UserError as exc:
+            raise ConfigError(f"checkpoint.stop_signal: {exc}") from None
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    #: null: a SQLite store in the run folder (``tracking/mlflow.db``); or a server's URI.
+    tracking_uri: str | None = None
+    #: Experiment name; null = the run name.
+    experiment: str | None = None
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    #: null = ``ddp_hpc``.
+    project: str | None = None
+    entity: str | None = None
+    #: ``offline`` writes ``tracking/wandb`` only (``wandb sync`` uploads it); ``online`` needs network.
+    mode: Literal["offline", "online"] = "offline"
 
 
 @dataclass(frozen=True)
@@ -203,9 +234,24 @@ class LoggingConfig:
     progress: Literal["auto", "always", "never"] = "auto"
     #: Also log a line every N optimizer steps (0: epoch lines only).
     log_every_n_steps: int = 0
+    #: Experiment trackers rank 0 feeds (docs/tracking.md); each needs its extra installed.
+    trackers: list[Literal["tensorboard", "mlflow", "wandb", "csv"]] = field(default_factory=list)
+    #: Without a progress bar (e.g. a batch job's log), a progress line this often (0: none).
+    progress_every_s: float = 30.0
+    #: Draw the training curves (``curves.png``) at the end of the run (needs matplotlib).
+    plot: bool = True
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         non_negative(self.log_every_n_steps, "logging.log_every_n_steps")
+        non_negative(self.progress_every_s, "logging.progress_every_s")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(f"logging.trackers names a tracker twice: {self.trackers}")
+        from ddp_hpc.tracking.registry import check_installed
+
+        # A missing package stops the job before any rank starts.
+        check_installed(self.trackers, self.mlflow.tracking_uri)
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"logging.name {self.name!r} must be a plain folder name")
 

@@ -39,6 +39,9 @@ class RunSummary:
     test: dict[str, float] | None = None
     epochs_run_per_rank: list[int] = field(default_factory=list)
     parameter_checksums_per_rank: list[float] = field(default_factory=list)
+    #: For a preempted run: the signal this rank received (``SIGUSR2``), or None (the
+    #: job's deadline, or another rank's signal).
+    stopped_by: str | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -73,5 +76,5 @@ class RunSummary:
         """One line for people: epochs, steps, world size, speed and test metrics."""
         test = "".join(f", test {k} {v:.4f}" for k, v in sorted((self.test or {}).items()))
         rate = f", {self.samples_per_s:.0f} samples/s" if self.samples_per_s else ""
-        return (f"{self.status.value}: {self.epochs_completed} epochs, {self.global_step} steps, world size "
+        return (f"{self.epochs_completed} epochs, {self.global_step} steps, world size "
                 f"{self.world_size}{rate}, {self.wall_time_s:.1f}s{test}")

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
-from ddp_hpc.training.callbacks import create_callbacks
+from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
+from ddp_hpc.training.callbacks import create_callbacks
+from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
@@ -43,20 +46,28 @@ class Preempted(UserError):
 
     exit_code = 75  # EX_TEMPFAIL: try again later
 
+    def __init__(self, message: str, signum: int | None = None) -> None:
+        super().__init__(message)
+        #: The signal this rank received, or None (the job's deadline, or another rank's signal).
+        self.signum = signum
+
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
-def _install_stop_handlers(trainer: Trainer) -> dict:
-    """SIGUSR2 (SLURM's warning before the time limit) and SIGTERM (preemption, scancel,
-    PBS at walltime) ask the trainer to checkpoint and stop at the next agreed step."""
+def _install_stop_handlers(trainer: Trainer, received: list[int]) -> dict:
+    """SIGUSR2 (SLURM's warning before the time limit), SIGTERM (preemption, scancel,
+    PBS at walltime) and ``checkpoint.stop_signal`` ask the trainer to checkpoint and stop
+    at the next agreed step."""
 
     def handler(signum: int, frame: object) -> None:
+        received.append(signum)
         trainer.request_stop()
         log.warning("received %s: will checkpoint and stop within %d steps", signal.Signals(signum).name,
                     trainer.config.checkpoint.preemption_check_every_n_steps)
 
-    return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    configured = parse_stop_signal(trainer.config.checkpoint.stop_signal).signal
+    return {signum: signal.signal(signum, handler) for signum in dict.fromkeys((*STOP_SIGNALS, configured))}
 
 
 def distributed_options(config: Config, device: str | None, backend: str | None) -> DistributedOptions:
@@ -84,12 +95,17 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         config = load_config(config_path, list(overrides))
     job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
+    deadline = job_deadline(os.environ)
+    if deadline is not None and config.checkpoint.deadline_margin_s is not None:
+        callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
+                                                     config.checkpoint.deadline_margin_s)))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
     with process_group(distributed_options(config, options.device, options.backend)) as ctx:
         if options.configure_logs:
             configure_logging(ctx.rank, verbose=options.verbose)
         trainer = Trainer(job, config, ctx, run, callbacks)
-        previous = _install_stop_handlers(trainer) if options.handle_signals else {}
+        received: list[int] = []
+        previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}
         try:
             summary = trainer.fit()
         except UserError:
@@ -103,6 +119,9 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+        if summary.preempted:
+            # The signal this rank received; None for the deadline or another rank's signal.
+            summary = replace(summary, stopped_by=signal.Signals(received[0]).name if received else None)
         if options.report and ctx.is_rank_zero and not summary.preempted:
             test = summary.test or {}
             result = "  ".join(f"test {k} {v:.4f}" for k, v in sorted(test.items()))
@@ -117,5 +136,6 @@ def raise_if_preempted(summary: RunSummary) -> RunSummary:
     scheduler's requeue (or the next link of a chain) resumes it."""
     if summary.preempted:
         raise Preempted(f"stopped at step {summary.global_step} on request; the checkpoint is in "
-                        f"{summary.run_dir}/checkpoints: rerun or requeue to resume")
+                        f"{summary.run_dir}/checkpoints: rerun or requeue to resume",
+                        signal.Signals[summary.stopped_by] if summary.stopped_by else None)
     return summary

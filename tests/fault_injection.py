@@ -158,3 +158,15 @@ class RecordListeningSockets(Callback):
     def on_fit_start(self, trainer) -> None:
         path = Path(self.folder) / f"rank{trainer.ctx.rank}.txt"
         path.write_text("\n".join(listening_addresses(os.getpid())))
+
+
+class KillLaunchAtStep(Callback):
+    """SIGKILL the whole launch (launcher, every rank and their helper processes) when rank 0
+    reaches ``step``, between checkpoints: whatever was logged after the last one is cut off."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.ctx.is_rank_zero and trainer.progress.global_step == self.step:
+            kill_tree(launch_root())

@@ -121,8 +121,76 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, s
     assert submit.returncode == 0, out[-2000:] + err[-3000:]
     assert "job finished: 12 epochs" in out
     logs = "".join(p.read_text() for p in (runs / "preempted" / "submitit").glob("*_0_log.err"))
-    assert "resuming from" in logs
+    # The ranks took the signal before submitit's handler: they agreed on a step (a multiple
+    # of preemption_check_every_n_steps=5) and checkpointed there, then submitit requeued.
+    assert "received SIGUSR2: will checkpoint and stop" in logs
+    stopped = re.search(r"stopped on request at epoch \d+, step (\d+)", logs)
+    assert stopped and int(stopped.group(1)) % 5 == 0, logs[-3000:]
+    assert re.search(rf"resuming from \S+step-{int(stopped.group(1)):08d}\.pt:", logs), logs[-3000:]
+    # submitit's own handler ran only after the checkpoint.
+    assert logs.index("stopped on request") < logs.index("Caught signal SIGUSR2") < logs.index("resuming from")
     assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
                             load_checkpoint(checkpoints / "last.pt"))
-    FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): requeued {requeued - signalled:.1f}s after the "
-                   f"signal; resumed from the newest periodic checkpoint; final weights bit-identical")
+    FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): checkpoint at the agreed step {stopped.group(1)}, "
+                   f"requeued {requeued - signalled:.1f}s after the signal; final weights bit-identical")
+
+
+@pytest.mark.timeout(600)
+def test_sbatch_job_stops_before_its_walltime_with_no_signal_and_resumes_exactly(tmp_path, slurm_cluster):
+    """A 2-minute job and no signal at all: the batch script exports the job's end
+    (ddp_hpc.stop.SLURM_DEADLINE_LINES), the ranks stop ahead of it with a checkpoint and
+    exit 75, the script requeues, and the requeued job finishes bit-identical."""
+    import shlex
+
+    from ddp_hpc.stop import SLURM_DEADLINE_LINES
+
+    # A small model, so that the uninterrupted reference is quick on a loaded machine.
+    common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",
+              "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=20",
+              *OVERRIDES[1:], "checkpoint.deadline_margin_s=15"]
+    runs = tmp_path / "runs"
+    reference = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *common,
+                     f"logging.run_dir={runs}", "logging.name=reference"], timeout=300, cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    # Only the first attempt is slowed down (20 epochs x 16 steps x 0.5 s: longer than 2 minutes).
+    slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.5}}]"
+    train = shlex.join([*ddp_hpc_command(), "train", CONFIG, *common, f"logging.run_dir={runs}", "logging.name=deadline"])
+    script = tmp_path / "deadline.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --job-name=deadline", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --time=2", "#SBATCH --output=logs/%x-%j.out", "#SBATCH --open-mode=append", "#SBATCH --requeue",
+        *SLURM_DEADLINE_LINES,
+        'echo "test: DDP_HPC_DEADLINE=$DDP_HPC_DEADLINE"',
+        "extra=()",
+        f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then extra=({shlex.quote(slow)}); fi',
+        # No --kill-on-bad-exit here: with it, the first rank to exit 75 gets the others
+        # killed and srun reports 143 instead of 75.
+        f'srun --wait=60 {train} "${{extra[@]}}"; status=$?',
+        'echo "test: step ended with $status"',
+        'if [ "$status" = 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        'exit "$status"', ""]))
+    env = clean_env({"PYTHONPATH": str(REPO / "tests")})
+    (tmp_path / "logs").mkdir()
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, check=True).stdout.strip().split(";")[0]
+    log_path = tmp_path / "logs" / f"deadline-{job_id}.out"
+    wait_for(lambda: "PENDING" in job_state(job_id) and log_path.exists() and "step ended with 75" in log_path.read_text(),
+             240, "the job to stop itself and requeue")
+    first = log_path.read_text()
+    deadline = float(re.search(r"test: DDP_HPC_DEADLINE=([\d.]+)", first).group(1))
+    stopped = re.search(r"checkpointing and stopping at step (\d+)", first)
+    assert stopped, first[-3000:]
+    step = int(stopped.group(1))
+    checkpoint = runs / "deadline" / "checkpoints" / f"step-{step:08d}.pt"
+    checkpointed = checkpoint.stat().st_mtime
+    assert checkpointed < deadline, "the checkpoint came after the time limit"
+    release_requeued(job_id)
+    wait_for(lambda: not job_state(job_id), 300, "the requeued job to finish", poll=1.0)
+    log = log_path.read_text()
+    assert "step ended with 0" in log, log[-3000:]
+    assert re.search(rf"resuming from \S+step-{step:08d}\.pt:", log), log[-3000:]
+    assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
+                               load_checkpoint(runs / "deadline" / "checkpoints" / "last.pt"))
+    FIGURES.append(f"deadline stop (sbatch --time=2, no signal, margin 15 s): checkpoint at step {step} "
+                   f"{deadline - checkpointed:.1f} s before the time limit; requeued, final weights bit-identical")

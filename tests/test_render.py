@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ from conftest import REPO
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.launch.pbs import render_pbs
 from ddp_hpc.launch.profiles import load_profile
-from ddp_hpc.launch.request import JobRequest, parse_walltime
+from ddp_hpc.launch.request import CommandPayload, JobRequest, TrainPayload, parse_walltime
 from ddp_hpc.launch.slurm import render_sbatch
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -22,15 +23,21 @@ DIGITS = str(REPO / "configs" / "digits.yaml")
 
 def request(cluster: str, nodes: int = 2, **kwargs) -> JobRequest:
     kwargs.setdefault("walltime", "00:30:00")
-    return JobRequest(config_path=kwargs.pop("config_path", DIGITS), overrides=tuple(kwargs.pop("overrides", ())),
-                      profile=load_profile(cluster), nodes=nodes, **kwargs)
+    payload = TrainPayload(kwargs.pop("config_path", DIGITS), tuple(kwargs.pop("overrides", ())))
+    return JobRequest(payload=payload, profile=load_profile(cluster), nodes=nodes, **kwargs)
+
+
+def launch_line(script: str) -> str:
+    """The line that starts the ranks (in the background, inside the restart loop)."""
+    [line] = [line.strip() for line in script.splitlines() if line.endswith(" &")]
+    return line.removesuffix(" &")
 
 
 def test_aurora_script():
     script = render_pbs(request("aurora", account="ABC"))
     assert "#PBS -l select=2\n" in script and "#PBS -A ABC\n" in script
     assert "#PBS -l walltime=00:30:00" in script and "#PBS -l filesystems=home:flare" in script
-    launch = script.strip().splitlines()[-1]
+    launch = launch_line(script)
     assert '-n 24 -ppn 12' in launch and '--hostfile "${DDP_HPC_HOSTFILE}" --envall' in launch
     assert "--cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100" in launch
     for preset in ("CCL_PROCESS_LAUNCHER=pmix", "CCL_ATL_TRANSPORT=mpi", "CCL_KVS_MODE=mpi",
@@ -46,7 +53,7 @@ def test_aurora_script():
 
 def test_polaris_script():
     script = render_pbs(request("polaris", nodes=3))
-    launch = script.strip().splitlines()[-1]
+    launch = launch_line(script)
     assert "#PBS -l select=3:system=polaris" in script
     assert "-n 12 -ppn 4 --depth 8 --cpu-bind depth" in launch
     assert "--envall" in launch
@@ -61,14 +68,14 @@ def test_slurm_script_srun_per_rank():
                  "#SBATCH --requeue", "#SBATCH --job-name=digits"):
         assert line + "\n" in script
     assert f"srun --kill-on-bad-exit=1 --wait=60 ddp-hpc train {DIGITS} &" in script
-    assert "trap on_usr2 USR2" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "trap on_stop_signal USR2" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
 def test_slurm_script_torchrun_per_node():
-    script = render_sbatch(request("slurm-gpu"), torchrun=True)
+    script = render_sbatch(request("slurm-gpu", torchrun_per_node=True))
     assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --cpus-per-task=32\n" in script
     assert ('torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "${rdzv_endpoint}" '
-            '--rdzv-id "${SLURM_JOB_ID}" --no-python ddp-hpc train') in script
+            '--rdzv-id "${SLURM_JOB_ID}" --max-restarts 0 --no-python ddp-hpc train') in script
     assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
 
 
@@ -76,7 +83,8 @@ def test_slurm_script_torchrun_per_node():
                                                ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm")])
 def test_rendered_scripts_are_valid_bash(cluster, scheduler):
     req = request(cluster, overrides=["training.epochs=2"], setup=("echo set up",), env={"A_B": "x y"})
-    for script in ([render_pbs(req)] if scheduler == "pbs" else [render_sbatch(req), render_sbatch(req, True)]):
+    torchrun = dataclasses.replace(req, torchrun_per_node=True)
+    for script in ([render_pbs(req)] if scheduler == "pbs" else [render_sbatch(req), render_sbatch(torchrun)]):
         result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
         assert result.returncode == 0, result.stderr
 
@@ -200,9 +208,10 @@ def run_script(script: str, workdir: Path, stub_bin: Path, extra_env: dict[str, 
 @pytest.mark.reliability
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name_noise=st.tuples(noise, noise), override_noise=st.tuples(noise, noise),
-       account_noise=st.tuples(noise, noise), payload=st.sampled_from(PAYLOADS), scheduler=st.sampled_from(["pbs", "slurm"]))
+       account_noise=st.tuples(noise, noise), payload=st.sampled_from(PAYLOADS), scheduler=st.sampled_from(["pbs", "slurm"]),
+       as_command=st.booleans())
 def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub_bin, name_noise, override_noise,
-                                                                  account_noise, payload, scheduler):
+                                                                  account_noise, payload, scheduler, as_command):
     canary = tmp_path / "CANARY"
     config_name = hostile(name_noise, payload.replace("/", ""), "CANARY").replace("\n", " ") or "c"
     config = tmp_path / f"{config_name[:80]}.yaml"
@@ -211,7 +220,10 @@ def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub
                  f"logging.name={hostile(name_noise, payload, 'CANARY').replace('/', '_')}".rstrip("."))
     if overrides[1].endswith("=") or overrides[1].split("=", 1)[1] in (".", ".."):
         overrides = overrides[:1]
-    req = JobRequest(config_path=str(config), overrides=overrides,
+    command = ("python", hostile(override_noise, payload, canary), f"--note={hostile(name_noise, payload, canary)}")
+    payload_value = CommandPayload(command, run_dir=str(tmp_path / "runs")) if as_command else TrainPayload(
+        str(config), overrides)
+    req = JobRequest(payload=payload_value,
                      profile=load_profile("pbs-generic" if scheduler == "pbs" else "slurm-cpu"), nodes=1,
                      account=hostile(account_noise, payload, canary), job_name=hostile(name_noise, payload, canary),
                      env={"USER_NOTE": hostile(override_noise, payload, canary)})
@@ -226,5 +238,56 @@ def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub
            "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
     argv = run_script(script, tmp_path, stub_bin, env)
     assert not canary.exists() and not (tmp_path / "CANARY").exists()
-    expected_tail = ["ddp-hpc", "train", str(config), *overrides]
+    expected_tail = ["ddp-hpc", "run", "--", *command] if as_command else ["ddp-hpc", "train", str(config), *overrides]
     assert argv[-len(expected_tail):] == expected_tail
+
+
+def test_a_sweep_is_one_array_job_with_an_element_per_combination():
+    from ddp_hpc.launch.sweep import Sweep
+
+    sweep = Sweep.parse(["training.lr=0.001,0.003", "training.batch_size=32,64"], limit=2)
+    req = request("slurm-cpu", nodes=1, sweep=sweep)
+    assert [e.describe() for e in req.elements] == [
+        "training.lr=0.001 training.batch_size=32", "training.lr=0.001 training.batch_size=64",
+        "training.lr=0.003 training.batch_size=32", "training.lr=0.003 training.batch_size=64"]
+    script = render_sbatch(req)
+    assert "#SBATCH --array=0-3%2\n" in script and "#SBATCH --output=logs/%x-%A_%a.out\n" in script
+    assert "  2) sweep_args=(training.lr=0.003 training.batch_size=32 logging.name=digits-2);" in script
+    assert launch_line(script).endswith('ddp-hpc train ' + DIGITS + ' "${sweep_args[@]}"')
+    assert 'exit-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in script
+    pbs = render_pbs(request("pbs-generic", nodes=1, sweep=sweep))
+    assert "#PBS -J 0-3%2\n" in pbs and 'case "${PBS_ARRAY_INDEX}" in' in pbs
+    for text in (script, pbs):
+        assert subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True).returncode == 0
+
+
+def test_command_sweep_elements_get_their_index_and_values_as_variables(tmp_path, stub_bin):
+    from ddp_hpc.launch.sweep import Sweep
+
+    req = JobRequest(payload=CommandPayload(("sh", "-c", "true"), run_dir=str(tmp_path / "runs")),
+                     profile=load_profile("slurm-cpu"), nodes=1, sweep=Sweep.parse(["lr=0.1,0.2"]))
+    script = render_sbatch(req)
+    assert "  1) sweep_args=(); export DDP_HPC_SWEEP_INDEX=1; export DDP_HPC_SWEEP_LR=0.2;" in script
+    assert launch_line(script).endswith("ddp-hpc run -- sh -c true")
+
+
+@pytest.mark.parametrize("specs,message", [
+    (["training.lr"], "use KEY=V1,V2"),
+    (["training.lr=0.1,,0.2"], "empty value"),
+    (["training.lr=0.1", "training.lr=0.2"], "names a key twice"),
+    (["training.lr=0.1"], "at least two elements"),
+    (["training.lr=0.1,fast"], "element 1 (training.lr=fast): training.lr: expected float"),
+    (["training.nope=1,2"], "element 0"),
+])
+def test_bad_sweeps_are_refused_before_anything_is_rendered(specs, message):
+    from ddp_hpc.errors import UserError
+    from ddp_hpc.launch.sweep import Sweep
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        request("slurm-cpu", nodes=1, sweep=Sweep.parse(specs))
+
+
+def test_a_chain_does_not_requeue_and_a_single_job_does():
+    chained = render_sbatch(request("slurm-cpu", nodes=1, chain=3))
+    single = render_sbatch(request("slurm-cpu", nodes=1))
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in single and "scontrol requeue" not in chained

@@ -208,7 +208,7 @@ def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path):
     assert killed.returncode != 0
     checkpoints = tmp_path / "runs" / "resumed" / "checkpoints"
     newest = load_checkpoint(checkpoints / "last.pt")["progress"]
-    assert newest == {"epoch": 1, "batches_done": 8, "global_step": 12}
+    assert newest == {"epoch": 1, "batches_done": 8, "global_step": 12, "epoch_offset": 0}
     assert not (tmp_path / "runs" / "resumed" / "summary.json").exists()
 
     resumed = torchrun_train(tmp_path, 2, RESUME_CONFIG, name="resumed")
@@ -217,6 +217,6 @@ def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path):
 
     a = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")
     b = load_checkpoint(checkpoints / "last.pt")
-    assert a["progress"] == {"epoch": 3, "batches_done": 0, "global_step": 24}
+    assert a["progress"] == {"epoch": 3, "batches_done": 0, "global_step": 24, "epoch_offset": 0}
     assert_same_training_state(a, b)
     assert a["scheduler"] == b["scheduler"]

@@ -1,27 +1,46 @@
-"""``ddp-hpc render`` and ``ddp-hpc submit``: from CLI arguments to a script and a job."""
+"""``ddp-hpc render|submit|status|logs|cancel``: from CLI arguments to the scheduler layer.
+
+A thin adapter: arguments become a ``JobRequest``, the registry picks the backend, and the
+``DryRun``/``Submission``/``JobResult`` values are printed. No scheduler's name is compared
+here.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from ddp_hpc.launch.pbs import render_pbs
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch import schedulers
 from ddp_hpc.launch.profiles import load_profile
-from ddp_hpc.launch.request import JobRequest, current_python_env, parse_env_assignments, quote_command
-from ddp_hpc.launch.slurm import LOG_DIR, render_sbatch
+from ddp_hpc.launch.request import (
+    CommandPayload,
+    JobRequest,
+    TrainPayload,
+    current_python_env,
+    parse_env_assignments,
+)
+from ddp_hpc.launch.sweep import Sweep
+from ddp_hpc.stop import StopSignal, stop_signal_arg
 
-DEFAULT_PROFILES = {"pbs": "pbs-generic", "slurm": "slurm-cpu"}
-SCRIPT_SUFFIX = {"pbs": ".pbs", "slurm": ".sbatch"}
 
 
-def add_job_flags(parser: argparse.ArgumentParser, scheduler: str) -> None:
-    parser.add_argument("config", help="training config (YAML)")
+class JobFailed(UserError):
+    """The job ended without success; its exit status (or 1) is ours."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
+    parser.add_argument("config", nargs="?", help="training config (YAML); or give a command after '--'")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the job")
-    parser.add_argument("--cluster", default=DEFAULT_PROFILES[scheduler],
-                        help=f"cluster profile name or YAML path (default: {DEFAULT_PROFILES[scheduler]})")
+    default = schedulers.DEFAULT_PROFILES[family]
+    parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: {default})")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--ranks-per-node", "--tasks-per-node", dest="ranks_per_node", type=int,
                         help="ranks per node (default: the profile's)")
@@ -29,92 +48,191 @@ def add_job_flags(parser: argparse.ArgumentParser, scheduler: str) -> None:
                         help="HH:MM:SS, MM:SS or minutes (default: 01:00:00)")
     parser.add_argument("--account", "-A", help="project/account to charge")
     parser.add_argument("--queue", "--partition", "-q", dest="queue", help="queue (PBS) or partition (SLURM)")
-    parser.add_argument("--job-name", help="job name (default: the run name)")
+    parser.add_argument("--job-name", help="job name (default: the run name, or the command's script name)")
+    parser.add_argument("--run-dir", default="runs",
+                        help="command jobs: folder of run folders (default: runs; config jobs use logging.run_dir)")
     parser.add_argument("--setup", action="append", default=[], metavar="LINE",
                         help="a shell line to run in the job before launching (repeatable)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for every rank (repeatable)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="relaunch all ranks in the same allocation after a failure, at most N times "
+                             "(they resume from the newest checkpoint; default: 0)")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                        help="run every combination of these values as one array job (repeatable; command jobs "
+                             "get DDP_HPC_SWEEP_INDEX and DDP_HPC_SWEEP_<KEY>)")
+    parser.add_argument("--sweep-limit", type=int, metavar="K", help="at most K sweep elements run at once")
+    parser.add_argument("--chain", type=int, default=1, metavar="N",
+                        help="submit N jobs, each after the previous one ended (afterany), each resuming the run")
+    parser.add_argument("--signal", type=stop_signal_arg, default=None, metavar="SIG@SECONDS",
+                        help="SLURM: the signal sent ahead of the time limit and how far ahead (default: USR2@90); "
+                             "the script passes it to the ranks, which checkpoint and stop")
     parser.add_argument("--no-venv", action="store_true",
                         help="do not activate the current Python environment in the job")
-    if scheduler == "slurm":
-        parser.add_argument("--torchrun", action="store_true",
-                            help="one torchrun per node with a c10d rendezvous, instead of one srun task per rank")
+    parser.set_defaults(command=[])
+
+
+def _payload(args: argparse.Namespace) -> TrainPayload | CommandPayload:
+    command = list(args.command or [])
+    if command:
+        if args.config or args.overrides:
+            raise UserError("give a config or a command after '--', not both")
+        return CommandPayload(tuple(command), run_dir=args.run_dir)
+    if not args.config:
+        raise UserError("nothing to run: give a config (configs/digits.yaml) or a command after '--'")
+    return TrainPayload(args.config, tuple(args.overrides))
 
 
 def job_request(args: argparse.Namespace) -> JobRequest:
     return JobRequest(
-        config_path=args.config, overrides=tuple(args.overrides), profile=load_profile(args.cluster),
-        nodes=args.nodes, walltime=args.walltime, ranks_per_node=args.ranks_per_node, account=args.account,
-        queue=args.queue, job_name=args.job_name, setup=tuple(args.setup), env=parse_env_assignments(args.env),
-        python_env=None if args.no_venv else current_python_env())
+        payload=_payload(args), profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
+        ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
+        setup=tuple(args.setup), env=parse_env_assignments(args.env),
+        python_env=None if args.no_venv else current_python_env(),
+        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=args.max_restarts,
+        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
+        stop_signal=args.signal or StopSignal.default())
 
 
-def render(request: JobRequest, scheduler: str, torchrun: bool = False) -> str:
-    if request.profile.scheduler != scheduler:
-        from ddp_hpc.errors import UserError
-
-        raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
-                        f"use 'ddp-hpc render {request.profile.scheduler}' or another --cluster")
-    return render_pbs(request) if scheduler == "pbs" else render_sbatch(request, torchrun)
+def _scheduler(args: argparse.Namespace) -> str:
+    batch_script = getattr(args, "sbatch", False) or getattr(args, "torchrun", False)
+    return schedulers.scheduler_for(args.scheduler, batch_script=batch_script).name
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     request = job_request(args)
-    text = render(request, args.scheduler, getattr(args, "torchrun", False))
+    plan = schedulers.dry_run(request, schedulers.scheduler_for(args.scheduler, batch_script=True).name)
     if args.output:
-        Path(args.output).write_text(text)
-        Path(args.output).chmod(0o755)
+        schedulers.base.write_script(plan.script, Path(args.output))
         print(f"wrote {args.output}", file=sys.stderr)
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(plan.script)
     return 0
 
 
-def _print_summary(summary: dict) -> None:
-    test = summary.get("test") or {}
-    print(f"job finished: {summary['epochs_completed']} epochs, {summary['global_step']} steps, world size "
-          f"{summary['world_size']}, {summary.get('samples_per_s')} samples/s" +
-          "".join(f", test {k} {v:.4f}" for k, v in sorted(test.items())))
-    print(json.dumps(summary, indent=2, sort_keys=True))
+def print_result(result: schedulers.JobResult) -> None:
+    status = result.status
+    code = "unknown" if status.exit_code is None else str(status.exit_code)
+    print(f"job {result.submission.job_id}: {status.state.value} (exit status {code}; {status.source or 'no source'}"
+          f"{': ' + status.raw if status.raw else ''})")
+    if result.elements:
+        print(sweep_table(result))
+    elif result.summary is not None:
+        print(f"job finished: {result.summary.headline()}")
+        print(result.summary.to_json(), end="")
+
+
+def sweep_table(result: schedulers.JobResult) -> str:
+    """One row per sweep element: index, overrides, state, exit status, final metrics."""
+    rows = [("element", "overrides", "state", "exit", "result")]
+    for element in result.elements:
+        summary = element.summary
+        metrics = ""
+        if summary is not None:
+            chosen = ({f"test_{k}": v for k, v in summary.test.items()} if summary.test else
+                      {k: v for k, v in summary.final.items() if k.startswith("val_")})
+            metrics = " ".join(f"{k}={v:.4f}" for k, v in sorted(chosen.items()) if isinstance(v, float))
+        code = "" if element.status.exit_code is None else str(element.status.exit_code)
+        rows.append((str(element.element.index), element.element.assignment, element.status.state.value, code,
+                     metrics or element.element.run_folder))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ddp_hpc.launch import submit
-
     request = job_request(args)
-    workdir = Path.cwd()
-    scheduler = args.scheduler
-    use_submitit = scheduler == "slurm" and not args.sbatch and not getattr(args, "torchrun", False)
-    script_path = Path(args.output) if args.output else workdir / request.run_folder / f"job{SCRIPT_SUFFIX[scheduler]}"
-    text = render(request, scheduler, getattr(args, "torchrun", False))
-    per_rank = quote_command(request.train_command())
+    scheduler = _scheduler(args)
+    script_path = Path(args.output).resolve() if args.output else None
     if args.dry_run:
-        sys.stdout.write(text)
-        print(f"\n# per-rank command ({request.world_size} ranks): {per_rank}")
-        if use_submitit:
-            print("# would submit with submitit (sbatch), one task per rank running the command above")
-        else:
-            print(f"# would run: {'qsub' if scheduler == 'pbs' else 'sbatch --parsable'} {script_path}")
+        sys.stdout.write(schedulers.dry_run(request, scheduler, script_path=script_path).describe())
         return 0
-    if use_submitit:
-        job_id, summary = submit.submit_with_submitit(request, workdir, args.wait)
-    else:
-        submit.write_script(text, script_path)
-        if scheduler == "slurm":
-            (workdir / LOG_DIR).mkdir(exist_ok=True)
-        submitted = submit.submit_script("qsub" if scheduler == "pbs" else "sbatch", script_path)
-        job_id = submitted.job_id
-        print(f"submitted job {job_id} (script {script_path})", flush=True)
-        summary = (submit.wait_for_summary(submitted, request, scheduler, workdir, args.poll)
-                   if args.wait else None)
-    if summary is not None:
-        _print_summary(summary)
+    submission = schedulers.submit(request, scheduler, script_path=script_path)
+    where = f"script {submission.script}" if submission.script else f"logs in {Path(submission.run_folder) / 'submitit'}"
+    print(f"submitted job {submission.job_id} ({where}; run folder {submission.run_folder})", flush=True)
+    if not args.wait:
+        return 0
+    return _report_end(schedulers.wait(submission, poll_s=args.poll))
+
+
+def _report_end(result: schedulers.JobResult) -> int:
+    print_result(result)
+    if result.succeeded:
+        if result.submission.kind == "command":
+            print(result.log_tail)
+        return 0
+    reason = result.failure or (
+        "ended without a training summary" if result.submission.kind == "train" else "failed")
+    raise JobFailed(f"job {result.submission.job_id} {result.status.state.value}: {reason}; {result.log_tail}",
+                    result.exit_code)
+
+
+def _find_submission(target: str) -> schedulers.Submission:
+    """A run folder, a submission record, or a job id recorded under ./runs."""
+    path = Path(target)
+    if path.exists():
+        return schedulers.read_submission(path)
+    for record in sorted(Path.cwd().glob(f"*/*/{schedulers.SUBMISSION_FILE}")) + sorted(
+            Path.cwd().glob(f"*/*/{'submissions.jsonl'}")):
+        lines = record.read_text().splitlines() if record.suffix == ".jsonl" else [record.read_text()]
+        for text in lines:
+            try:
+                submission = schedulers.Submission.from_json(text)
+            except (ValueError, TypeError):
+                continue
+            if submission.job_id == target or submission.job_id.split(".")[0] == target:
+                return submission
+    raise UserError(f"{target!r} is neither a run folder nor a job id recorded under {Path.cwd()}/*/*/: "
+                    "give the run folder (e.g. runs/digits)")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    submission = _find_submission(args.target)
+    scheduler = schedulers.get_scheduler(submission.scheduler)
+    status = scheduler.status(submission)
+    result = schedulers.job_result(scheduler, submission, status) if status.state.is_terminal else None
+    age = time.time() - submission.submitted_at
+    print(f"job {submission.job_id} ({submission.scheduler}, {submission.world_size} ranks, submitted "
+          f"{age / 60:.1f} min ago): {status.state.value}" +
+          (f", exit status {status.exit_code}" if status.exit_code is not None else "") +
+          (f" [{status.source}: {status.raw}]" if status.raw else ""))
+    print(f"run folder: {submission.run_folder}")
+    if result is not None and result.summary is not None:
+        print(f"result: {result.summary.headline()}")
+    if result is not None and result.failure:
+        print(f"failure: {result.failure}")
     return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    submission = _find_submission(args.target)
+    schedulers.get_scheduler(submission.scheduler).cancel(submission)
+    print(f"cancel requested for job {submission.job_id} ({submission.scheduler})")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    submission = _find_submission(args.target)
+    scheduler = schedulers.get_scheduler(submission.scheduler)
+    if not args.follow:
+        print(schedulers.log_tail(scheduler, submission, args.lines))
+        return 0
+    offsets: dict[Path, int] = {}
+    while True:  # like tail -f, over every log file of the job, until the job ends
+        for path in scheduler.log_files(submission):
+            with open(path, "rb") as handle:
+                handle.seek(offsets.get(path, 0))
+                chunk = handle.read()
+                offsets[path] = handle.tell()
+            if chunk:
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+        if scheduler.status(submission).state.is_terminal:
+            return 0
+        time.sleep(args.poll)
 
 
 def cmd_port(args: argparse.Namespace) -> int:
     from ddp_hpc.environment.ports import PortRange, derive_port
-    from ddp_hpc.errors import UserError
 
     job_id = args.job_id or os.environ.get("PBS_JOBID") or os.environ.get("SLURM_JOB_ID")
     if not job_id:

@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
@@ -34,9 +35,17 @@ def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
             "--nproc-per-node", str(nproc), "--no-python", *command]
 
 
+def rank_command(command: Sequence[str]) -> list[str]:
+    """Every rank runs a foreign command through ``ddp-hpc run`` (torchrun's variables under
+    any launcher); ddp-hpc's own verbs resolve their rank by themselves."""
+    own = Path(command[0]).name == "ddp-hpc" or list(command[1:3]) == ["-m", "ddp_hpc"]
+    return list(command) if own else ["ddp-hpc", "run", "--", *command]
+
+
 def build_local_command(launch: LocalLaunch) -> list[str]:
+    command = rank_command(launch.command)
     if launch.launcher == "torchrun":
-        return build_torchrun(launch.nproc, launch.command)
+        return build_torchrun(launch.nproc, command)
     return build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
-                                   command=launch.command, oversubscribe=True,
+                                   command=command, oversubscribe=True,
                                    allow_root=os.geteuid() == 0))

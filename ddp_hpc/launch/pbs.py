@@ -6,11 +6,15 @@ from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
 from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
+    deadline_line,
     environment_block,
     header_comment,
+    launch_lines,
     mpiexec_lookup,
+    rank_argv,
     render_argv,
-    run_folder_line,
+    run_folder_lines,
+    sweep_block,
 )
 
 # Slurm's PBS wrappers (slurm-wlm-torque) run the script with Slurm's variables only:
@@ -21,6 +25,10 @@ if [ -z "${PBS_NODEFILE:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
   PBS_NODEFILE=$(mktemp)
   scontrol show hostnames "$SLURM_JOB_NODELIST" >"$PBS_NODEFILE"
   export PBS_NODEFILE
+fi
+if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
+  export PBS_JOBID="${PBS_JOBID:-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
+  export PBS_ARRAY_INDEX="${PBS_ARRAY_INDEX:-$SLURM_ARRAY_TASK_ID}"
 fi
 export PBS_JOBID="${PBS_JOBID:-${SLURM_JOB_ID:-}}"
 export PBS_JOBNAME="${PBS_JOBNAME:-${SLURM_JOB_NAME:-}}"
@@ -44,6 +52,8 @@ def pbs_directives(request: JobRequest) -> list[str]:
     if profile.place:
         lines.append(f"#PBS -l place={directive_value(profile.place, 'place')}")
     lines.append(f"#PBS -l walltime={hms}")
+    if request.sweep is not None:
+        lines.append(f"#PBS -J {request.sweep.array_spec()}")
     if profile.filesystems:
         lines.append(f"#PBS -l filesystems={directive_value(profile.filesystems, 'filesystems')}")
     lines += ["#PBS -j oe", "#PBS -k doe", "#PBS -r y"]
@@ -52,15 +62,13 @@ def pbs_directives(request: JobRequest) -> list[str]:
 
 def mpiexec_argv(request: JobRequest) -> list[str]:
     profile = request.profile
-    launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, request.train_command(),
+    launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, rank_argv(request),
                        hostfile=ShellVar("DDP_HPC_HOSTFILE"), cpu_bind=profile.cpu_bind, depth=profile.depth)
     return build_mpiexec(launch, program=ShellVar("DDP_HPC_MPIEXEC"))
 
 
 def render_pbs(request: JobRequest) -> str:
     """The complete PBS script for ``request`` (pure: nothing is read or run)."""
-    if request.profile.scheduler != "pbs":
-        raise ValueError(f"profile {request.profile.name!r} is for {request.profile.scheduler}, not PBS")
     suffix = request.profile.host_suffix
     master = f'"${{first_host%%.*}}"{shell_quote(suffix)}' if suffix else '"$first_host"'
     lines = [
@@ -87,8 +95,13 @@ def render_pbs(request: JobRequest) -> str:
         "",
         f'echo "ddp_hpc: job $PBS_JOBID: {request.world_size} ranks on {request.nodes} node(s), '
         f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
-        run_folder_line(request, "PBS_O_WORKDIR"),
-        render_argv(mpiexec_argv(request)),
+        *(sweep_block(request, "PBS_ARRAY_INDEX", "PBS_O_WORKDIR") if request.sweep is not None
+          else run_folder_lines(request, "PBS_O_WORKDIR")),
+        deadline_line(request),
+        # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
+        # requeue a user may ask for: a run stopped with exit 75 continues when submitted again.
+        *launch_lines(request, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
+                      trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name)))),
         "",
     ]
     return "\n".join(lines)

@@ -20,6 +20,8 @@ from pathlib import Path
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
+from ddp_hpc.launch.sweep import Sweep, SweepElement
+from ddp_hpc.stop import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +74,72 @@ def parse_env_assignments(assignments: Sequence[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class JobRequest:
-    """A training job for a scheduler: the config, the cluster profile and the shape."""
+class TrainPayload:
+    """Train a ``Job`` from a config: every rank runs ``ddp-hpc train CONFIG OVERRIDES``."""
 
     config_path: str
-    overrides: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+
+    @cached_property
+    def config(self) -> Config:
+        """The training config, loaded (and so checked) at render time."""
+        return load_config(self.config_path, list(self.overrides))
+
+    @property
+    def default_name(self) -> str:
+        return self.config.run_name(self.config_path)
+
+    def run_folder(self, name: str) -> Path:
+        return Path(self.config.logging.run_dir) / self.config.run_name(self.config_path)
+
+    def rank_command(self, program: Sequence[str]) -> list[str]:
+        return [*program, "train", self.config_path, *self.overrides]
+
+    def with_overrides(self, extra: Sequence[str]) -> TrainPayload:
+        return TrainPayload(self.config_path, (*self.overrides, *extra))
+
+    def describe(self) -> str:
+        return " ".join([self.config_path, *self.overrides])
+
+
+@dataclass(frozen=True)
+class CommandPayload:
+    """Run the user's own command on every rank, through ``ddp-hpc run`` (torchrun's
+    variables, derived from whichever launcher started the rank)."""
+
+    argv: tuple[str, ...]
+    #: Where command jobs keep their run folders (script, logs, submission record).
+    run_dir: str = "runs"
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ConfigError("no command: give it after '--', e.g. -- python train.py")
+
+    @property
+    def default_name(self) -> str:
+        """The script's name (``python train.py`` -> ``train``), else the program's."""
+        scripts = [Path(a).stem for a in self.argv[1:] if a.endswith(".py")]
+        return scripts[0] if scripts else Path(self.argv[0]).name or "command"
+
+    def run_folder(self, name: str) -> Path:
+        """``RUN_DIR/NAME``, the name reduced to safe file-name characters."""
+        return Path(self.run_dir) / (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "command")
+
+    def rank_command(self, program: Sequence[str]) -> list[str]:
+        return [*program, "run", "--", *self.argv]
+
+    def describe(self) -> str:
+        return shlex.join(self.argv)
+
+
+Payload = TrainPayload | CommandPayload
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What to run (a config or a command), on which cluster profile, in which shape."""
+
+    payload: Payload
     profile: ClusterProfile
     nodes: int
     walltime: str = "01:00:00"
@@ -89,15 +152,72 @@ class JobRequest:
     env: Mapping[str, str] = field(default_factory=dict)
     #: Activate this Python environment in the job (the one rendering the script).
     python_env: str | None = None
+    #: SLURM: one torchrun per node (c10d rendezvous) instead of one srun task per rank.
+    torchrun_per_node: bool = False
+    #: Relaunch every rank inside the same allocation after a failure, at most this often.
+    max_restarts: int = 0
+    #: Run the cartesian product of these overrides as one array job.
+    sweep: Sweep | None = None
+    #: Submit this many jobs, each starting when the previous one ended (``afterany``).
+    chain: int = 1
+    #: The signal the scheduler sends ahead of the time limit, and how far ahead (SLURM).
+    stop_signal: StopSignal = field(default_factory=StopSignal.default)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ConfigError(f"--nodes {self.nodes} must be >= 1")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0")
         self.profile.check_ranks_per_node(self.per_node)
         parse_walltime(self.walltime)
         for line in self.setup:
             check_single_line(line, "--setup line")
-        self.config  # load and check the training config now, not on the cluster
+        if self.chain < 1:
+            raise ConfigError(f"--chain {self.chain} must be >= 1")
+        if self.sweep is not None and self.chain > 1:
+            raise ConfigError("--sweep and --chain cannot be combined: chain each element's run instead")
+        if self.sweep is not None and len(self.sweep.elements()) < 2:
+            raise ConfigError("--sweep needs at least two elements; give a single value as an override")
+        if isinstance(self.payload, TrainPayload):
+            self.payload.config  # load and check the training config now, not on the cluster
+            for element in self.elements:  # and every element's, before anything is submitted
+                try:
+                    self.element_payload(element).config
+                except ConfigError as exc:
+                    raise ConfigError(f"--sweep element {element.index} ({element.describe()}): {exc}") from None
+
+    @property
+    def elements(self) -> list[SweepElement]:
+        return self.sweep.elements() if self.sweep is not None else []
+
+    def element_overrides(self, element: SweepElement) -> tuple[str, ...]:
+        """What a config job's sweep element adds: its values and its own run name."""
+        if not isinstance(self.payload, TrainPayload):
+            return ()
+        name = self.payload.config.run_name(self.payload.config_path)
+        return (*element.overrides, f"logging.name={name}-{element.index}")
+
+    def element_payload(self, element: SweepElement) -> Payload:
+        if not isinstance(self.payload, TrainPayload):
+            return self.payload
+        return self.payload.with_overrides(self.element_overrides(element))
+
+    def element_run_folder(self, element: SweepElement) -> Path:
+        if isinstance(self.payload, TrainPayload):
+            return self.element_payload(element).run_folder(self.name)
+        return self.payload.run_folder(f"{self.name}-{element.index}")
+
+    @classmethod
+    def build(cls, cluster: str, nodes: int = 1, *, config: str | None = None, overrides: Sequence[str] = (),
+              command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> JobRequest:
+        """A request from plain values: a cluster profile's name (or YAML path) and either a
+        config (with overrides) or a command; ``options`` are the other fields."""
+        from ddp_hpc.launch.profiles import load_profile
+
+        if (config is None) == (command is None):
+            raise ConfigError("give a config or a command, not both")
+        payload = CommandPayload(tuple(command), run_dir) if command is not None else TrainPayload(config, tuple(overrides))
+        return cls(payload=payload, profile=load_profile(cluster), nodes=nodes, **options)
 
     @property
     def per_node(self) -> int:
@@ -117,23 +237,23 @@ class JobRequest:
     def world_size(self) -> int:
         return self.nodes * self.per_node
 
-    @cached_property
-    def config(self) -> Config:
-        """The training config, loaded (and so checked) at render time."""
-        return load_config(self.config_path, list(self.overrides))
+    @property
+    def walltime_s(self) -> int:
+        hms, _ = parse_walltime(self.walltime)
+        hours, minutes, seconds = (int(part) for part in hms.split(":"))
+        return hours * 3600 + minutes * 60 + seconds
 
     @property
     def name(self) -> str:
-        return self.job_name or self.config.run_name(self.config_path)
+        return self.job_name or self.payload.default_name
 
     @property
     def run_folder(self) -> Path:
-        config = self.config
-        return Path(config.logging.run_dir) / config.run_name(self.config_path)
+        return self.payload.run_folder(self.name)
 
-    def train_command(self, program: Sequence[str] = ("ddp-hpc",)) -> list[str]:
+    def rank_command(self, program: Sequence[str] = ("ddp-hpc",)) -> list[str]:
         """The per-rank command (an argument list, quoted when rendered)."""
-        return [*program, "train", self.config_path, *self.overrides]
+        return self.payload.rank_command(program)
 
     def environment(self) -> dict[str, str]:
         """Variables every rank sees: profile presets, the device choice, user extras."""

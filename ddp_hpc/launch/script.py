@@ -6,15 +6,63 @@ from collections.abc import Sequence
 
 from ddp_hpc import __version__
 from ddp_hpc.launch.mpi import PROGRAMS
-from ddp_hpc.launch.request import JobRequest, export_lines, shell_quote
+from ddp_hpc.launch.request import JobRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
+
+#: Where a rendered script keeps the run folder's path (also read by ``ddp-hpc status``).
+RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
+#: The job's end (epoch seconds), exported by every rendered script.
+DEADLINE_VAR = "DDP_HPC_DEADLINE"
+#: What ranks exit with after checkpointing on a stop request (EX_TEMPFAIL).
+PREEMPTED_EXIT = 75
+#: The file rank 0 writes in the run folder after such a checkpoint (training/run_folder.py).
+PREEMPTED_MARKER = "preempted"
 
 
 class ShellVar(str):
     """An argument that is a shell variable (``"$NAME"``), not a literal to quote."""
 
 
+class ShellArray(str):
+    """An argument that expands a shell array (``"${NAME[@]}"``: zero or more words)."""
+
+
 def render_argv(argv: Sequence[str]) -> str:
-    return " ".join(f'"${{{a}}}"' if isinstance(a, ShellVar) else shell_quote(str(a)) for a in argv)
+    def word(arg: str) -> str:
+        if isinstance(arg, ShellArray):
+            return f'"${{{arg}[@]}}"'
+        return f'"${{{arg}}}"' if isinstance(arg, ShellVar) else shell_quote(str(arg))
+
+    return " ".join(word(a) for a in argv)
+
+
+#: The shell array holding a sweep element's overrides in a rendered array job.
+SWEEP_ARGS = ShellArray("sweep_args")
+
+
+def rank_argv(request: JobRequest) -> list[str]:
+    """The per-rank command; in a sweep of a config, the element's overrides follow."""
+    argv = request.rank_command()
+    return [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
+
+
+def sweep_block(request: JobRequest, index_var: str, workdir_var: str) -> list[str]:
+    """Pick this array task's element: its overrides, variables and run folder."""
+    lines = ["", f"# Sweep: element ${index_var} of {len(request.elements)}", f'case "${{{index_var}}}" in']
+    for element in request.elements:
+        folder = _folder_value(request.element_run_folder(element), workdir_var)
+        overrides = " ".join(shell_quote(o) for o in request.element_overrides(element))
+        exports = "; ".join(f"export {k}={shell_quote(v)}" for k, v in element.environment().items())
+        lines.append(f"  {element.index}) sweep_args=({overrides}); {exports}; export {RUN_FOLDER_VAR}={folder} ;;")
+    lines += [f'  *) echo "ddp_hpc: no sweep element ${{{index_var}}}" >&2; exit 2 ;;', "esac",
+              f'mkdir -p "${RUN_FOLDER_VAR}"', f'echo "ddp_hpc: sweep element ${index_var}: ${{sweep_args[*]}}"',
+              f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
+    return lines
+
+
+def _folder_value(folder, workdir_var: str) -> str:
+    quoted = shell_quote(str(folder))
+    return quoted if folder.is_absolute() else f'"${{{workdir_var}}}/"{quoted}'
 
 
 def header_comment(request: JobRequest, scheduler: str) -> str:
@@ -39,9 +87,69 @@ def mpiexec_lookup(flavour: str) -> str:
     return f'DDP_HPC_MPIEXEC=$({candidates}) || {{ echo "ddp_hpc: no {flavour} mpiexec on PATH" >&2; exit 1; }}'
 
 
-def run_folder_line(request: JobRequest, workdir_var: str) -> str:
-    """A pointer to the run folder in the job's output (relative folders are under the workdir)."""
-    folder = shell_quote(str(request.run_folder))
-    if request.run_folder.is_absolute():
-        return f'echo "ddp_hpc: run folder "{folder}'
-    return f'echo "ddp_hpc: run folder ${{{workdir_var}}}/"{folder}'
+def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
+    """``DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
+    the job's output."""
+    value = _folder_value(request.run_folder, workdir_var)
+    return [f"export {RUN_FOLDER_VAR}={value}", f'mkdir -p "${RUN_FOLDER_VAR}"',
+            f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
+
+
+def deadline_line(request: JobRequest) -> str:
+    """The job's end as epoch seconds: the ranks stop and checkpoint before it (no signal needed)."""
+    return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"
+
+
+def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str | None, *,
+                 restarts: int | None = None, forward_signal: str = "USR2",
+                 trap_signals: str = "USR2") -> list[str]:
+    """Run the ranks' command in the background, pass the stop signal on, relaunch after a
+    failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
+
+    A trapped signal ends ``wait`` early, so the loop waits until the step is really over.
+    Exit 75 means the ranks checkpointed and stopped on request: no restart; ``requeue``
+    (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
+    request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
+    """
+    restarts = request.max_restarts if restarts is None else restarts
+    lines = [
+        "stop_requested=0",
+        "on_stop_signal() {",
+        '  echo "ddp_hpc: stop signal (time limit or preemption): the ranks checkpoint and stop" >&2',
+        "  stop_requested=1",
+        f'  kill -{forward_signal} "$step_pid" 2>/dev/null || true',
+        "}",
+        f"trap on_stop_signal {trap_signals}",
+        "attempt=0",
+        "while :; do",
+        f"  export {RESTART_COUNT_VAR}=$attempt",
+        "  step_started=$(date +%s)",
+        f"  {command} &",
+        "  step_pid=$!",
+        "  status=0",
+        '  wait "$step_pid" || status=$?',
+        '  while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done',
+        # srun --kill-on-bad-exit turns the ranks' 75 into 143: the marker rank 0 wrote says it.
+        f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
+        f'  if [ "$status" != 0 ] && [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
+        f'status={PREEMPTED_EXIT}; fi',
+        f'  if [ "$status" = 0 ] || [ "$status" = {PREEMPTED_EXIT} ] || [ "$stop_requested" = 1 ] || '
+        f'[ "$attempt" -ge {restarts} ]; then break; fi',
+        "  attempt=$((attempt + 1))",
+        f'  echo "ddp_hpc: the ranks failed (exit $status): restart $attempt of {restarts}, '
+        f'resuming from the newest checkpoint" >&2',
+        "done",
+    ]
+    if requeue:
+        lines += [
+            f'if [ "$stop_requested" = 1 ] || [ "$status" = {PREEMPTED_EXIT} ]; then',
+            f'  echo "ddp_hpc: requeueing job {job_key}" >&2',
+            f'  {requeue} || echo "ddp_hpc: requeue failed" >&2',
+            '  exit "$status"',
+            "fi",
+        ]
+    lines += [
+        f'printf \'%s\\n\' "$status" >"${RUN_FOLDER_VAR}/exit-{job_key}" || true',
+        'exit "$status"',
+    ]
+    return lines

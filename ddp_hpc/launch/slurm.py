@@ -3,38 +3,38 @@
 from __future__ import annotations
 
 from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
-from ddp_hpc.launch.script import ShellVar, environment_block, header_comment, render_argv, run_folder_line
+from ddp_hpc.stop import SLURM_DEADLINE_LINES
+from ddp_hpc.launch.script import (
+    ShellVar,
+    deadline_line,
+    environment_block,
+    header_comment,
+    launch_lines,
+    rank_argv,
+    render_argv,
+    run_folder_lines,
+    sweep_block,
+)
 
-SIGNAL_LEAD_S = 90
 LOG_DIR = "logs"
 
-# The batch shell gets SIGUSR2 SIGNAL_LEAD_S seconds before the time limit (or on
+# The batch shell gets the stop signal (SIGUSR2, 90 s ahead by default; --signal) before the time limit (or on
 # preemption with a grace time). It passes the signal to the ranks, which agree on a step,
 # write a checkpoint and exit; only then is the job requeued (requeueing a running job
 # kills it), and the requeued job resumes from that checkpoint. Without a trap, bash
 # would die on SIGUSR2 at once.
-_WAIT_WITH_REQUEUE = r'''step_pid=$!
-requeue=0
-on_usr2() {
-  echo "ddp_hpc: SIGUSR2 (time limit or preemption): the ranks checkpoint and stop, then job $SLURM_JOB_ID is requeued" >&2
-  requeue=1
-  kill -USR2 "$step_pid" 2>/dev/null || true
-}
-trap on_usr2 USR2
-status=0
-wait "$step_pid" || status=$?
-# A trapped signal ends `wait` early: wait again until the step is really over.
-while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done
-if [ "$requeue" = 1 ]; then
-  echo "ddp_hpc: requeueing job $SLURM_JOB_ID" >&2
-  scontrol requeue "$SLURM_JOB_ID"
-fi
-exit "$status"'''
+REQUEUE = 'scontrol requeue "$SLURM_JOB_ID"'
 
 
-def sbatch_directives(request: JobRequest, torchrun: bool) -> list[str]:
+def job_key(request: JobRequest) -> str:
+    """The job's id as ``sacct``/``scancel`` name it: ``ID``, or ``ARRAYID_INDEX`` in a sweep."""
+    return "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if request.sweep is not None else "${SLURM_JOB_ID}"
+
+
+def sbatch_directives(request: JobRequest) -> list[str]:
     profile = request.profile
     hms, _ = parse_walltime(request.walltime)
+    torchrun = request.torchrun_per_node
     tasks_per_node = 1 if torchrun else request.per_node
     lines = [
         f"#SBATCH --job-name={job_name_directive(request.name)}",
@@ -47,37 +47,38 @@ def sbatch_directives(request: JobRequest, torchrun: bool) -> list[str]:
     if profile.uses_gpus and profile.devices_per_node:
         lines.append(f"#SBATCH --gpus-per-node={request.per_node}")
     lines.append(f"#SBATCH --time={hms}")
+    if request.sweep is not None:
+        lines.append(f"#SBATCH --array={request.sweep.array_spec()}")
     if request.resolved_account:
         lines.append(f"#SBATCH --account={directive_value(request.resolved_account, 'account')}")
     if request.resolved_queue:
         lines.append(f"#SBATCH --partition={directive_value(request.resolved_queue, 'partition')}")
     lines += [
-        f"#SBATCH --output={LOG_DIR}/%x-%j.out",
+        f"#SBATCH --output={LOG_DIR}/%x-{'%A_%a' if request.sweep is not None else '%j'}.out",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --signal=B:USR2@{SIGNAL_LEAD_S}",
+        f"#SBATCH --signal=B:{request.stop_signal}",
         "#SBATCH --requeue",
     ]
     return lines
 
 
-def step_argv(request: JobRequest, torchrun: bool) -> list[str]:
+def step_argv(request: JobRequest) -> list[str]:
     srun = ["srun", "--kill-on-bad-exit=1", "--wait=60"]
-    if not torchrun:
-        return [*srun, *request.train_command()]
+    if not request.torchrun_per_node:
+        return [*srun, *rank_argv(request)]
     return [*srun, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
-            "--rdzv-id", ShellVar("SLURM_JOB_ID"),
-            "--no-python", *request.train_command()]
+            "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", str(request.max_restarts),
+            "--no-python", *rank_argv(request)]
 
 
-def render_sbatch(request: JobRequest, torchrun: bool = False) -> str:
+def render_sbatch(request: JobRequest) -> str:
     """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
-    if request.profile.scheduler != "slurm":
-        raise ValueError(f"profile {request.profile.name!r} is for {request.profile.scheduler}, not SLURM")
-    command = render_argv(step_argv(request, torchrun))
+    torchrun = request.torchrun_per_node
+    command = render_argv(step_argv(request))
     lines = [
         "#!/bin/bash",
-        *sbatch_directives(request, torchrun),
+        *sbatch_directives(request),
         header_comment(request, "slurm, " + ("torchrun per node" if torchrun else "srun task per rank")),
         "set -euo pipefail",
         'cd "${SLURM_SUBMIT_DIR:-$PWD}"',
@@ -92,9 +93,15 @@ def render_sbatch(request: JobRequest, torchrun: bool = False) -> str:
         ]
     lines += [
         f'echo "ddp_hpc: job $SLURM_JOB_ID: {request.world_size} ranks on {request.nodes} node(s)"',
-        run_folder_line(request, "PWD"),
-        f"{command} &",
-        _WAIT_WITH_REQUEUE,
+        *(sweep_block(request, "SLURM_ARRAY_TASK_ID", "PWD") if request.sweep is not None
+          else run_folder_lines(request, "PWD")),
+        deadline_line(request),
+        *SLURM_DEADLINE_LINES,
+        # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
+        # SIGUSR2, which would kill the agent) on to them.
+        *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
+                      restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2",
+                      trap_signals=request.stop_signal.name),
         "",
     ]
     return "\n".join(lines)

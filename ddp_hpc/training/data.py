@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_hpc.config import DataConfig
+from ddp_hpc.training.reshard import epoch_order, shard_rest
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -23,13 +25,28 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=False)
         self._skip = 0
+        self._position = 0
+
+    def start_epoch_at(self, position: int) -> None:
+        """This epoch covers positions ``position``... of the order only, dealt out over this
+        world size: the rest of an epoch begun at another one (0: the whole epoch)."""
+        size = len(self.dataset)
+        if not 0 <= position < size:
+            raise ValueError(f"epoch position {position} is outside a training set of {size}")
+        self._position = position
+        self.num_samples = math.ceil((size - position) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
 
     def skip_next(self, samples: int) -> None:
         """The next pass starts ``samples`` into this rank's shard (then resets to 0)."""
         self._skip = max(0, min(samples, self.num_samples))
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
+        if self._position:
+            order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+            indices = shard_rest(order, self._position, self.rank, self.num_replicas)
+        else:
+            indices = list(super().__iter__())
         skip, self._skip = self._skip, 0
         return iter(indices[skip:])
 

@@ -12,6 +12,8 @@ import yaml
 
 from ddp_hpc.summary import RunSummary
 
+PREEMPTED_MARKER = "preempted"
+
 
 @dataclass(frozen=True)
 class RunFolder:
@@ -37,6 +39,15 @@ class RunFolder:
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_file, "a") as handle:
             handle.write(json.dumps(row, sort_keys=True) + "\n")
+
+    @property
+    def preempted_marker(self) -> Path:
+        """Written when the ranks stopped on request after a checkpoint. A batch script reads
+        it: under ``srun --kill-on-bad-exit`` the ranks' exit 75 reaches it as 143."""
+        return self.path / PREEMPTED_MARKER
+
+    def mark_preempted(self) -> None:
+        _write_atomic(self.preempted_marker, "")
 
     def write_summary(self, summary: RunSummary) -> None:
         _write_atomic(self.summary_file, summary.to_json())

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from ddp_hpc.config import Config
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
+from ddp_hpc.tracking import RunShape, Tracking
 from ddp_hpc.training import checkpoint as ckpt
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
@@ -32,6 +33,7 @@ from ddp_hpc.training.liveness import watch_progress
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
+from ddp_hpc.training.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.training.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.watchdog import Watchdog
@@ -46,6 +48,7 @@ class Progress:
     epoch: int = 0          # the epoch in progress, or the next to start
     batches_done: int = 0   # micro-batches of ``epoch`` already trained (at a step boundary)
     global_step: int = 0    # optimizer steps taken in all
+    epoch_offset: int = 0   # positions of the epoch's order trained at another world size (see reshard.py)
 
 
 def parameter_checksum(model: nn.Module) -> float:
@@ -69,6 +72,10 @@ class Trainer:
         self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
+        self.tracking = Tracking(config, ctx, run)
+        #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
+        self.last_checkpoint_s = 0.0
+        self.resharding: Resharding | None = None
 
     # ----- setup ------------------------------------------------------------------------
 
@@ -144,10 +151,9 @@ class Trainer:
         datasets = self.job.build_datasets()
         self._check_datasets(datasets)
         resume = self._find_resume_state()
-        if resume and resume[1]["world_size"] != self.ctx.world_size:
-            raise ckpt.CheckpointError(
-                f"checkpoint {resume[0]} was written by {resume[1]['world_size']} ranks, this job has "
-                f"{self.ctx.world_size}: resume with the same world size, or set checkpoint.resume=never")
+        if resume:
+            self.resharding = plan_resharding(resume[1]["progress"], Sharding.of_checkpoint(resume[1]), Sharding(
+                self.ctx.world_size, self.training.batch_size, self.training.grad_accum_steps))
 
         self.model = self._build_model()
         if resume:
@@ -169,6 +175,10 @@ class Trainer:
         self.plan = LoaderPlan(self.sampler.num_samples, self.training.batch_size, self.config.data.drop_last)
         self.steps_per_epoch = math.ceil(self.plan.batches / self.training.grad_accum_steps)
         total_steps = self.steps_per_epoch * self.training.epochs
+        if self.resharding:  # the schedule ends with the training at the new effective batch
+            rest = math.ceil((len(datasets.train) - self.resharding.position) / self.ctx.world_size)
+            total_steps = (self.resharding.global_step + steps_left(rest, self.resharding.new, self.config.data.drop_last)
+                           + self.steps_per_epoch * (self.training.epochs - self.resharding.epoch - 1))
         if self.training.max_steps:
             total_steps = min(total_steps, self.training.max_steps)
         sched = self.training.scheduler
@@ -184,6 +194,9 @@ class Trainer:
             for name in ckpt.remove_stale_temporaries(self.run.checkpoints):
                 log.info("removed %s, left by a checkpoint write that was interrupted", name)
         self._log_start(datasets)
+        self.tracking.start(RunShape(self.ctx.world_size, self.effective_batch_size, self.training.epochs,
+                                     self.steps_per_epoch, total_steps), self.progress.global_step,
+                            resume[1].get("tracking") if resume else None, self.history)
         for callback in self.callbacks:
             callback.on_fit_start(self)
 
@@ -192,12 +205,17 @@ class Trainer:
         with watch_progress(self.ctx, limit) as self.watchdog:
             status = self._train_epochs(datasets)
             if status == "preempted":
+                self.ctx.barrier()  # no rank exits (status 75) before rank 0's checkpoint is on disk
                 if self.ctx.is_rank_zero:
                     log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
                                 "the job to resume", self.progress.epoch + 1, self.progress.global_step)
+                self.tracking.finish(completed=False)
+                if self.ctx.is_rank_zero:
+                    self.run.mark_preempted()
                 return self._summary(started, RunStatus.PREEMPTED, None, write=False)
             test_metrics = self._test(datasets)
         summary = self._summary(started, RunStatus(status), test_metrics)
+        self.tracking.finish(completed=True)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
@@ -258,6 +276,7 @@ class Trainer:
                 row.update({f"val_{k}": v for k, v in val_metrics.items()})
                 verdict = self._early_stopping(val_metrics, epoch + 1)
             self.history.append(row)
+            self.tracking.on_epoch(row)
             if self.ctx.is_rank_zero:
                 self.run.append_metrics(row)
                 log.info(self._epoch_line(row))
@@ -286,6 +305,8 @@ class Trainer:
     def _train_one_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
         self.ddp_model.train()
         self.sampler.set_epoch(epoch)
+        self.sampler.start_epoch_at(self.progress.epoch_offset)
+        self.plan = LoaderPlan(self.sampler.num_samples, self.training.batch_size, self.config.data.drop_last)
         start_batch = self.progress.batches_done
         self.sampler.skip_next(start_batch * self.training.batch_size)
         # Reseeded per epoch so a resumed epoch gives workers the same seeds as the original.
@@ -310,11 +331,12 @@ class Trainer:
             if not closes_window:
                 continue
             self._optimizer_step()
-            self.progress = Progress(epoch, batch_index, self.progress.global_step + 1)
+            self.progress = replace(self.progress, batches_done=batch_index, global_step=self.progress.global_step + 1)
             self._beat("training")
             for callback in self.callbacks:
                 callback.on_step_end(self)
             self._maybe_log_step(sums)
+            self.tracking.on_step(epoch, self.progress.global_step, sums, self.optimizer.param_groups[0]["lr"])
             every = self.config.checkpoint.every_n_steps
             if every and self.progress.global_step % every == 0:
                 if batch_index < total_batches:
@@ -407,6 +429,7 @@ class Trainer:
         if datasets.test is None:
             return None
         metrics, count = self.evaluate(datasets.test)
+        self.tracking.on_test(self.progress.global_step, metrics)
         if self.ctx.is_rank_zero:
             log.info("test: %s (%d samples)", "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())), count)
         return metrics
@@ -422,6 +445,7 @@ class Trainer:
     def save_checkpoint(self, improved: bool) -> Path | None:
         """Every rank calls this (it gathers RNG states); rank 0 writes the file."""
         self._beat("checkpoint")
+        started = time.perf_counter()
         optimizer_state = self._optimizer_state()
         rng_states = self.ctx.all_gather_object(capture_rng())
         if not self.ctx.is_rank_zero:
@@ -439,6 +463,7 @@ class Trainer:
             "early_stopping": self.early.to_dict(),
             "history": self.history,
             "config": self.config.to_dict(),
+            "tracking": self.tracking.state(self.progress.global_step),
         }
         directory = self.run.checkpoints
         path = ckpt.save_atomic(state, ckpt.step_path(directory, self.progress.global_step))
@@ -446,6 +471,7 @@ class Trainer:
         if improved and self.config.checkpoint.save_best:
             ckpt.link_atomic(path, directory / "best.pt")
         ckpt.prune(directory, self.config.checkpoint.keep_last)
+        self.last_checkpoint_s = time.perf_counter() - started
         log.debug("checkpoint %s (epoch %d, batch %d, step %d)", path, self.progress.epoch,
                   self.progress.batches_done, self.progress.global_step)
         for callback in self.callbacks:
@@ -463,10 +489,32 @@ class Trainer:
         self.progress = Progress(**state["progress"])
         self.early = EarlyStoppingState(**state["early_stopping"])
         self.history = list(state.get("history", []))
+        if self.resharding:
+            self._reshard(path, self.resharding)
+            return
         restore_rng(state["rng"][self.ctx.rank])
         if self.ctx.is_rank_zero:
             log.info("resuming from %s: epoch %d, batch %d, step %d", path, self.progress.epoch + 1,
                      self.progress.batches_done, self.progress.global_step)
+
+    def _reshard(self, path: Path, change: Resharding) -> None:
+        """Continue a checkpoint of another world size (or per-rank batch): the rest of the
+        epoch dealt out over this one, the learning rate rescaled under ``lr_scaling: linear``."""
+        self.progress = Progress(change.epoch, 0, change.global_step, change.position)
+        # The saved RNG streams belong to the old ranks: new ones, per rank and step.
+        seed_everything(self.training.seed + self.ctx.rank + 1_000_003 * change.global_step)
+        factor = lr_factor(change, self.training.lr_scaling)
+        rescale_lr(self.optimizer, self.scheduler, factor)
+        if self.ctx.is_rank_zero:
+            log.warning("resuming from %s, written by %d ranks, on %d: effective batch %d -> %d (%d x %d x %d); "
+                        "%s; epoch %d continues after %d of its samples, the other %d dealt out over %d ranks; "
+                        "step %d", path, change.old.world_size, change.new.world_size, change.old.effective_batch_size,
+                        change.new.effective_batch_size, change.new.batch_size, change.new.world_size,
+                        change.new.grad_accum_steps,
+                        f"learning rate x {factor:.4g} (lr_scaling: linear)" if factor != 1.0
+                        else f"learning rate kept (lr_scaling: {self.training.lr_scaling})",
+                        change.epoch + 1, change.position, len(self.sampler.dataset) - change.position,
+                        change.new.world_size, change.global_step)
 
     # ----- reporting ------------------------------------------------------------------------
 

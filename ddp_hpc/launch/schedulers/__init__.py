@@ -1,0 +1,171 @@
+"""Schedulers: one registry of backends, and what every verb needs from them.
+
+Adding a scheduler is one module with a ``Scheduler`` subclass plus one line in
+``SCHEDULERS``; ``FAMILIES`` says which backends submit to a profile's ``scheduler``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.request import JobRequest
+from ddp_hpc.launch.schedulers.base import (
+    SUBMISSION_FILE,
+    ElementRecord,
+    DryRun,
+    JobState,
+    JobStatus,
+    Scheduler,
+    Submission,
+)
+from ddp_hpc.launch.schedulers.pbs import PbsScheduler
+from ddp_hpc.launch.schedulers.sbatch import SbatchScheduler
+from ddp_hpc.launch.schedulers.submitit_backend import SubmititScheduler
+from ddp_hpc.summary import RunSummary
+
+SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PbsScheduler, SbatchScheduler, SubmititScheduler)}
+#: A profile's scheduler family -> its backends, the default first.
+FAMILIES: dict[str, tuple[str, ...]] = {"pbs": ("pbs",), "slurm": ("submitit", "sbatch")}
+#: The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``.
+DEFAULT_PROFILES: dict[str, str] = {"pbs": "pbs-generic", "slurm": "slurm-cpu"}
+
+__all__ = ["DEFAULT_PROFILES", "FAMILIES", "SCHEDULERS", "DryRun", "ElementResult", "JobResult", "JobState", "JobStatus", "Scheduler", "Submission",
+           "dry_run", "get_scheduler", "read_submission", "scheduler_for", "submit", "wait"]
+
+
+def get_scheduler(name: str) -> Scheduler:
+    try:
+        return SCHEDULERS[name]()
+    except KeyError:
+        raise UserError(f"unknown scheduler {name!r}: choose one of {', '.join(SCHEDULERS)}") from None
+
+
+def scheduler_for(family: str, *, batch_script: bool = False) -> Scheduler:
+    """The family's default backend, or its first that submits a rendered batch script."""
+    names = FAMILIES.get(family)
+    if not names:
+        raise UserError(f"no scheduler submits to {family!r} clusters: choose one of {', '.join(FAMILIES)}")
+    if batch_script:
+        names = tuple(n for n in names if SCHEDULERS[n].script_suffix) or names
+    return get_scheduler(names[0])
+
+
+def dry_run(request: JobRequest, scheduler: str | None = None, *, workdir: Path | None = None,
+            script_path: Path | None = None) -> DryRun:
+    """What submitting would do, as data (the script, the submit command, the per-rank command)."""
+    backend = get_scheduler(scheduler) if scheduler else scheduler_for(request.profile.scheduler)
+    return backend.dry_run(request, (workdir or Path.cwd()).resolve(), script_path)
+
+
+def submit(request: JobRequest, scheduler: str | None = None, *, workdir: Path | None = None,
+           script_path: Path | None = None) -> Submission:
+    """Submit ``request`` (to ``scheduler``, default: the profile's default backend) and
+    record the submission in the run folder. ``wait`` follows it to the end."""
+    plan = dry_run(request, scheduler, workdir=workdir, script_path=script_path)
+    return get_scheduler(plan.scheduler).submit(plan)
+
+
+@dataclass(frozen=True)
+class ElementResult:
+    """How one sweep element ended."""
+
+    element: ElementRecord
+    status: JobStatus
+    summary: RunSummary | None
+
+    def succeeded(self, kind: str) -> bool:
+        if kind == "train":
+            return self.summary is not None and not self.summary.preempted
+        return self.status.state is JobState.COMPLETED and not self.status.exit_code
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How a job ended: its state, exit status, training summary (config jobs), log tail,
+    and for a sweep each element's."""
+
+    submission: Submission
+    status: JobStatus
+    summary: RunSummary | None
+    failure: str | None
+    log_tail: str
+    elements: tuple[ElementResult, ...] = ()
+
+    @property
+    def succeeded(self) -> bool:
+        if self.elements:
+            return all(e.succeeded(self.submission.kind) for e in self.elements)
+        if self.submission.kind == "train":
+            return self.summary is not None and self.failure is None and not self.summary.preempted
+        return self.status.state is JobState.COMPLETED and not self.status.exit_code
+
+    @property
+    def exit_code(self) -> int:
+        """What ``submit --wait`` exits with: the job's own status where known."""
+        if self.succeeded:
+            return 0
+        return self.status.exit_code if self.status.exit_code else 1
+
+
+def read_submission(target: str | Path) -> Submission:
+    """The newest submission recorded in a run folder (or its ``submission.json``)."""
+    path = Path(target)
+    path = path / SUBMISSION_FILE if path.is_dir() else path
+    try:
+        return Submission.from_json(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no submission recorded at {path}: submit with 'ddp-hpc submit' first") from None
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"{path} is not a ddp_hpc submission record ({exc})") from None
+
+
+def log_tail(scheduler: Scheduler, submission: Submission, lines: int = 20, files: int = 4) -> str:
+    """The last lines of the job's first few non-empty output files (rank 0's first)."""
+    parts = []
+    for path in [p for p in scheduler.log_files(submission) if p.stat().st_size][:files]:
+        text = path.read_text(errors="replace").splitlines()
+        if text:
+            parts.append(f"{path}:\n" + "\n".join(text[-lines:]))
+    return "\n".join(parts) or "(no job output file found)"
+
+
+def wait(submission: Submission, *, poll_s: float = 2.0, timeout_s: float | None = None,
+         confirmations: int = 3) -> JobResult:
+    """Poll until the job is over, then gather how it ended.
+
+    A requeue passes through a terminal-looking state for a moment (the step ended, the job
+    is not yet pending again), so the end must be seen on ``confirmations`` polls in a row.
+    A status source that fails now and then (an overloaded slurmctld) only costs a poll.
+    """
+    scheduler = get_scheduler(submission.scheduler)
+    started = time.monotonic()
+    seen_done = 0
+    while True:
+        status = scheduler.status(submission)
+        seen_done = seen_done + 1 if status.state.is_terminal else 0
+        if seen_done >= confirmations:
+            break
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise UserError(f"job {submission.job_id} still {status.state.value} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+    return job_result(scheduler, submission, status)
+
+
+def read_summary(run_folder: str | Path, since: float) -> RunSummary | None:
+    """The run's summary, if written by this submission (not an earlier run's)."""
+    path = Path(run_folder) / "summary.json"
+    if path.exists() and path.stat().st_mtime >= since - 1:
+        return RunSummary.read(path)
+    return None
+
+
+def job_result(scheduler: Scheduler, submission: Submission, status: JobStatus) -> JobResult:
+    elements = tuple(
+        ElementResult(element, element_status, read_summary(element.run_folder, submission.submitted_at))
+        for element, element_status in zip(submission.elements, scheduler.element_statuses(submission)))
+    summary = read_summary(submission.run_folder, submission.submitted_at) if submission.kind == "train" else None
+    failure = scheduler.failure(submission) if status.state is not JobState.COMPLETED else None
+    return JobResult(submission, status, summary, failure, log_tail(scheduler, submission), elements)

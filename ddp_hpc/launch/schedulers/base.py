@@ -1,0 +1,293 @@
+"""The scheduler interface: a dry run that is pure data, then submit, state and cancel.
+
+As in torchx (``schedule(submit_dryrun(app, cfg))``), what ``--dry-run`` prints is the very
+``DryRun`` that ``submit`` executes. A backend is one module with one ``Scheduler``
+subclass, listed in ``registry.py``; nothing else branches on a scheduler's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.request import JobRequest, quote_command
+
+SUBMISSION_FILE = "submission.json"
+
+
+class JobState(str, Enum):
+    """Every scheduler's states, mapped through each backend's table onto these."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    #: The scheduler does not know the job (any more) and no exit file says how it ended.
+    UNKNOWN = "unknown"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: JobState
+    #: The job's exit status where known (the batch script's, or the scheduler's).
+    exit_code: int | None = None
+    #: The scheduler's own word for it (``RUNNING``, ``R``, ``CANCELLED by 0``).
+    raw: str = ""
+    #: Which source answered (``sacct``, ``scontrol``, ``squeue``, ``qstat``, ``exit file``).
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """Everything ``submit`` will do, as data: printed by ``--dry-run``."""
+
+    scheduler: str
+    request: JobRequest
+    workdir: Path
+    #: The per-rank command (``ddp-hpc train ...`` or ``ddp-hpc run -- ...``).
+    rank_argv: tuple[str, ...]
+    script: str | None = None
+    script_path: Path | None = None
+    submit_argv: tuple[str, ...] = ()
+    #: Parameters for a Python submitter (submitit's ``update_parameters``).
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_folder(self) -> Path:
+        folder = self.request.run_folder
+        return folder if folder.is_absolute() else self.workdir / folder
+
+    def describe(self) -> str:
+        parts = []
+        if self.script is not None:
+            parts.append(self.script.rstrip("\n"))
+            parts.append("")
+        parts.append(f"# per-rank command ({self.request.world_size} ranks): {quote_command(self.rank_argv)}")
+        for element in self.request.elements:
+            parts.append(f"# sweep element {element.index}: {element.describe()} -> "
+                         f"{self.request.element_run_folder(element)}")
+        if self.submit_argv:
+            parts.append(f"# would run: {quote_command(self.submit_argv)}")
+        if self.request.chain > 1:
+            parts.append(f"# then {self.request.chain - 1} more link(s), each after the previous one ended "
+                         "(afterany); each resumes from the run's newest checkpoint")
+        if self.parameters:
+            parts.append(f"# would submit with {self.scheduler}, parameters:")
+            parts += [f"#   {key} = {value!r}" for key, value in sorted(self.parameters.items())]
+        return "\n".join(parts) + "\n"
+
+
+@dataclass(frozen=True)
+class ElementRecord:
+    """One element of a sweep (an array job's task): its id, run folder and overrides."""
+
+    index: int
+    job_id: str
+    run_folder: str
+    assignment: str
+
+    @property
+    def exit_file(self) -> Path:
+        return Path(self.run_folder) / f"exit-{self.job_id}"
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A submitted job, recorded in its run folder so that ``status``, ``logs`` and
+    ``cancel`` work from the folder alone."""
+
+    scheduler: str
+    job_id: str
+    run_folder: str
+    workdir: str
+    world_size: int
+    submitted_at: float
+    kind: str
+    script: str | None = None
+    logs: tuple[str, ...] = ()
+    command_line: tuple[str, ...] = ()
+    #: Every link of a chain, first to last (``job_id`` is the last).
+    chain: tuple[str, ...] = ()
+    #: A sweep's elements (``job_id`` is the array job's).
+    elements: tuple[ElementRecord, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Submission:
+        data = json.loads(text)
+        for name in ("logs", "command_line", "chain"):
+            data[name] = tuple(data.get(name, ()))
+        data["elements"] = tuple(ElementRecord(**e) for e in data.get("elements", ()))
+        return cls(**data)
+
+    def record(self) -> Path:
+        """Write ``submission.json`` (the newest) and append to ``submissions.jsonl``."""
+        folder = Path(self.run_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / SUBMISSION_FILE
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+        with open(folder / "submissions.jsonl", "a") as handle:
+            handle.write(json.dumps(asdict(self), sort_keys=True) + "\n")
+        return path
+
+    @property
+    def exit_file(self) -> Path:
+        """Written by the rendered script when the job ends (see ``script.launch_lines``)."""
+        return Path(self.run_folder) / f"exit-{self.job_id}"
+
+
+
+def fold(statuses: Sequence[JobStatus]) -> JobStatus:
+    """A sweep's state: running while any element is not over; then completed only if all did."""
+    for state in (JobState.RUNNING, JobState.PENDING, JobState.UNKNOWN):
+        if any(s.state is state for s in statuses):
+            return JobStatus(state, None, f"{sum(s.state.is_terminal for s in statuses)}/{len(statuses)} ended",
+                             "elements")
+    failed = [s for s in statuses if s.state is not JobState.COMPLETED]
+    code = next((s.exit_code for s in failed if s.exit_code), 1 if failed else 0)
+    return JobStatus(JobState.FAILED if failed else JobState.COMPLETED, code,
+                     f"{len(statuses) - len(failed)}/{len(statuses)} completed", "elements")
+
+
+def read_exit_file(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def run_tool(argv: Sequence[str], what: str, cwd: Path | None = None, timeout: float = 60) -> str:
+    """Run a scheduler command; a missing tool or a failure is one line."""
+    if shutil.which(argv[0]) is None:
+        raise UserError(f"{argv[0]} not found on PATH: {what}")
+    try:
+        result = subprocess.run(list(argv), capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{argv[0]} did not answer within {timeout:.0f}s") from None
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        raise UserError(f"{argv[0]} failed (exit {result.returncode}): {detail[0] if detail else 'no output'}")
+    return result.stdout.strip()
+
+
+def query_tool(argv: Sequence[str], timeout: float = 30) -> str | None:
+    """A status query's output, or None where the tool is missing, fails or hangs
+    (status polling tolerates a transient failure and tries the next source)."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def write_script(text: str, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path
+
+
+class Scheduler(ABC):
+    """One way of submitting. Subclasses fill in a few hooks."""
+
+    #: The registry key (``pbs``, ``sbatch``, ``submitit``).
+    name: ClassVar[str]
+    #: The profile's ``scheduler`` family this backend submits to (``pbs`` or ``slurm``).
+    family: ClassVar[str]
+    #: The batch script's file suffix, where there is a script.
+    script_suffix: ClassVar[str] = ""
+
+    @abstractmethod
+    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
+        """What submitting ``request`` from ``workdir`` would do (pure: nothing runs)."""
+
+    @abstractmethod
+    def submit(self, dry_run: DryRun) -> Submission:
+        """Do exactly what ``dry_run`` says; return the recorded submission."""
+
+    @abstractmethod
+    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
+        """One job's (or array element's) state now; UNKNOWN where no source knows it."""
+
+    @abstractmethod
+    def cancel_jobs(self, job_ids: Sequence[str]) -> None:
+        """Ask the scheduler to end these jobs."""
+
+    def element_id(self, job_id: str, index: int) -> str:
+        """An array job's element, as the status and cancel tools name it."""
+        return f"{job_id}_{index}"
+
+    def status(self, submission: Submission) -> JobStatus:
+        """The job's state; for a sweep, every element's folded into one."""
+        if not submission.elements:
+            return self.job_status(submission.job_id, submission.exit_file)
+        return fold(self.element_statuses(submission))
+
+    def element_statuses(self, submission: Submission) -> list[JobStatus]:
+        return [self.job_status(e.job_id, e.exit_file) for e in submission.elements]
+
+    def cancel(self, submission: Submission) -> None:
+        self.cancel_jobs(submission.chain or (submission.job_id,))
+
+    def failure(self, submission: Submission) -> str | None:
+        """A line on why a finished job failed, where the backend knows more than its state."""
+        return None
+
+    def log_files(self, submission: Submission) -> list[Path]:
+        """The job's output files that exist now."""
+        return [Path(p) for p in submission.logs if Path(p).exists()]
+
+    def check_profile(self, request: JobRequest) -> None:
+        if request.profile.scheduler != self.family:
+            raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
+                            f"use 'ddp-hpc render {request.profile.scheduler}' or another --cluster")
+
+    def _submission(self, dry_run: DryRun, job_ids: Sequence[str], logs: Sequence[str],
+                    command_line: Sequence[str], element_ids: Sequence[str] = ()) -> Submission:
+        """Record what was submitted: a job, a chain's links (``job_ids``), or an array job
+        (``element_ids`` name its elements)."""
+        from ddp_hpc.launch.request import CommandPayload
+
+        request = dry_run.request
+        elements = tuple(
+            ElementRecord(e.index, element_ids[e.index] if element_ids else self.element_id(job_ids[-1], e.index),
+                          str(_under(dry_run.workdir, request.element_run_folder(e))), e.describe())
+            for e in request.elements)
+        submission = Submission(
+            scheduler=self.name, job_id=job_ids[-1], run_folder=str(dry_run.run_folder), workdir=str(dry_run.workdir),
+            world_size=request.world_size, submitted_at=time.time(),
+            kind="command" if isinstance(request.payload, CommandPayload) else "train",
+            script=str(dry_run.script_path) if dry_run.script_path else None, logs=tuple(logs),
+            command_line=tuple(command_line), chain=tuple(job_ids) if len(job_ids) > 1 else (), elements=elements)
+        submission.record()
+        for element in elements:  # `status runs/NAME-3` works for one element too
+            replace(submission, run_folder=element.run_folder, elements=(element,)).record()
+        return submission
+
+
+def _under(workdir: Path, folder: Path) -> Path:
+    return folder if folder.is_absolute() else workdir / folder

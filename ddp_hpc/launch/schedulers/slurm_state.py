@@ -1,0 +1,84 @@
+"""A SLURM job's state, from whichever source answers: sacct, scontrol, squeue, then the
+exit file the batch script wrote. Clusters without accounting (no ``sacct``, or a broken
+one) still report the end: torchx added the same fallback for the same reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddp_hpc.launch.schedulers.base import JobState, JobStatus, query_tool, read_exit_file
+
+#: SLURM's job states (``man squeue``, JOB STATE CODES) onto ours.
+SLURM_STATES: dict[str, JobState] = {
+    "PENDING": JobState.PENDING,
+    "CONFIGURING": JobState.PENDING,
+    "REQUEUED": JobState.PENDING,
+    "REQUEUE_HOLD": JobState.PENDING,
+    "REQUEUE_FED": JobState.PENDING,
+    "RESV_DEL_HOLD": JobState.PENDING,
+    "SPECIAL_EXIT": JobState.PENDING,
+    "PREEMPTED": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "COMPLETING": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING,
+    "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING,
+    "SUSPENDED": JobState.RUNNING,
+    "STOPPED": JobState.RUNNING,
+    "COMPLETED": JobState.COMPLETED,
+    "FAILED": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED,
+    "BOOT_FAIL": JobState.FAILED,
+    "OUT_OF_MEMORY": JobState.FAILED,
+    "DEADLINE": JobState.TIMEOUT,
+    "TIMEOUT": JobState.TIMEOUT,
+    "CANCELLED": JobState.CANCELLED,
+    "REVOKED": JobState.CANCELLED,
+}
+
+
+def _state(word: str) -> JobState:
+    return SLURM_STATES.get(word.split()[0].rstrip("+").upper(), JobState.UNKNOWN) if word.strip() else JobState.UNKNOWN
+
+
+def _exit_code(text: str) -> int | None:
+    """``0:0`` (status:signal) -> 0; a signal counts as 128 + its number, like a shell."""
+    code, _, signal = text.strip().partition(":")
+    if not code.isdigit():
+        return None
+    return 128 + int(signal) if signal.isdigit() and int(signal) and not int(code) else int(code)
+
+
+def from_sacct(job_id: str) -> JobStatus | None:
+    out = query_tool(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"])
+    rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
+    if not rows:
+        return None
+    state, code = rows[0][0], rows[0][1] if len(rows[0]) > 1 else ""
+    return JobStatus(_state(state), _exit_code(code), state, "sacct")
+
+
+def from_scontrol(job_id: str) -> JobStatus | None:
+    out = query_tool(["scontrol", "show", "job", "-o", job_id])
+    if not out:
+        return None
+    fields = dict(part.split("=", 1) for part in out.split() if "=" in part)
+    state = fields.get("JobState", "")
+    return JobStatus(_state(state), _exit_code(fields.get("ExitCode", "")), state, "scontrol") if state else None
+
+
+def from_squeue(job_id: str) -> JobStatus | None:
+    out = query_tool(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    state = (out or "").strip().splitlines()
+    return JobStatus(_state(state[0]), None, state[0], "squeue") if state else None
+
+
+def slurm_status(job_id: str, exit_file: Path | None) -> JobStatus:
+    for source in (from_sacct, from_scontrol, from_squeue):
+        status = source(job_id)
+        if status is not None and status.state is not JobState.UNKNOWN:
+            return status
+    code = read_exit_file(exit_file) if exit_file else None
+    if code is not None:
+        return JobStatus(JobState.COMPLETED if code == 0 else JobState.FAILED, code, f"exit {code}", "exit file")
+    return JobStatus(JobState.UNKNOWN)

@@ -1,0 +1,66 @@
+"""Sweeps as array jobs, and the job commands (status, logs, cancel), on the test cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from conftest import REPO, ddp_hpc_command, run
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
+DIGITS = str(REPO / "configs" / "digits.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [["slurm"], ["slurm", "--sbatch"], ["pbs", "--cluster", "pbs-generic"]],
+                         ids=["submitit", "sbatch", "qsub"])
+def test_a_sweep_runs_as_one_array_job_and_wait_prints_every_element(variant, slurm_cluster, tmp_path):
+    result = run([*ddp_hpc_command(), "submit", *variant, DIGITS, "--sweep", "training.lr=0.001,0.003",
+                  "--nodes", "1", "--walltime", "10", "--wait", "training.epochs=2",
+                  f"logging.run_dir={tmp_path / 'runs'}"], cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = [line.split() for line in result.stdout.splitlines() if re.match(r"^[01] +training\.lr=", line)]
+    assert [(row[0], row[1], row[2]) for row in table] == [
+        ("0", "training.lr=0.001", "completed"), ("1", "training.lr=0.003", "completed")]
+    summaries = [json.loads((tmp_path / "runs" / f"digits-{i}" / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["epochs_completed"] for s in summaries] == [2, 2]
+    # Each element trained with its own learning rate (the resolved configs say so).
+    configs = [(tmp_path / "runs" / f"digits-{i}" / "config.yaml").read_text() for i in (0, 1)]
+    assert "lr: 0.001" in configs[0] and "lr: 0.003" in configs[1]
+    record = json.loads((tmp_path / "runs" / "digits" / "submission.json").read_text())
+    assert len(record["elements"]) == 2
+
+
+def test_status_logs_and_cancel_on_a_running_job(slurm_cluster, tmp_path):
+    submitted = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "1", "--tasks-per-node", "1",
+                     "--walltime", "5", "--job-name", "sleeper", "--", "sh", "-c",
+                     "echo started; sleep 300"], cwd=tmp_path, timeout=120)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted job (\S+)", submitted.stdout).group(1)
+    folder = tmp_path / "runs" / "sleeper"
+    deadline = time.monotonic() + 120
+    while True:  # wait until it runs and has written its first line
+        status = run([*ddp_hpc_command(), "status", str(folder)], cwd=tmp_path)
+        logs = run([*ddp_hpc_command(), "logs", job_id], cwd=tmp_path)
+        if ": running" in status.stdout and "started" in logs.stdout:
+            break
+        assert time.monotonic() < deadline, status.stdout + status.stderr + logs.stdout + logs.stderr
+        time.sleep(2)
+    cancelled = run([*ddp_hpc_command(), "cancel", str(folder)], cwd=tmp_path)
+    assert cancelled.returncode == 0 and f"cancel requested for job {job_id}" in cancelled.stdout
+    deadline = time.monotonic() + 120
+    while ": cancelled" not in (status := run([*ddp_hpc_command(), "status", job_id], cwd=tmp_path)).stdout:
+        assert time.monotonic() < deadline, status.stdout + status.stderr
+        time.sleep(2)
+
+
+def test_job_commands_name_what_is_wrong(tmp_path):
+    result = run([*ddp_hpc_command(), "status", "424242"], cwd=tmp_path)
+    assert result.returncode == 2 and "neither a run folder nor a job id" in result.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "submission.json").write_text("{not json")
+    result = run([*ddp_hpc_command(), "logs", str(tmp_path / "broken")], cwd=tmp_path)
+    assert result.returncode == 2 and "is not a ddp_hpc submission record" in result.stderr
