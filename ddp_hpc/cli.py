@@ -124,14 +124,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from ddp_hpc.launch.local import LocalLaunch, build_local_command
+    from ddp_hpc.launch.local import LocalLaunch, build_local_command, run_with_restarts
 
-    command = list(args.command)
-    argv = build_local_command(LocalLaunch(nproc=args.nproc, command=command, launcher=args.launcher))
+    launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
+                         max_restarts=args.max_restarts)
+    argv = build_local_command(launch)
     if args.dry_run:
         print(shlex.join(argv))
         return 0
     sys.stdout.flush()
+    if launch.restarts_here:
+        return run_with_restarts(argv, launch.max_restarts)
     os.execvp(argv[0], argv)
 
 
@@ -240,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nproc", type=int, default=2, help="number of ranks (default: 2)")
     launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich"))
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="relaunch all ranks after a failure, at most N times (torchrun's own "
+                             "--max-restarts; a loop for mpiexec); they resume from the newest checkpoint")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     launch.set_defaults(func=_cmd_launch)
     return parser

@@ -184,6 +184,11 @@ def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, st
                           timeout=timeout, master_listen_fd=listener.fileno() if listener else None)
     if listener is not None:
         listener.detach()  # the store's server owns the socket now
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives a torchrun restart (--max-restarts): the dead workers'
+        # gloo addresses are still in it, and a new worker reading one times out. A key
+        # space per attempt keeps the rounds apart.
+        store = dist.PrefixStore(f"ddp_hpc/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     return store
 
 

@@ -170,3 +170,14 @@ class KillLaunchAtStep(Callback):
     def on_step_end(self, trainer) -> None:
         if trainer.ctx.is_rank_zero and trainer.progress.global_step == self.step:
             kill_tree(launch_root())
+
+
+class KillRankOnceAtStep(_AtStep):
+    """SIGKILL one rank right after ``step``, on the first attempt only: ``marker`` records
+    that it happened, so a restarted job that passes the step again runs on."""
+
+    def on_step_end(self, trainer) -> None:
+        if self.marker and Path(self.marker).exists():
+            return
+        if self.hit(trainer):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -98,10 +98,11 @@ def test_exec_passes_the_exit_status_and_the_pid_through():
 
 
 @pytest.mark.multiproc
-def test_plain_script_under_torchrun_without_ddp_hpc(tmp_path):
+@pytest.mark.parametrize("script", [PLAIN, WITH_API], ids=["plain", "api"])
+def test_examples_under_torchrun_without_ddp_hpc_run(script, tmp_path):
     import sys
 
-    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PLAIN],
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script],
                  timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _results(result.stdout, 2)
@@ -153,15 +154,16 @@ def submit(tmp_path: Path, *args: str, timeout: float = 400):
 @pytest.mark.slurm
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.parametrize("script", [PLAIN, WITH_API], ids=["plain", "api"])
 @pytest.mark.parametrize("variant", [["slurm"], ["slurm", "--sbatch"], ["pbs", "--cluster", "pbs-generic"]],
                          ids=["submitit", "sbatch", "qsub"])
-def test_command_job_waits_for_the_end_and_reports_it(variant, slurm_cluster, tmp_path):
+def test_command_job_waits_for_the_end_and_reports_it(variant, script, slurm_cluster, tmp_path):
     result = submit(tmp_path, *variant, "--nodes", "2", "--tasks-per-node", "2", "--walltime", "10", "--wait",
-                    "--", "python", PLAIN)
+                    "--job-name", "example", "--", "python", script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     job_id = re.search(r"submitted job (\S+)", result.stdout).group(1)
     assert f"job {job_id}: completed (exit status 0" in result.stdout
-    record = json.loads((tmp_path / "runs" / "plain_ddp" / "submission.json").read_text())
+    record = json.loads((tmp_path / "runs" / "example" / "submission.json").read_text())
     assert record["job_id"] == job_id and record["kind"] == "command"
     if variant[-1] != "slurm":  # batch scripts: the ranks' lines are in the job log, echoed as its tail
         _results(result.stdout, 4)

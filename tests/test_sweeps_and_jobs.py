@@ -64,3 +64,43 @@ def test_job_commands_name_what_is_wrong(tmp_path):
     (tmp_path / "broken" / "submission.json").write_text("{not json")
     result = run([*ddp_hpc_command(), "logs", str(tmp_path / "broken")], cwd=tmp_path)
     assert result.returncode == 2 and "is not a ddp_hpc submission record" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.reliability
+@pytest.mark.timeout(900)
+def test_a_chain_past_the_walltime_ends_bit_identical_to_one_long_run(slurm_cluster, tmp_path):
+    """PBS's way past the walltime (no signal, no user requeue): each link of a 3-link chain
+    stops ahead of its 2-minute walltime at an agreed step with a checkpoint, the next link
+    resumes it, and the link that finds the run finished trains nothing."""
+    from conftest import assert_same_training_state, clean_env
+    from ddp_hpc.training.checkpoint import load_checkpoint
+
+    config = str(REPO / "configs" / "synthetic.yaml")
+    common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",
+              "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=20",
+              "training.deterministic=true", "logging.progress=never", "logging.plot=false",
+              "checkpoint.preemption_check_every_n_steps=5", "validation.early_stopping.patience=null",
+              "checkpoint.deadline_margin_s=20", f"logging.run_dir={tmp_path / 'runs'}"]
+    reference = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", *ddp_hpc_command(), "train", config,
+                     *common, "logging.name=reference"], cwd=tmp_path, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    # 320 steps of at least 0.3 s: longer than one 2-minute link.
+    slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.3}}]"
+    env = clean_env({"PYTHONPATH": str(REPO / "tests")})
+    started = time.monotonic()
+    result = run([*ddp_hpc_command(), "submit", "pbs", config, "--cluster", "pbs-generic", "--nodes", "1",
+                  "--walltime", "2", "--chain", "3", "--wait", *common, "logging.name=chained", slow],
+                 env=env, cwd=tmp_path, timeout=840)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads((tmp_path / "runs" / "chained" / "submission.json").read_text())
+    assert len(record["chain"]) == 3
+    logs = "".join(path.read_text() for path in sorted(tmp_path.glob("job.pbs.[oe]*")))
+    stops = re.findall(r"checkpointing and stopping at step (\d+)", logs)
+    assert stops, logs[-3000:]  # at least one link stopped itself before its walltime
+    assert_same_training_state(load_checkpoint(tmp_path / "runs" / "reference" / "checkpoints" / "last.pt"),
+                               load_checkpoint(tmp_path / "runs" / "chained" / "checkpoints" / "last.pt"))
+    from conftest import FIGURES
+
+    FIGURES.append(f"chain of 3 x 2-minute PBS jobs (qsub): stopped itself at step(s) {', '.join(stops)}, "
+                   f"{time.monotonic() - started:.0f}s in all; final weights bit-identical to one run")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,6 +12,9 @@ from pathlib import Path
 
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
+
+log = logging.getLogger(__name__)
 
 LOCAL_LAUNCHERS = ("torchrun", "openmpi", "mpich")
 
@@ -19,6 +24,7 @@ class LocalLaunch:
     nproc: int
     command: Sequence[str]
     launcher: str = "torchrun"
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.launcher not in LOCAL_LAUNCHERS:
@@ -27,12 +33,34 @@ class LocalLaunch:
             raise UserError(f"--nproc {self.nproc} must be >= 1")
         if not self.command:
             raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts {self.max_restarts} must be >= 0")
+
+    @property
+    def restarts_here(self) -> bool:
+        """mpiexec has no restarts of its own: ddp-hpc relaunches it."""
+        return self.max_restarts > 0 and self.launcher != "torchrun"
 
 
-def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
+def build_torchrun(nproc: int, command: Sequence[str], max_restarts: int = 0) -> list[str]:
     """torchrun on this node only; ``--no-python`` runs any executable (``ddp-hpc ...``)."""
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), "--no-python", *command]
+            "--nproc-per-node", str(nproc), *restarts, "--no-python", *command]
+
+
+def run_with_restarts(argv: Sequence[str], max_restarts: int) -> int:
+    """Run the launch; after a failure (not 0, not 75: stopped on request) run it again, at
+    most ``max_restarts`` times, with ``DDP_HPC_RESTART_COUNT`` set. The ranks resume from
+    the newest checkpoint. Returns the last exit status."""
+    for attempt in range(max_restarts + 1):
+        env = {**os.environ, RESTART_COUNT_VAR: str(attempt)}
+        status = subprocess.run(list(argv), env=env).returncode
+        if status in (0, 75) or attempt == max_restarts:
+            return status if status >= 0 else 128 - status
+        log.warning("the ranks failed (exit %d): restart %d of %d, resuming from the newest checkpoint",
+                    status, attempt + 1, max_restarts)
+    return status
 
 
 def rank_command(command: Sequence[str]) -> list[str]:
@@ -45,7 +73,7 @@ def rank_command(command: Sequence[str]) -> list[str]:
 def build_local_command(launch: LocalLaunch) -> list[str]:
     command = rank_command(launch.command)
     if launch.launcher == "torchrun":
-        return build_torchrun(launch.nproc, command)
+        return build_torchrun(launch.nproc, command, launch.max_restarts)
     return build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
                                    command=command, oversubscribe=True,
                                    allow_root=os.geteuid() == 0))

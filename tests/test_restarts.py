@@ -1,0 +1,60 @@
+"""Restart in place (--max-restarts): a rank SIGKILLed mid-training, the job relaunches every
+rank once, resumes from its checkpoint and ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import FIGURES, REPO, assert_same_training_state, ddp_hpc_command, run
+from ddp_hpc.training.checkpoint import load_checkpoint
+
+pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
+CONFIG = str(REPO / "configs" / "synthetic.yaml")
+COMMON = ["training.epochs=4", "job.params.dropout=0.1", "training.deterministic=true", "logging.progress=never",
+          "logging.plot=false", "checkpoint.every_n_steps=5", "validation.early_stopping.patience=null"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("reference")
+    result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", *ddp_hpc_command(), "train", CONFIG,
+                  *COMMON, f"logging.run_dir={runs}", "logging.name=reference"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_checkpoint(runs / "reference" / "checkpoints" / "last.pt")
+
+
+def kill_once(tmp_path) -> str:
+    marker = tmp_path / "killed"
+    return (f"callbacks=[{{target: 'fault_injection:KillRankOnceAtStep', "
+            f"params: {{rank: 1, step: 12, marker: '{marker}'}}}}]")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich"])
+def test_launch_restarts_once_after_a_killed_rank(launcher, reference, tmp_path, request):
+    if launcher == "mpich":
+        request.getfixturevalue("mpich")
+    result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--launcher", launcher, "--max-restarts", "1", "--",
+                  *ddp_hpc_command(), "train", CONFIG, *COMMON, f"logging.run_dir={tmp_path}", "logging.name=r",
+                  kill_once(tmp_path)], timeout=400, env={"PYTHONPATH": str(REPO / "tests")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "killed").exists()
+    assert re.search(r"resuming from \S+step-00000010\.pt", result.stderr), result.stderr[-3000:]
+    assert_same_training_state(reference, load_checkpoint(tmp_path / "r" / "checkpoints" / "last.pt"))
+    FIGURES.append(f"--max-restarts 1 ({launcher}): rank 1 SIGKILLed at step 12, relaunched, resumed from step 10, "
+                   "final weights bit-identical")
+
+
+@pytest.mark.slurm
+def test_sbatch_script_restarts_in_the_same_allocation(reference, slurm_cluster, tmp_path):
+    result = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--max-restarts", "1", "--nodes", "1",
+                  "--walltime", "10", "--wait", CONFIG, *COMMON, f"logging.run_dir={tmp_path / 'runs'}",
+                  "logging.name=r", kill_once(tmp_path)], cwd=tmp_path, timeout=500,
+                 env={"PYTHONPATH": str(REPO / "tests")})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.out"))
+    assert "restart 1 of 1" in log and (tmp_path / "killed").exists(), log[-3000:]
+    assert_same_training_state(reference, load_checkpoint(tmp_path / "runs" / "r" / "checkpoints" / "last.pt"))
+    FIGURES.append("--max-restarts 1 (sbatch, srun): rank 1 SIGKILLed at step 12, the script relaunched the step in "
+                   "the same allocation, final weights bit-identical")
