@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
+from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -208,17 +209,21 @@ def process_group(options: DistributedOptions | None = None,
     choice.activate()
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
+        # Before anything connects: a loopback name across nodes would only hang.
+        network = check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ,
+                                store_timeout_s=options.timeout_s)
         log.debug("init_process_group %s at %s:%d", choice.backend, dist_env.master_addr,
                   dist_env.master_port)
         timeout = timedelta(seconds=options.timeout_s)
-        dist.init_process_group(
-            backend=choice.backend,
-            store=create_store(dist_env, timeout, environ),
-            rank=dist_env.rank,
-            world_size=dist_env.world_size,
-            timeout=timeout,
-            device_id=choice.init_device_id,
-        )
+        with gloo_interface(network):
+            dist.init_process_group(
+                backend=choice.backend,
+                store=create_store(dist_env, timeout, environ),
+                rank=dist_env.rank,
+                world_size=dist_env.world_size,
+                timeout=timeout,
+                device_id=choice.init_device_id,
+            )
     try:
         yield DistContext(dist_env, choice, initialize)
     finally:

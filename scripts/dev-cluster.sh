@@ -5,6 +5,10 @@
 #   scripts/dev-cluster.sh down     stop every daemon it started
 #   scripts/dev-cluster.sh status   sinfo, or a non-zero exit when the cluster is not up
 #
+#   scripts/dev-cluster.sh up --hosts N   the multi-host test world instead: N hosts in network
+#                                         namespaces with their own SLURM cluster (scripts/multihost.sh,
+#                                         docs/test-world.md); `down --hosts`, `status --hosts`
+#
 # Nodes n1 and n2 are two slurmd processes on this host (Debian's slurmd is built with
 # multiple-slurmd support), so `srun -N2` really starts tasks through two node daemons.
 # There is no systemd here: munged, mariadbd, slurmdbd, slurmctld and slurmd are started
@@ -129,7 +133,8 @@ start_slurm() {
   running slurmdbd || /usr/sbin/slurmdbd
   wait_for 30 slurmdbd sacctmgr -n list cluster
   sacctmgr -i -Q add cluster "$CLUSTER" >/dev/null 2>&1 || true
-  running slurmctld || /usr/sbin/slurmctld
+  # By pid file: the multihost world's slurmctld (scripts/multihost.sh) has the same name.
+  { [ -s "$RUN_DIR/slurmctld.pid" ] && kill -0 "$(cat "$RUN_DIR/slurmctld.pid")" 2>/dev/null; } || /usr/sbin/slurmctld
   wait_for 30 slurmctld scontrol ping
   for n in "${NODES[@]}"; do
     pgrep -f "slurmd -N $n\$" >/dev/null || /usr/sbin/slurmd -N "$n"
@@ -174,9 +179,13 @@ status() {
   sinfo -N
 }
 
+if [ "${2:-}" = --hosts ]; then
+  exec "$(dirname "${BASH_SOURCE[0]}")/multihost.sh" "$1" "${3:-2}"
+fi
+
 case "${1:-}" in
   up) up ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status [--hosts N]" >&2; exit 2 ;;
 esac

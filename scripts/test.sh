@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Run the test suite with everything it needs: the venv, Debian's Open MPI and MPICH, and
-# the two-node SLURM test cluster (started here; left running for the next run).
+# Run the test suite with everything it needs: the venv, Debian's Open MPI and MPICH, the
+# two-node SLURM test cluster and the two-host test world (both started here; left running
+# for the next run).
 #
 #   scripts/test.sh [PYTEST ARGS...]      e.g. scripts/test.sh -m "not slow"
 #
-# Without root (no apt-get, no daemons) the MPI and SLURM tests skip with their reason.
+# Without root (no apt-get, no daemons, no namespaces) the MPI, SLURM and multihost tests
+# skip with their reason.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -18,6 +20,7 @@ if [ "$(id -u)" = 0 ]; then
     }
   done
   scripts/dev-cluster.sh up
+  scripts/dev-cluster.sh up --hosts 2  # network namespaces h1, h2 (docs/test-world.md)
   # Everything is installed and running: a test that finds a tool missing fails.
   export DDP_HPC_REQUIRE_ALL=1
 else

@@ -85,6 +85,8 @@ def test_a_stuck_rank_is_detected_by_the_watchdog(request, tmp_path):
     assert re.search(r"\[rank \d\] watchdog: no progress for \d+s on host \S+ during training after step 3",
                      result.stderr), result.stderr[-3000:]
     assert "Stacks of every thread follow" in result.stderr and 'File "' in result.stderr
+    # The hung rank's heartbeat still moves: nobody is gone (tests/test_multihost.py has a lost host).
+    assert "watchdog: every rank's heartbeat still moves, so no rank is gone" in result.stderr
 
 
 @pytest.mark.mpi

@@ -29,6 +29,7 @@ from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
 from ddp_hpc.training.job import Datasets, Job, StepOutput
+from ddp_hpc.training.liveness import watch_progress
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
@@ -201,7 +202,7 @@ class Trainer:
 
         # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
         limit = self.config.distributed.watchdog_s
-        with Watchdog(limit, self.ctx.rank) if limit else nullcontext() as self.watchdog:
+        with watch_progress(self.ctx, limit) as self.watchdog:
             status = self._train_epochs(datasets)
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (status 75) before rank 0's checkpoint is on disk

@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,11 @@ EXIT_CODE = 3
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, rank: int, poll_s: float = 1.0) -> None:
+    def __init__(self, timeout_s: float, rank: int, poll_s: float = 1.0,
+                 diagnose: Callable[[], str] | None = None) -> None:
         self.timeout_s, self.rank, self.poll_s = timeout_s, rank, min(poll_s, timeout_s / 4)
+        #: Says who is to blame when the watchdog fires (liveness.Heartbeat.explain).
+        self._diagnose = diagnose
         self._last = time.monotonic()
         self._phase = "start-up"
         self._step = 0
@@ -52,6 +56,14 @@ class Watchdog:
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
+        if self._diagnose is not None:
+            try:
+                cause = self._diagnose()
+            except Exception as exc:  # the diagnosis must never keep the process alive
+                cause = f"cannot tell which rank is to blame ({exc})"
+            line = f"[rank {self.rank}] watchdog: {cause}"
+            log.error(line)
+            print(line, file=sys.stderr, flush=True)
         message = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f}s on host {socket.gethostname()} "
                    f"during {self._phase} after step {self._step} (limit distributed.watchdog_s="
                    f"{self.timeout_s:g}); a collective is likely waiting for a rank that is stuck or gone. "
