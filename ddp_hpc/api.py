@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
 from ddp_hpc.distributed import DistContext, DistributedOptions
 from ddp_hpc.distributed import process_group as _process_group
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.environment import resolve_env as _resolve_env
+from ddp_hpc.environment.netcheck import check_network
 from ddp_hpc.torchrun_env import WorkerLaunch, worker_environment
 
 
@@ -54,5 +56,12 @@ def command_environment(command: Sequence[str], *, device: str | None = None, ba
                            requested(backend, environ, BACKEND_ENV_VAR),
                            local_rank=dist_env.local_rank, local_world_size=dist_env.local_world_size,
                            env=environ)
-    return worker_environment(command, dist_env, choice, environ,
-                              launcher_key=detect_launcher(environ).job_key(environ))
+    launch = worker_environment(command, dist_env, choice, environ,
+                                launcher_key=detect_launcher(environ).job_key(environ))
+    if dist_env.world_size > 1 and launch.exported:
+        # The same checks as before ddp_hpc's own rendezvous: a loopback host name across
+        # machines is refused, and a host suffix picks gloo's interface for the command too.
+        network = check_network(dist_env, choice.backend, host_suffix=host_suffix, environ=environ)
+        if network.gloo_ifname and not environ.get("GLOO_SOCKET_IFNAME"):
+            launch = replace(launch, exported={**launch.exported, "GLOO_SOCKET_IFNAME": network.gloo_ifname})
+    return launch
