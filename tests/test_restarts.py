@@ -58,3 +58,19 @@ def test_sbatch_script_restarts_in_the_same_allocation(reference, slurm_cluster,
     assert_same_training_state(reference, load_checkpoint(tmp_path / "runs" / "r" / "checkpoints" / "last.pt"))
     FIGURES.append("--max-restarts 1 (sbatch, srun): rank 1 SIGKILLed at step 12, the script relaunched the step in "
                    "the same allocation, final weights bit-identical")
+
+
+@pytest.mark.slurm
+def test_a_restart_with_a_spare_node_leaves_out_the_node_where_a_rank_failed(slurm_cluster, tmp_path):
+    probe = ('echo "attempt $DDP_HPC_RESTART_COUNT rank $RANK on $SLURMD_NODENAME"; '
+             'if [ "$DDP_HPC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 2')
+    result = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
+                  "--spare-nodes", "1", "--max-restarts", "1", "--walltime", "5", "--wait", "--job-name", "spare",
+                  "--", "sh", "-c", probe], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = "".join(p.read_text() for p in (tmp_path / "logs").glob("spare-*.out"))
+    places = dict(re.findall(r"attempt (\d) rank \d on (n\d)", log))
+    failed = re.search(r"leaving out node\(s\) (n\d), where a rank failed", log)
+    assert failed and places.get("0") == failed.group(1), log[-3000:]
+    assert places.get("1") not in (None, failed.group(1)), log[-3000:]  # the restart ran on the spare node
+    FIGURES.append(f"--spare-nodes 1 (sbatch): a rank killed on {failed.group(1)}, the restart ran on {places['1']}")

@@ -58,6 +58,10 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks in the same allocation after a failure, at most N times "
                              "(they resume from the newest checkpoint; default: 0)")
+    if family == "slurm":
+        parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                            help="allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
+                                 "rank failed (a batch script)")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="run every combination of these values as one array job (repeatable; command jobs "
                              "get DDP_HPC_SWEEP_INDEX and DDP_HPC_SWEEP_<KEY>)")
@@ -91,7 +95,7 @@ def job_request(args: argparse.Namespace) -> JobRequest:
         python_env=None if args.no_venv else current_python_env(),
         torchrun_per_node=getattr(args, "torchrun", False), max_restarts=args.max_restarts,
         sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
-        stop_signal=args.signal or StopSignal.default())
+        stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0))
 
 
 def _scheduler(args: argparse.Namespace) -> str:

@@ -156,6 +156,8 @@ class JobRequest:
     torchrun_per_node: bool = False
     #: Relaunch every rank inside the same allocation after a failure, at most this often.
     max_restarts: int = 0
+    #: SLURM: allocate this many extra nodes; a restart leaves out the node where a rank failed.
+    spare_nodes: int = 0
     #: Run the cartesian product of these overrides as one array job.
     sweep: Sweep | None = None
     #: Submit this many jobs, each starting when the previous one ended (``afterany``).
@@ -172,6 +174,10 @@ class JobRequest:
         parse_walltime(self.walltime)
         for line in self.setup:
             check_single_line(line, "--setup line")
+        if self.spare_nodes < 0:
+            raise ConfigError(f"--spare-nodes {self.spare_nodes} must be >= 0")
+        if self.spare_nodes and not self.max_restarts:
+            raise ConfigError("--spare-nodes needs --max-restarts: spare nodes are used by a restart")
         if self.chain < 1:
             raise ConfigError(f"--chain {self.chain} must be >= 1")
         if self.sweep is not None and self.chain > 1:

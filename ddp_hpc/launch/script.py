@@ -36,6 +36,8 @@ def render_argv(argv: Sequence[str]) -> str:
     return " ".join(word(a) for a in argv)
 
 
+#: The shell array of srun options that leave failed nodes out (``--spare-nodes``).
+EXCLUDE_ARGS = "exclude_args"
 #: The shell array holding a sweep element's overrides in a rendered array job.
 SWEEP_ARGS = ShellArray("sweep_args")
 
@@ -100,9 +102,13 @@ def deadline_line(request: JobRequest) -> str:
     return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"
 
 
+#: After a failed step: the node srun names first in ``srun: error: NODE: task N: ...``.
+_FAILED_NODE = '  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)'
+
+
 def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str | None, *,
                  restarts: int | None = None, forward_signal: str = "USR2",
-                 trap_signals: str = "USR2") -> list[str]:
+                 trap_signals: str = "USR2", leave_out_failed_node: bool = False) -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
@@ -110,6 +116,8 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
     Exit 75 means the ranks checkpointed and stopped on request: no restart; ``requeue``
     (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
+    With ``leave_out_failed_node`` (srun with spare nodes), the node where a rank failed is
+    added to ``EXCLUDE_ARGS`` for the next attempt.
     """
     restarts = request.max_restarts if restarts is None else restarts
     lines = [
@@ -121,10 +129,11 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
         "}",
         f"trap on_stop_signal {trap_signals}",
         "attempt=0",
+        *([f"{EXCLUDE_ARGS}=()", "excluded=", "step_log=$(mktemp)"] if leave_out_failed_node else []),
         "while :; do",
         f"  export {RESTART_COUNT_VAR}=$attempt",
         "  step_started=$(date +%s)",
-        f"  {command} &",
+        f'  {command} 2> >(tee "$step_log" >&2) &' if leave_out_failed_node else f"  {command} &",
         "  step_pid=$!",
         "  status=0",
         '  wait "$step_pid" || status=$?',
@@ -136,6 +145,11 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
         f'  if [ "$status" = 0 ] || [ "$status" = {PREEMPTED_EXIT} ] || [ "$stop_requested" = 1 ] || '
         f'[ "$attempt" -ge {restarts} ]; then break; fi',
         "  attempt=$((attempt + 1))",
+        *([_FAILED_NODE, '  if [ -n "$failed" ]; then',
+           '    excluded="${excluded:+$excluded,}$failed"',
+           f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',
+           '    echo "ddp_hpc: leaving out node(s) $excluded, where a rank failed" >&2',
+           "  fi"] if leave_out_failed_node else []),
         f'  echo "ddp_hpc: the ranks failed (exit $status): restart $attempt of {restarts}, '
         f'resuming from the newest checkpoint" >&2',
         "done",

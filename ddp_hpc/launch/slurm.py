@@ -5,6 +5,8 @@ from __future__ import annotations
 from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.stop import SLURM_DEADLINE_LINES
 from ddp_hpc.launch.script import (
+    EXCLUDE_ARGS,
+    ShellArray,
     ShellVar,
     deadline_line,
     environment_block,
@@ -38,7 +40,7 @@ def sbatch_directives(request: JobRequest) -> list[str]:
     tasks_per_node = 1 if torchrun else request.per_node
     lines = [
         f"#SBATCH --job-name={job_name_directive(request.name)}",
-        f"#SBATCH --nodes={request.nodes}",
+        f"#SBATCH --nodes={request.nodes + request.spare_nodes}",
         f"#SBATCH --ntasks-per-node={tasks_per_node}",
     ]
     if profile.cpus_per_task:
@@ -64,6 +66,11 @@ def sbatch_directives(request: JobRequest) -> list[str]:
 
 def step_argv(request: JobRequest) -> list[str]:
     srun = ["srun", "--kill-on-bad-exit=1", "--wait=60"]
+    if request.spare_nodes:
+        # The allocation has spare nodes: the step takes the nodes it needs, not the failed ones.
+        tasks_per_node = 1 if request.torchrun_per_node else request.per_node
+        srun += [f"--nodes={request.nodes}", f"--ntasks={request.nodes * tasks_per_node}",
+                 f"--ntasks-per-node={tasks_per_node}", ShellArray(EXCLUDE_ARGS)]
     if not request.torchrun_per_node:
         return [*srun, *rank_argv(request)]
     return [*srun, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
@@ -101,7 +108,7 @@ def render_sbatch(request: JobRequest) -> str:
         # SIGUSR2, which would kill the agent) on to them.
         *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
                       restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2",
-                      trap_signals=request.stop_signal.name),
+                      trap_signals=request.stop_signal.name, leave_out_failed_node=request.spare_nodes > 0),
         "",
     ]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddp_hpc.errors import UserError
 from ddp_hpc.launch.pbs import render_pbs
 from ddp_hpc.launch.request import JobRequest, job_name_directive
 from ddp_hpc.launch.schedulers.base import (
@@ -53,6 +54,8 @@ class PbsScheduler(ScriptScheduler):
     where = "PBS"
 
     def render(self, request: JobRequest) -> str:
+        if request.spare_nodes:
+            raise UserError("--spare-nodes leaves failed nodes out of srun steps: it is for SLURM scripts")
         return render_pbs(request)
 
     def submit_argv(self, script_path: Path) -> list[str]:

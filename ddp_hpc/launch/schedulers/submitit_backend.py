@@ -189,8 +189,9 @@ class SubmititScheduler(Scheduler):
         self.check_profile(request)
         if request.torchrun_per_node:
             raise UserError("--torchrun renders a batch script: use it with --sbatch")
-        if request.max_restarts:
-            raise UserError("--max-restarts relaunches ranks from a batch script: use it with --sbatch")
+        if request.max_restarts or request.spare_nodes:
+            raise UserError("--max-restarts and --spare-nodes relaunch ranks from a batch script: use them with "
+                            "--sbatch")
         if request.stop_signal.name != "USR2":
             raise UserError(f"--signal {request.stop_signal}: submitit's tasks take SIGUSR2 only; give USR2@SECONDS, "
                             "or use --sbatch")
