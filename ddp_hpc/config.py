@@ -153,6 +153,8 @@ class DistributedConfig:
     device: Literal["auto", "xpu", "cuda", "cpu"] = "auto"
     backend: Literal["auto", "nccl", "xccl", "ccl", "gloo"] = "auto"
     timeout_s: float = 600.0
+    #: Connect to rank 0's store and meet every rank within this (DDP_HPC_RENDEZVOUS_TIMEOUT wins).
+    rendezvous_timeout_s: float = 180.0
     find_unused_parameters: bool = False
     static_graph: bool = False
     bucket_cap_mb: float = 25.0
@@ -165,6 +167,7 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         positive(self.timeout_s, "distributed.timeout_s")
+        positive(self.rendezvous_timeout_s, "distributed.rendezvous_timeout_s")
         if self.watchdog_s is not None:
             positive(self.watchdog_s, "distributed.watchdog_s")
         positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")

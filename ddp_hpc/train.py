@@ -59,6 +59,7 @@ def distributed_options(config: Config, device: str | None, backend: str | None)
     dist = config.distributed
     return DistributedOptions(device=device, backend=backend, config_device=dist.device,
                               config_backend=dist.backend, timeout_s=dist.timeout_s,
+                              rendezvous_timeout_s=dist.rendezvous_timeout_s,
                               host_suffix=dist.host_suffix or None)
 
 

@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+from ddp_hpc.jobs.synthetic import SyntheticJob
 from ddp_hpc.training import Callback
 
 
@@ -158,3 +159,21 @@ class RecordListeningSockets(Callback):
     def on_fit_start(self, trainer) -> None:
         path = Path(self.folder) / f"rank{trainer.ctx.rank}.txt"
         path.write_text("\n".join(listening_addresses(os.getpid())))
+
+
+class RaiseInBuildDatasets(SyntheticJob):
+    """The synthetic job, whose ``build_datasets`` raises on one rank (a data file missing
+    on one node, a bug in a loader): after the process group formed, before training."""
+
+    def __init__(self, fail_rank: int = 1, marker: str = "", **params) -> None:
+        super().__init__(**params)
+        self.fail_rank, self.marker = fail_rank, marker
+
+    def build_datasets(self):
+        from ddp_hpc.environment import resolve_env
+
+        if resolve_env().rank == self.fail_rank:
+            if self.marker:
+                Path(self.marker).write_text(repr(time.time()))
+            raise RuntimeError(f"injected failure in build_datasets on rank {self.fail_rank}")
+        return super().build_datasets()
