@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -128,21 +130,47 @@ class _Progress:
 
     def __init__(self) -> None:
         self.stage = "connect"
-        self.store: dist.Store | None = None
+
+
+#: A blocked call (a listener that never answers) is abandoned this long after the
+#: deadline; the store's own waits end at the deadline and say more.
+ABANDON_AFTER_S = 5.0
+
+
+def _wait(store: dist.Store, key: str, deadline: float) -> bool:
+    """Wait for ``key`` until ``deadline`` (monotonic); False if it timed out."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return store.check([key])
+    try:
+        store.wait([key], timedelta(seconds=remaining))
+    except dist.DistError:
+        if deadline - time.monotonic() > 1.0:
+            raise  # not a timeout: the connection failed (rank 0 ended?)
+        return False
+    return True
 
 
 def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> dist.Store:
     """Connect (``store_factory``), check the marker, join; all within ``meeting.timeout_s``."""
     progress = _Progress()
     rank, world_size = meeting.env.rank, meeting.env.world_size
+    deadline = time.monotonic() + meeting.timeout_s
+    limit = f"within {meeting.timeout_s:g}s (distributed.rendezvous_timeout_s)"
+
+    def not_this_jobs() -> RendezvousError:
+        return RendezvousError(f"{meeting.whoami}: the listener at {meeting.address} is not this job's ddp_hpc "
+                               f"rendezvous (no job marker {limit}): another program holds the port; set "
+                               "MASTER_PORT to a free port")
 
     def work() -> dist.Store:
         store = store_factory()
-        progress.store = store
         if rank == 0:
             store.set(MARKER_KEY, meeting.identity)
         else:
             progress.stage = "marker"
+            if not _wait(store, MARKER_KEY, deadline):
+                raise not_this_jobs()
             found = store.get(MARKER_KEY).decode(errors="replace")
             if found != meeting.identity:
                 raise RendezvousError(
@@ -152,11 +180,16 @@ def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> d
         store.set(f"{JOINED_KEY}/{rank}", socket.gethostname())
         if store.add(JOINED_KEY, 1) == world_size:
             store.set(GATE_KEY, "open")
-        store.wait([GATE_KEY])
+        if not _wait(store, GATE_KEY, deadline):
+            missing = _missing_ranks(store, world_size) if rank == 0 else []
+            if missing:
+                raise RendezvousError(f"{meeting.whoami}: rank(s) {_describe_ranks(missing)} of {world_size} did "
+                                      f"not join the rendezvous at {meeting.address} {limit}: see their logs for why")
+            raise RendezvousError(f"{meeting.whoami}: not every one of the {world_size} ranks joined the rendezvous "
+                                  f"at {meeting.address} {limit}: see rank 0's line for the missing ones")
         return store
 
     def on_timeout() -> str:
-        limit = f"within {meeting.timeout_s:g}s (distributed.rendezvous_timeout_s)"
         if progress.stage == "connect":
             if rank == 0:
                 return f"{meeting.whoami}: could not start the rendezvous store at {meeting.address} {limit}"
@@ -166,21 +199,12 @@ def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> d
             return (f"{meeting.whoami}: no rendezvous store answered at {meeting.address} {limit}: rank 0 did "
                     f"not start or failed, or the address or port is wrong (check MASTER_ADDR/MASTER_PORT)")
         if progress.stage == "marker":
-            return (f"{meeting.whoami}: the listener at {meeting.address} is not this job's ddp_hpc rendezvous "
-                    f"(no job marker {limit}): another program holds the port; set MASTER_PORT to a free port")
-        if rank == 0 and progress.store is not None:
-            try:
-                missing = _missing_ranks(progress.store, world_size)
-            except Exception:  # the store itself is stuck: say what is known
-                missing = []
-            if missing:
-                return (f"{meeting.whoami}: rank(s) {_describe_ranks(missing)} of {world_size} did not join the "
-                        f"rendezvous at {meeting.address} {limit}: see their logs for why")
-        return (f"{meeting.whoami}: not every one of the {world_size} ranks joined the rendezvous at "
-                f"{meeting.address} {limit}: see rank 0's line for the missing ones")
+            return str(not_this_jobs())
+        return (f"{meeting.whoami}: the rendezvous store at {meeting.address} stopped answering during the join "
+                f"{limit}")
 
     try:
-        return bounded(work, meeting.timeout_s, on_timeout)
+        return bounded(work, meeting.timeout_s + ABANDON_AFTER_S, on_timeout)
     except RendezvousError:
         raise
     except (dist.DistError, RuntimeError) as exc:
