@@ -96,8 +96,10 @@ class HangRankAtStep(_AtStep):
 
 
 class KillLaunchDuringCheckpointWrite(Callback):
-    """SIGKILL the whole launch in the middle of rank 0's ``nth`` checkpoint write: after the
-    temporary file is written, before it is renamed into place."""
+    """SIGKILL the whole launch in the middle of rank 0's ``nth`` checkpoint write (counted
+    in this launch): after the temporary file is written and fsync'd, just before it is
+    renamed into place. The rename itself is where the kill lands, whatever number of
+    fsyncs a save makes."""
 
     def __init__(self, nth: int) -> None:
         self.nth = nth
@@ -107,16 +109,17 @@ class KillLaunchDuringCheckpointWrite(Callback):
             return
         from ddp_hpc.training import checkpoint
 
-        real_fsync, calls = checkpoint.os.fsync, [0]
+        real_replace, writes = checkpoint.os.replace, [0]
 
-        def fsync_then_die(fd: int) -> None:
-            real_fsync(fd)
-            calls[0] += 1
-            # Two fsyncs per save (the file, then the folder): odd calls are mid-write.
-            if calls[0] == 2 * self.nth - 1:
-                kill_tree(launch_root())
+        def die_before_the_rename(src, dst, *args, **kwargs):
+            if Path(dst).name.startswith("step-") and ".tmp-" in Path(src).name:
+                writes[0] += 1
+                if writes[0] == self.nth:
+                    assert Path(src).stat().st_size > 0, "the temporary file must be written"
+                    kill_tree(launch_root())
+            return real_replace(src, dst, *args, **kwargs)
 
-        checkpoint.os.fsync = fsync_then_die
+        checkpoint.os.replace = die_before_the_rename
 
 
 def _socket_inodes(pid: int) -> set[str]:

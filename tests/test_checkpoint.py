@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+from pathlib import Path
 import time
 
 import pytest
@@ -183,3 +184,54 @@ def test_a_run_whose_checkpoints_are_all_truncated_stops_and_keeps_them(tmp_path
         rf"ddp-hpc: error: none of the \d checkpoint\(s\) in {re.escape(str(checkpoints))} can be read \(.*\); "
         r"nothing was deleted: restore them, or start over with checkpoint.resume=never", errors[0]), again.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "digits").rglob("*") if p.is_file()} == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A file system of a chosen size (root only: ``mount -t tmpfs``), unmounted afterwards."""
+    import shutil
+    import subprocess
+
+    from conftest import need
+
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        folder = tmp_path / "tmpfs"
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                                capture_output=True, text=True) if shutil.which("mount") and os.geteuid() == 0 else None
+        need(result is not None and result.returncode == 0, "mounting a tmpfs needs root")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.reliability
+def test_a_checkpoint_that_does_not_fit_ends_the_run_with_one_line_and_keeps_the_previous(tmp_path, small_tmpfs):
+    from conftest import FIGURES, REPO, ddp_hpc_command, run
+
+    args = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=256", "job.params.val_samples=0",
+            "job.params.input_dim=128", "job.params.hidden=256", "job.params.depth=2", "training.batch_size=64",
+            "training.epochs=3", "checkpoint.every_n_epochs=1", "checkpoint.keep_last=1", "checkpoint.save_best=false", "logging.progress=never",
+            "logging.name=full"]
+    sized = run([*ddp_hpc_command(), *args, "training.epochs=1", f"logging.run_dir={tmp_path / 'sizing'}"])
+    assert sized.returncode == 0, sized.stderr[-2000:]
+    size = (tmp_path / "sizing" / "full" / "checkpoints" / "last.pt").stat().st_size
+    disk = small_tmpfs(size * 3 // 2)  # room for one checkpoint, not for a second beside it
+    result = run([*ddp_hpc_command(), *args, f"logging.run_dir={disk}"])
+    checkpoints = disk / "full" / "checkpoints"
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"ddp-hpc: error: cannot write checkpoint {re.escape(str(checkpoints))}/step-\d+\.pt: No space left on "
+        rf"device; the previous checkpoint is kept: free space in {re.escape(str(checkpoints))} and rerun to resume",
+        errors[0]), result.stderr[-2000:]
+    path, state = ckpt.newest_loadable(checkpoints)
+    assert state["progress"]["epoch"] == 1, path  # the first epoch's checkpoint, whole
+    assert [p.name for p in checkpoints.glob(".*")] == []  # the partial temporary was removed
+    FIGURES.append(f"full disk: a {size / 1e6:.1f} MB checkpoint on a {size * 3 // 2 / 1e6:.1f} MB tmpfs ended the "
+                   f"run with exit 2 and one line; the previous checkpoint ({path.name}) loads")

@@ -50,6 +50,9 @@ def save_atomic(state: Mapping[str, Any], path: Path) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk or quota: the previous checkpoint is still whole
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}; the previous checkpoint "
+                              f"is kept: free space in {path.parent} and rerun to resume") from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
