@@ -200,13 +200,14 @@ def process_group(options: DistributedOptions | None = None,
         env=environ,
     )
     choice.activate()
+    # Checked on every rank, even alone, so a bad value shows up before it matters.
+    rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_ENV_VAR), options.rendezvous_timeout_s)
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
         log.debug("init_process_group %s at %s:%d", choice.backend, dist_env.master_addr,
                   dist_env.master_port)
         timeout = timedelta(seconds=options.timeout_s)
-        store = create_store(dist_env, timeout, environ,
-                             parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_ENV_VAR), options.rendezvous_timeout_s))
+        store = create_store(dist_env, timeout, environ, rendezvous_timeout_s)
         dist.init_process_group(
             backend=choice.backend,
             store=store,

@@ -71,6 +71,7 @@ def train(request: TrainRequest) -> dict[str, Any]:
     job = create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(request.config_path))
+    run.check_creatable()
     with process_group(distributed_options(config, request.device, request.backend)) as ctx:
         configure_logging(ctx.rank, verbose=request.verbose)
         trainer = Trainer(job, config, ctx, run, callbacks)

@@ -78,6 +78,7 @@ def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").glob("[0-9]*") if "ddp_hpc" in _cmdline(int(p.name))]
 
 
+@pytest.mark.timeout(900)  # 21 launches of a 2-rank job on a 2-core machine
 def test_twenty_kills_lose_nothing(tmp_path):
     straight = launch(tmp_path, "straight")
     _, err = straight.communicate(timeout=300)

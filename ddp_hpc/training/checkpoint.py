@@ -120,7 +120,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data "
                               f"and is refused ({first_line[:160]})") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, IndexError, TypeError,
+            UnicodeDecodeError, AttributeError) as exc:  # torch's legacy reader on bytes that are no checkpoint
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
