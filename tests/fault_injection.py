@@ -31,13 +31,14 @@ def descendants(root: int) -> list[int]:
 def kill_tree(root: int) -> None:
     """SIGKILL ``root`` and everything below it. torchrun starts each worker in a session of
     its own, so killing torchrun's process group would leave the ranks running."""
-    for pid in [root, *descendants(root)]:
+    tree = [root, *descendants(root)]  # listed once: once root is dead, its children are re-parented
+    for pid in tree:
         if pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if root == os.getpid() or os.getpid() in descendants(root):
+    if os.getpid() in tree:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
