@@ -287,10 +287,22 @@ def _run(args: argparse.Namespace) -> int:
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
-        write_line(sys.stderr, f"ddp-hpc: error: {exc}")
+        write_line(sys.stderr, f"ddp-hpc: error: {_with_rank(args, str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        if not getattr(args, "exit_without_teardown", False):
+            raise
+        traceback.print_exc()  # a rank's bug: its traceback, then end the job (main)
+        return 1
+
+
+def _with_rank(args: argparse.Namespace, message: str) -> str:
+    """Commands that run on every rank say which rank and host an error comes from."""
+    from ddp_hpc.fail_fast import with_rank
+
+    return with_rank(message) if getattr(args, "exit_without_teardown", False) else message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -305,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
+        from ddp_hpc.fail_fast import end_job
+
+        end_job(code)  # where the launcher would let the other ranks wait (MPICH's Hydra, plain srun)
         os._exit(code)
     return code
 

@@ -155,6 +155,8 @@ class DistributedConfig:
     device: Literal["auto", "xpu", "cuda", "cpu"] = "auto"
     backend: Literal["auto", "nccl", "xccl", "ccl", "gloo"] = "auto"
     timeout_s: float = 600.0
+    #: Connect to rank 0's store and meet every rank within this (DDP_HPC_RENDEZVOUS_TIMEOUT wins).
+    rendezvous_timeout_s: float = 180.0
     find_unused_parameters: bool = False
     static_graph: bool = False
     bucket_cap_mb: float = 25.0
@@ -167,6 +169,7 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         positive(self.timeout_s, "distributed.timeout_s")
+        positive(self.rendezvous_timeout_s, "distributed.rendezvous_timeout_s")
         if self.watchdog_s is not None:
             positive(self.watchdog_s, "distributed.watchdog_s")
         positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")
@@ -289,9 +292,12 @@ class Config:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}): is it the right file?") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -26,11 +26,15 @@ from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, DeviceChoice, reques
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
+from ddp_hpc.rendezvous import RENDEZVOUS_TIMEOUT_ENV_VAR, Rendezvous, handshake, job_identity, parse_timeout
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+#: The store's own timeout outlasts the handshake's deadline by this much, so that the
+#: deadline's one-line message is what a user sees, not the store's C++ error.
+STORE_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class DistributedOptions:
     config_device: str | None = None
     config_backend: str | None = None
     timeout_s: float = 600.0
+    #: Connect to rank 0's store and meet every rank within this; $DDP_HPC_RENDEZVOUS_TIMEOUT wins.
+    rendezvous_timeout_s: float = 180.0
     host_suffix: str | None = None
     port_range: PortRange = field(default_factory=PortRange)
     #: Create a group even for one process (collectives then run for real; tests use it).
@@ -51,6 +57,8 @@ class DistributedOptions:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise UserError(f"distributed.timeout_s={self.timeout_s} must be > 0")
+        if self.rendezvous_timeout_s <= 0:
+            raise UserError(f"distributed.rendezvous_timeout_s={self.rendezvous_timeout_s} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -166,30 +174,42 @@ def bind_listener(addr: str, port: int) -> socket.socket | None:
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"rendezvous port {port} on {addr} is already in use: set MASTER_PORT to a free "
                             "port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            # Rank 0 serves the store, so the master address must be one of its own: the
+            # other ranks would otherwise wait at an address where nothing will listen.
+            raise UserError(f"master address {addr} is not an address of rank 0's host {socket.gethostname()}: "
+                            "set MASTER_ADDR to rank 0's host") from None
         log.warning("cannot bind the rendezvous to %s (%s): listening on all interfaces instead", addr,
                     exc.strerror)
         return None
     return listener
 
 
-def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, str]) -> dist.Store:
-    """The rendezvous store: rank 0 serves it on the master address, the others connect.
+def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, str],
+                 rendezvous_timeout_s: float | None = None) -> dist.Store:
+    """The rendezvous store: rank 0 serves it on the master address, the others connect;
+    connect and handshake (``ddp_hpc.rendezvous``) end within ``rendezvous_timeout_s``.
 
     Under torchrun the agent already serves it (TORCHELASTIC_USE_AGENT_STORE): every rank
-    is a client then.
+    is a client then, under a prefix per restart as torch's own env:// rendezvous uses,
+    so that a restarted attempt does not read the keys of the one before.
     """
-    serve = dist_env.rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    serve = dist_env.rank == 0 and not agent_store
     listener = bind_listener(dist_env.master_addr, dist_env.master_port) if serve else None
-    store = dist.TCPStore(dist_env.master_addr, dist_env.master_port, dist_env.world_size, is_master=serve,
-                          timeout=timeout, master_listen_fd=listener.fileno() if listener else None)
-    if listener is not None:
-        listener.detach()  # the store's server owns the socket now
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # The agent's store outlives a torchrun restart (--max-restarts): the dead workers'
-        # gloo addresses are still in it, and a new worker reading one times out. A key
-        # space per attempt keeps the rounds apart.
-        store = dist.PrefixStore(f"ddp_hpc/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    return store
+    seconds = rendezvous_timeout_s or timeout.total_seconds()
+
+    def connect() -> dist.Store:
+        store = dist.TCPStore(dist_env.master_addr, dist_env.master_port, dist_env.world_size, is_master=serve,
+                              timeout=timedelta(seconds=seconds + STORE_GRACE_S), wait_for_workers=False,
+                              master_listen_fd=listener.fileno() if listener else None)
+        if listener is not None:
+            listener.detach()  # the store's server owns the socket now
+        if agent_store:
+            return dist.PrefixStore(f"/worker/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        return store
+
+    return handshake(connect, Rendezvous(dist_env, job_identity(dist_env, environ), seconds))
 
 
 @contextmanager
@@ -207,23 +227,26 @@ def process_group(options: DistributedOptions | None = None,
         env=environ,
     )
     choice.activate()
+    # Checked on every rank, even alone, so a bad value shows up before it matters.
+    rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_ENV_VAR), options.rendezvous_timeout_s)
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
         # Before anything connects: a loopback name across nodes would only hang.
-        network = check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ,
-                                store_timeout_s=options.timeout_s)
+        network = check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ)
         log.debug("init_process_group %s at %s:%d", choice.backend, dist_env.master_addr,
                   dist_env.master_port)
         timeout = timedelta(seconds=options.timeout_s)
         with gloo_interface(network):
+            store = create_store(dist_env, timeout, environ, rendezvous_timeout_s)
             dist.init_process_group(
                 backend=choice.backend,
-                store=create_store(dist_env, timeout, environ),
+                store=store,
                 rank=dist_env.rank,
                 world_size=dist_env.world_size,
                 timeout=timeout,
                 device_id=choice.init_device_id,
             )
+        store.set_timeout(timeout)  # later store users (new groups) get the collective timeout
     try:
         yield DistContext(dist_env, choice, initialize)
     finally:

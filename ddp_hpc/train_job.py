@@ -75,6 +75,7 @@ def distributed_options(config: Config, device: str | None, backend: str | None)
     dist = config.distributed
     return DistributedOptions(device=device, backend=backend, config_device=dist.device,
                               config_backend=dist.backend, timeout_s=dist.timeout_s,
+                              rendezvous_timeout_s=dist.rendezvous_timeout_s,
                               host_suffix=dist.host_suffix or None)
 
 
@@ -100,6 +101,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
                                                      config.checkpoint.deadline_margin_s)))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
+    run.check_creatable()
     with process_group(distributed_options(config, options.device, options.backend)) as ctx:
         if options.configure_logs:
             configure_logging(ctx.rank, verbose=options.verbose)

@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+from ddp_hpc.jobs.synthetic import SyntheticJob
 from ddp_hpc.training import Callback
 
 
@@ -30,13 +31,14 @@ def descendants(root: int) -> list[int]:
 def kill_tree(root: int) -> None:
     """SIGKILL ``root`` and everything below it. torchrun starts each worker in a session of
     its own, so killing torchrun's process group would leave the ranks running."""
-    for pid in [root, *descendants(root)]:
+    tree = [root, *descendants(root)]  # listed once: once root is dead, its children are re-parented
+    for pid in tree:
         if pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if root == os.getpid() or os.getpid() in descendants(root):
+    if os.getpid() in tree:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -95,8 +97,10 @@ class HangRankAtStep(_AtStep):
 
 
 class KillLaunchDuringCheckpointWrite(Callback):
-    """SIGKILL the whole launch in the middle of rank 0's ``nth`` checkpoint write: after the
-    temporary file is written, before it is renamed into place."""
+    """SIGKILL the whole launch in the middle of rank 0's ``nth`` checkpoint write (counted
+    in this launch): after the temporary file is written and fsync'd, just before it is
+    renamed into place. The rename itself is where the kill lands, whatever number of
+    fsyncs a save makes."""
 
     def __init__(self, nth: int) -> None:
         self.nth = nth
@@ -106,16 +110,17 @@ class KillLaunchDuringCheckpointWrite(Callback):
             return
         from ddp_hpc.training import checkpoint
 
-        real_fsync, calls = checkpoint.os.fsync, [0]
+        real_replace, writes = checkpoint.os.replace, [0]
 
-        def fsync_then_die(fd: int) -> None:
-            real_fsync(fd)
-            calls[0] += 1
-            # Two fsyncs per save (the file, then the folder): odd calls are mid-write.
-            if calls[0] == 2 * self.nth - 1:
-                kill_tree(launch_root())
+        def die_before_the_rename(src, dst, *args, **kwargs):
+            if Path(dst).name.startswith("step-") and ".tmp-" in Path(src).name:
+                writes[0] += 1
+                if writes[0] == self.nth:
+                    assert Path(src).stat().st_size > 0, "the temporary file must be written"
+                    kill_tree(launch_root())
+            return real_replace(src, dst, *args, **kwargs)
 
-        checkpoint.os.fsync = fsync_then_die
+        checkpoint.os.replace = die_before_the_rename
 
 
 def _socket_inodes(pid: int) -> set[str]:
@@ -181,3 +186,21 @@ class KillRankOnceAtStep(_AtStep):
             return
         if self.hit(trainer):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaiseInBuildDatasets(SyntheticJob):
+    """The synthetic job, whose ``build_datasets`` raises on one rank (a data file missing
+    on one node, a bug in a loader): after the process group formed, before training."""
+
+    def __init__(self, fail_rank: int = 1, marker: str = "", **params) -> None:
+        super().__init__(**params)
+        self.fail_rank, self.marker = fail_rank, marker
+
+    def build_datasets(self):
+        from ddp_hpc.environment import resolve_env
+
+        if resolve_env().rank == self.fail_rank:
+            if self.marker:
+                Path(self.marker).write_text(repr(time.time()))
+            raise RuntimeError(f"injected failure in build_datasets on rank {self.fail_rank}")
+        return super().build_datasets()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+from pathlib import Path
+import time
 
 import pytest
 import torch
@@ -48,7 +51,7 @@ def test_truncated_newest_is_reported_and_the_previous_used(tmp_path, caplog):
     newest.write_bytes(newest.read_bytes()[:100])
     path, state = ckpt.newest_loadable(tmp_path)
     assert path.name == "step-00000020.pt" and state["progress"]["global_step"] == 20
-    assert "step-00000030.pt is unreadable" in caplog.text
+    assert "step-00000030.pt is unreadable (truncated or corrupt" in caplog.text
 
 
 def test_no_checkpoint_at_all(tmp_path):
@@ -121,3 +124,114 @@ def test_stale_temporaries_are_removed(tmp_path):
     (tmp_path / ".step-00000002.pt.tmp-4242").write_bytes(b"half")
     assert ckpt.remove_stale_temporaries(tmp_path) == [".step-00000002.pt.tmp-4242"]
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
+
+
+@pytest.mark.reliability
+def test_when_no_checkpoint_can_be_read_nothing_starts_over_and_nothing_is_deleted(tmp_path):
+    for step in (10, 20):
+        path = ckpt.save_atomic(_state(step), ckpt.step_path(tmp_path, step))
+        ckpt.link_atomic(path, tmp_path / "last.pt")
+    for path in tmp_path.iterdir():
+        path.write_bytes(path.read_bytes()[:100])  # truncates both names of step 20 (a hard link)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ckpt.CheckpointError) as caught:
+        ckpt.newest_loadable(tmp_path)
+    assert str(caught.value) == (f"none of the 3 checkpoint(s) in {tmp_path} can be read (step-00000020.pt, "
+                                 "step-00000010.pt, last.pt); nothing was deleted: restore them, or start over with "
+                                 "checkpoint.resume=never")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.reliability
+def test_pruning_keeps_the_newest_readable_checkpoint_after_resuming_from_an_older_one(tmp_path):
+    for step in (10, 30, 40):
+        ckpt.save_atomic(_state(step), ckpt.step_path(tmp_path, step))
+    for step in (30, 40):  # unreadable: the run resumed from step 10
+        path = ckpt.step_path(tmp_path, step)
+        path.write_bytes(path.read_bytes()[:100])
+    assert ckpt.newest_loadable(tmp_path)[0].name == "step-00000010.pt"
+    time.sleep(0.02)  # coarse file-system clocks
+    ckpt.save_atomic(_state(11), ckpt.step_path(tmp_path, 11))
+    ckpt.prune(tmp_path, keep_last=2)  # by step alone, this deleted step 11
+    assert ckpt.newest_loadable(tmp_path)[0].name == "step-00000011.pt"
+    assert (tmp_path / "step-00000011.pt").exists()
+
+
+def test_a_checkpoint_of_another_job_is_refused(tmp_path):
+    path = tmp_path / "step-00000010.pt"
+    state = {**_state(10), "config": {"job": {"name": "synthetic"}}}
+    with pytest.raises(ckpt.CheckpointError, match=r"was written by job 'synthetic', this run's job is 'digits'"):
+        ckpt.check_same_job((path, state), "digits")
+    assert ckpt.check_same_job((path, state), "synthetic") == (path, state)
+
+
+@pytest.mark.reliability
+def test_a_run_whose_checkpoints_are_all_truncated_stops_and_keeps_them(tmp_path):
+    from conftest import REPO, ddp_hpc_command, run
+
+    args = ["train", str(REPO / "configs" / "digits.yaml"), "training.epochs=1", f"logging.run_dir={tmp_path}",
+            "logging.progress=never"]
+    first = run([*ddp_hpc_command(), *args])
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = tmp_path / "digits" / "checkpoints"
+    for path in checkpoints.iterdir():
+        path.write_bytes(path.read_bytes()[:64])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "digits").rglob("*") if p.is_file()}
+    again = run([*ddp_hpc_command(), *args])
+    assert again.returncode == 2
+    errors = [line for line in again.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"ddp-hpc: error: none of the \d checkpoint\(s\) in {re.escape(str(checkpoints))} can be read \(.*\); "
+        r"nothing was deleted: restore them, or start over with checkpoint.resume=never", errors[0]), again.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "digits").rglob("*") if p.is_file()} == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A file system of a chosen size (root only: ``mount -t tmpfs``), unmounted afterwards."""
+    import shutil
+    import subprocess
+
+    from conftest import need
+
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        folder = tmp_path / "tmpfs"
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                                capture_output=True, text=True) if shutil.which("mount") and os.geteuid() == 0 else None
+        need(result is not None and result.returncode == 0, "mounting a tmpfs needs root")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.reliability
+def test_a_checkpoint_that_does_not_fit_ends_the_run_with_one_line_and_keeps_the_previous(tmp_path, small_tmpfs):
+    from conftest import FIGURES, REPO, ddp_hpc_command, run
+
+    args = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=256", "job.params.val_samples=0",
+            "job.params.input_dim=128", "job.params.hidden=256", "job.params.depth=2", "training.batch_size=64",
+            "training.epochs=3", "checkpoint.every_n_epochs=1", "checkpoint.keep_last=1", "checkpoint.save_best=false", "logging.progress=never",
+            "logging.name=full"]
+    sized = run([*ddp_hpc_command(), *args, "training.epochs=1", f"logging.run_dir={tmp_path / 'sizing'}"])
+    assert sized.returncode == 0, sized.stderr[-2000:]
+    size = (tmp_path / "sizing" / "full" / "checkpoints" / "last.pt").stat().st_size
+    disk = small_tmpfs(size * 3 // 2)  # room for one checkpoint, not for a second beside it
+    result = run([*ddp_hpc_command(), *args, f"logging.run_dir={disk}"])
+    checkpoints = disk / "full" / "checkpoints"
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"ddp-hpc: error: cannot write checkpoint {re.escape(str(checkpoints))}/step-\d+\.pt: No space left on "
+        rf"device; the previous checkpoint is kept: free space in {re.escape(str(checkpoints))} and rerun to resume",
+        errors[0]), result.stderr[-2000:]
+    path, state = ckpt.newest_loadable(checkpoints)
+    assert state["progress"]["epoch"] == 1, path  # the first epoch's checkpoint, whole
+    assert [p.name for p in checkpoints.glob(".*")] == []  # the partial temporary was removed
+    FIGURES.append(f"full disk: a {size / 1e6:.1f} MB checkpoint on a {size * 3 // 2 / 1e6:.1f} MB tmpfs ended the "
+                   f"run with exit 2 and one line; the previous checkpoint ({path.name}) loads")

@@ -62,9 +62,10 @@ def test_rendezvous_listener_binds_the_master_address_only():
         listener.close()
 
 
-def test_rendezvous_listener_falls_back_for_a_foreign_address(caplog):
-    assert bind_listener("192.0.2.1", 0) is None  # TEST-NET-1: never a local address
-    assert "listening on all interfaces instead" in caplog.text
+def test_a_master_address_of_another_host_is_refused_on_rank_0():
+    # TEST-NET-1: never a local address. The other ranks would wait there for ever.
+    with pytest.raises(UserError, match="master address 192.0.2.1 is not an address of rank 0's host"):
+        bind_listener("192.0.2.1", 0)
 
 
 def test_unresolvable_master_address_is_named():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,30 @@ def launch(tmp_path: Path, name: str, extra: list[str] = ()) -> subprocess.Popen
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+class LogWatch:
+    """Reads a launch's stderr as it comes (so the pipe never fills) and signals when a
+    line containing ``text`` has appeared."""
+
+    def __init__(self, process: subprocess.Popen, text: str) -> None:
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(process, text), daemon=True)
+        self.thread.start()
+
+    def _read(self, process: subprocess.Popen, text: str) -> None:
+        for line in process.stderr:
+            self.lines.append(line)
+            if text in line:
+                self.seen.set()
+
+    def tail(self) -> str:
+        return "".join(self.lines[-40:])
+
+
+# Rank 0 logs this after resuming and removing stale temporaries, right before training.
+TRAINING_STARTS = "INFO ddp_hpc.training.trainer: run folder:"
+
+
 def wait_until_gone(root: int) -> None:
     """No rank of the killed launch may still be running (or writing) when the next starts."""
     deadline = time.monotonic() + 10
@@ -53,6 +78,7 @@ def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").glob("[0-9]*") if "ddp_hpc" in _cmdline(int(p.name))]
 
 
+@pytest.mark.timeout(900)  # 21 launches of a 2-rank job on a 2-core machine
 def test_twenty_kills_lose_nothing(tmp_path):
     straight = launch(tmp_path, "straight")
     _, err = straight.communicate(timeout=300)
@@ -62,16 +88,21 @@ def test_twenty_kills_lose_nothing(tmp_path):
     rng = random.Random(20261122)
     checkpoints = tmp_path / "runs" / "killed" / "checkpoints"
     kill_points, mid_write, started = [], 0, time.monotonic()
+    left_behind: list[str] = []  # temporaries of interrupted writes, to be removed by the next start
     for attempt in range(KILLS):
         if attempt % 4 == 3:  # every fourth kill lands inside a checkpoint write
+            nth = 1 + (attempt // 4) % 4  # the 1st to 4th write of this launch
             process = launch(tmp_path, "killed", [
-                "callbacks=[{target: 'fault_injection:KillLaunchDuringCheckpointWrite', params: {nth: 2}}]"])
+                f"callbacks=[{{target: 'fault_injection:KillLaunchDuringCheckpointWrite', params: {{nth: {nth}}}}}]"])
+            watch = LogWatch(process, TRAINING_STARTS)
             process.wait(timeout=300)
             mid_write += 1
-            kill_points.append("mid-write")
+            kill_points.append(f"inside write {nth}")
         else:
             process = launch(tmp_path, "killed")
-            delay = rng.uniform(3.0, 4.5)  # start-up takes ~2.7 s: 0.3-1.8 s of training
+            watch = LogWatch(process, TRAINING_STARTS)
+            assert watch.seen.wait(timeout=120), "training never started:\n" + watch.tail()
+            delay = rng.uniform(0.1, 1.5)  # after training started, not after a fixed start-up guess
             try:
                 process.wait(timeout=delay)
             except subprocess.TimeoutExpired:
@@ -79,12 +110,19 @@ def test_twenty_kills_lose_nothing(tmp_path):
                 process.wait()
             kill_points.append(f"{delay:.1f}s")
         assert process.returncode != 0, "the run finished before kill %d landed" % (attempt + 1)
+        watch.thread.join(timeout=10)
+        assert watch.seen.is_set(), "the kill landed before training started:\n" + watch.tail()
         wait_until_gone(process.pid)
+        temporaries = sorted(p.name for p in checkpoints.glob(".*"))
+        assert all(".tmp-" in name for name in temporaries), temporaries
+        assert not set(left_behind) & set(temporaries), "the previous start did not remove " + str(left_behind)
+        if kill_points[-1].startswith("inside"):
+            # The kill came between the temporary's fsync and its rename: it is still there.
+            assert [n for n in temporaries if n.startswith(".step-")], f"no temporary left: {temporaries}"
+        left_behind = temporaries
         newest = newest_loadable(checkpoints)
         written = list(checkpoints.glob("*.pt"))
         assert newest is not None or not written  # nothing loads only if nothing was written yet
-        leftovers = [p.name for p in checkpoints.glob(".*")]
-        assert all(".tmp-" in name for name in leftovers), leftovers
         for path in checkpoints.glob("*.pt"):
             load_checkpoint(path)  # every visible checkpoint file is whole
 
@@ -95,6 +133,7 @@ def test_twenty_kills_lose_nothing(tmp_path):
     assert final.returncode == 0, err[-3000:]
     assert list(checkpoints.glob(".*")) == []  # interrupted writes' temporaries are cleaned up
     assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
-    FIGURES.append(f"nothing lost: {len(kill_points)} kills ({mid_write} injected inside checkpoint writes, the "
-                   f"others at random times: {', '.join(p for p in kill_points if p != 'mid-write')}); "
+    FIGURES.append(f"nothing lost: {len(kill_points)} kills ({mid_write} injected inside checkpoint writes, between "
+                   f"the temporary's fsync and its rename; the others at random times after training started: "
+                   f"{', '.join(p for p in kill_points if not p.startswith('inside'))}); "
                    f"resumed from step {resumed_from}; final weights bit-identical; {time.monotonic() - started:.0f}s")

@@ -88,10 +88,9 @@ def _hosts_line(address: str, name: str) -> str:
 def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
                   environ: Mapping[str, str], hostname: str | None = None,
                   resolve: Resolver = resolve_addresses,
-                  interfaces: Mapping[str, Sequence[str]] | None = None,
-                  store_timeout_s: float | None = None) -> NetworkPlan:
+                  interfaces: Mapping[str, Sequence[str]] | None = None) -> NetworkPlan:
     """Refuse names that cannot work across machines; pick gloo's interface for a host
-    suffix; with ``store_timeout_s``, wait until the rendezvous store answers (clients only).
+    suffix. (Reaching the store is the rendezvous handshake's job: ``ddp_hpc/rendezvous.py``.)
 
     Only multi-node jobs are checked, and loopback names only when some name of the job
     (rank 0's, the first hosts of the node list) is on another machine. Raises
@@ -101,34 +100,7 @@ def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
         return NetworkPlan()
     host = hostname or socket.gethostname()
     where = f"rank {dist_env.rank} on host {host}"
-    plan = _check_names(dist_env, backend, host_suffix, environ, host, where, resolve, interfaces)
-    serves_store = dist_env.rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    if store_timeout_s is not None and not serves_store:
-        wait_for_store(dist_env.master_addr, dist_env.master_port, store_timeout_s, where)
-    return plan
-
-
-def wait_for_store(addr: str, port: int, timeout_s: float, where: str) -> None:
-    """Return once a TCP connection to the rendezvous store opens; else one line saying why.
-
-    torch's own client would retry just as long, then end in a traceback that names
-    neither the likely causes nor the fix.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            attempt_s = max(min(5.0, deadline - time.monotonic()), 0.1)
-            socket.create_connection((addr, port), timeout=attempt_s).close()
-            return
-        except OSError as exc:
-            reason = exc.strerror or str(exc) or type(exc).__name__
-        if time.monotonic() >= deadline:
-            raise UserError(
-                f"{where}: the rendezvous store at {addr}:{port} did not answer in {timeout_s:g}s (last "
-                f"error: {reason}). Either rank 0 did not start (see its log), or the address is not "
-                f"reachable from here (MASTER_ADDR, the host suffix), or a firewall blocks TCP port {port}; "
-                f"the ranks also need TCP to each other on any port for gloo")
-        time.sleep(0.5)
+    return _check_names(dist_env, backend, host_suffix, environ, host, where, resolve, interfaces)
 
 
 #: How many hosts of a job's host list are resolved to tell whether it spans machines: the

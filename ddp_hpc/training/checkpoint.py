@@ -50,6 +50,9 @@ def save_atomic(state: Mapping[str, Any], path: Path) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk or quota: the previous checkpoint is still whole
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}; the previous checkpoint "
+                              f"is kept: free space in {path.parent} and rerun to resume") from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
@@ -92,9 +95,19 @@ def periodic_checkpoints(directory: Path) -> list[Path]:
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` periodic files (last/best links stay valid)."""
-    for old in periodic_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
+    """Delete all but the newest ``keep_last`` periodic files (last/best links stay valid).
+
+    The file written last is never deleted, whatever its step: after a resume from an
+    older checkpoint (the newer ones unreadable), the unreadable files sort after it, and
+    pruning by step alone would delete the only readable one.
+    """
+    files = periodic_checkpoints(directory)
+    if not files:
+        return
+    written_last = max(files, key=lambda path: (path.stat().st_mtime_ns, path.name))
+    for old in files[:-keep_last]:
+        if old != written_last:
+            old.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -107,7 +120,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data "
                               f"and is refused ({first_line[:160]})") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, IndexError, TypeError,
+            UnicodeDecodeError, AttributeError) as exc:  # torch's legacy reader on bytes that are no checkpoint
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
@@ -119,16 +133,41 @@ def newest_loadable(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in ``directory`` that loads; broken ones are reported and skipped.
 
     Every save writes a periodic file, so those are tried newest first; ``last.pt`` is the
-    fallback for a folder whose periodic files were removed by hand.
+    fallback for a folder whose periodic files were removed by hand. None when there is no
+    checkpoint at all; a ``CheckpointError`` when there are some and none can be read:
+    starting over then would silently throw the run away (a transient read failure on a
+    parallel file system looks just like this), so the user decides.
     """
-    for path in [*reversed(periodic_checkpoints(directory)), directory / "last.pt"]:
+    skipped: list[CheckpointError] = []
+    tried: list[str] = []
+    for path in [*reversed(periodic_checkpoints(directory)), directory / "last.pt", directory / "best.pt"]:
         if not path.exists():
             continue
         try:
-            return path, load_checkpoint(path)
+            found = path, load_checkpoint(path)
         except CheckpointError as exc:
-            log.warning("%s; trying the previous one", exc)
+            skipped.append(exc)
+            tried.append(path.name)
+            continue
+        for exc in skipped:  # reported only now: when none loads, the one line below says it all
+            log.warning("%s; using an older one", exc)
+        return found
+    if tried:
+        shown = ", ".join(tried[:4]) + (f" and {len(tried) - 4} more" if len(tried) > 4 else "")
+        raise CheckpointError(f"none of the {len(tried)} checkpoint(s) in {directory} can be read ({shown}); "
+                              "nothing was deleted: restore them, or start over with checkpoint.resume=never")
     return None
+
+
+def check_same_job(found: tuple[Path, dict[str, Any]], job_name: str) -> tuple[Path, dict[str, Any]]:
+    """``found`` if its checkpoint was written by ``job_name``; a ``CheckpointError`` if another job wrote it."""
+    path, state = found
+    written_by = (state.get("config") or {}).get("job", {}).get("name")
+    if written_by is not None and written_by != job_name:
+        raise CheckpointError(f"checkpoint {path} was written by job {written_by!r}, this run's job is "
+                              f"{job_name!r}: use another logging.name or checkpoint.resume, or start over with "
+                              "checkpoint.resume=never")
+    return found
 
 
 def adapt_state_dict(state: Mapping[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:

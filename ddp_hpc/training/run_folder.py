@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunSummary
 
 PREEMPTED_MARKER = "preempted"
@@ -30,6 +32,26 @@ class RunFolder:
     @property
     def summary_file(self) -> Path:
         return self.path / "summary.json"
+
+    def check_creatable(self) -> None:
+        """A ``UserError`` now, before any rank starts, if the folder could not be made later.
+
+        Probes the nearest existing ancestor with a temporary folder that is removed at
+        once, so nothing is left behind (permissions alone do not tell: root, read-only mounts).
+        """
+        ancestor = self.path
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise UserError(f"run folder {self.path} cannot be created: {ancestor} is not a folder "
+                            "(set logging.run_dir)")
+        if ancestor == self.path and os.access(self.path, os.W_OK | os.X_OK) and self.checkpoints.is_dir():
+            return  # an existing run being resumed
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".ddp-hpc-probe-", dir=ancestor))
+        except OSError as exc:
+            raise UserError(f"run folder {self.path} cannot be created in {ancestor}: {exc.strerror} "
+                            "(set logging.run_dir)") from None
 
     def create(self, resolved_config: dict[str, Any]) -> None:
         """Rank 0 only: make the folders and write the resolved config."""

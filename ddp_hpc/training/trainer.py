@@ -135,9 +135,10 @@ class Trainer:
         if resume == "never":
             return None
         if resume == "auto":
-            return ckpt.newest_loadable(self.run.checkpoints)
+            found = ckpt.newest_loadable(self.run.checkpoints)
+            return ckpt.check_same_job(found, self.config.job.name) if found else None
         path = Path(resume)
-        return path, ckpt.load_checkpoint(path)
+        return ckpt.check_same_job((path, ckpt.load_checkpoint(path)), self.config.job.name)
 
     # ----- the run ----------------------------------------------------------------------
 

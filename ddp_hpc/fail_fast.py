@@ -1,0 +1,107 @@
+"""When one rank fails, end the whole job through its launcher, and say which rank it was.
+
+torchrun, Open MPI's ``mpiexec`` and ``srun --kill-on-bad-exit=1`` end every rank when one
+exits non-zero. MPICH's Hydra does not: it ends the job at once only when a rank dies by
+a signal or calls PMI's ``abort``, and waits for the others after a plain ``exit(2)``
+(measured: 30 s of a sleeping peer, i.e. until the collective timeout in a real job).
+Plain ``srun`` waits too. So a failing rank asks the launcher, in its own terms:
+
+- Hydra (``PMI_FD`` set): the PMI-1 wire command ``cmd=abort exitcode=N``, as
+  ``MPI_Abort`` sends it; ``mpiexec`` then kills every rank and exits with ``N``;
+- ``srun`` tasks: ``scancel --signal=KILL JOB.STEP`` for this job step only.
+
+The CLI calls :func:`end_job` after it has printed its error line and before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ddp_hpc.environment import detect_launcher
+
+log = logging.getLogger(__name__)
+
+#: Exit codes that every rank reaches together (stopped on request), which end nothing.
+AGREED_EXIT_CODES = (0, 75)
+#: Time for the launcher to pass on this rank's last output before the others are killed
+#: (Hydra drops what its proxy has not yet read once the job is aborted).
+OUTPUT_GRACE_S = 0.5
+
+
+def _rank_and_size(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    try:
+        launcher = detect_launcher(environ)
+        info = launcher.ranks(environ)
+    except Exception:  # malformed variables: that error is reported on its own
+        return None
+    return info.rank, info.world_size
+
+
+def rank_label(environ: Mapping[str, str] | None = None) -> str:
+    """``"rank 1 on host n2: "`` for a rank of a multi-rank launch, else ``""``."""
+    environ = os.environ if environ is None else environ
+    found = _rank_and_size(environ)
+    if found is None or found[1] <= 1:
+        return ""
+    return f"rank {found[0]} on host {socket.gethostname()}: "
+
+
+def with_rank(message: str, environ: Mapping[str, str] | None = None) -> str:
+    """``message`` led by the rank and host it comes from, unless it names them already."""
+    label = rank_label(environ)
+    return message if not label or message.startswith(label) else label + message
+
+
+def abort_request(environ: Mapping[str, str]) -> tuple[str, str | list[str]] | None:
+    """How to make this rank's launcher end the job: ``("pmi", fd)``, ``("command", argv)``,
+    or None where the launcher ends it on its own (or there is no one else to end)."""
+    found = _rank_and_size(environ)
+    if found is None or found[1] <= 1:
+        return None
+    name = detect_launcher(environ).name
+    if name == "mpich" and environ.get("PMI_FD", "").strip().isdigit():
+        return "pmi", environ["PMI_FD"].strip()
+    if name == "slurm" and environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_ID"):
+        return "command", ["scancel", "--quiet", "--signal=KILL",
+                           f"{environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}"]
+    return None
+
+
+def end_job(exit_code: int, environ: Mapping[str, str] | None = None,
+            run: Callable[[Sequence[str]], object] | None = None) -> str | None:
+    """Ask the launcher to end every rank after this one failed with ``exit_code``.
+
+    Returns what was done (for tests and logs), or None. Never raises: the rank is
+    ending anyway, and its own exit still reaches the launcher.
+    """
+    environ = os.environ if environ is None else environ
+    if exit_code in AGREED_EXIT_CODES:
+        return None
+    request = abort_request(environ)
+    if request is None:
+        return None
+    kind, target = request
+    time.sleep(OUTPUT_GRACE_S)
+    try:
+        if kind == "pmi":
+            os.write(int(target), f"cmd=abort exitcode={exit_code}\n".encode())
+            return f"PMI abort with exit code {exit_code}"
+        argv = list(target)
+        if shutil.which(argv[0]) is None:
+            return None
+        (run or _run_quietly)(argv)
+        return " ".join(argv)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.debug("could not ask the launcher to end the job: %s", exc)
+        return None
+
+
+def _run_quietly(argv: Sequence[str]) -> None:
+    subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=30, check=False)

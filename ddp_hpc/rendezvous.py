@@ -1,0 +1,214 @@
+"""The rendezvous handshake: connect to rank 0's store, check it is this job's, wait for all.
+
+torch's ``TCPStore`` client can block for ever in its constructor when something other
+than a store listens on the port (it waits for a reply that never comes), and a missing
+rank shows up only as an opaque key timeout inside the backend's set-up. So the
+rendezvous runs under its own deadline (``distributed.rendezvous_timeout_s``):
+
+1. rank 0 writes a marker key with the job's identity; every other rank reads it and
+   compares, so a store of another job on the same port is named as such;
+2. every rank registers (``joined/<rank>`` = its host) and counts itself in; the last one
+   to arrive opens the gate, and all wait for it;
+3. past the deadline, each rank says what it saw in one line: no store answering at the
+   address, another job's store, or which ranks never joined (rank 0 lists them).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from ddp_hpc.environment import DistEnv
+from ddp_hpc.errors import UserError
+
+T = TypeVar("T")
+
+#: Seconds for connect and handshake, overriding ``distributed.rendezvous_timeout_s``.
+RENDEZVOUS_TIMEOUT_ENV_VAR = "DDP_HPC_RENDEZVOUS_TIMEOUT"
+MARKER_KEY = "ddp_hpc/job"
+JOINED_KEY = "ddp_hpc/joined"
+GATE_KEY = "ddp_hpc/all_joined"
+#: Ranks listed by name when some never joined (the rest are counted).
+MAX_NAMED = 16
+
+
+class RendezvousError(UserError):
+    """The ranks could not meet: nothing answering, another job's store, or missing ranks."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how this rank meets the others."""
+
+    env: DistEnv
+    #: The same string on every rank of one job, different for another job on the port.
+    identity: str
+    timeout_s: float
+
+    @property
+    def address(self) -> str:
+        return f"{self.env.master_addr}:{self.env.master_port}"
+
+    @property
+    def whoami(self) -> str:
+        return f"rank {self.env.rank} on host {socket.gethostname()}"
+
+
+def parse_timeout(raw: str | None, default: float) -> float:
+    """``DDP_HPC_RENDEZVOUS_TIMEOUT`` if set (seconds > 0), else ``default``."""
+    if raw is None or not raw.strip():
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise UserError(f"{RENDEZVOUS_TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise UserError(f"{RENDEZVOUS_TIMEOUT_ENV_VAR}={raw!r} must be > 0 seconds")
+    return seconds
+
+
+def job_identity(dist_env: DistEnv, environ: Mapping[str, str]) -> str:
+    """What every rank of this job knows alike: scheduler job id, launch id, world size."""
+    parts = [f"world_size={dist_env.world_size}", f"launcher={dist_env.source}"]
+    for name in ("SLURM_JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "PALS_APID"):
+        if environ.get(name, "").strip():
+            parts.append(f"{name}={environ[name].strip()}")
+    return " ".join(parts)
+
+
+def bounded(work: Callable[[], T], seconds: float, on_timeout: Callable[[], str]) -> T:
+    """``work()``, or a ``RendezvousError`` with ``on_timeout()``'s text after ``seconds``.
+
+    The work runs in a daemon thread because a blocked store call cannot be interrupted;
+    past the deadline it is left behind (the CLI ends the process after reporting).
+    """
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="ddp-hpc-rendezvous", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise RendezvousError(on_timeout())
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
+
+
+def _accepts(addr: str, port: int) -> bool:
+    """Whether something accepts connections at ``addr:port`` (a store or a foreign program)."""
+    try:
+        with socket.create_connection((addr, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _missing_ranks(store: dist.Store, world_size: int) -> list[int]:
+    return [rank for rank in range(world_size) if not store.check([f"{JOINED_KEY}/{rank}"])]
+
+
+def _describe_ranks(ranks: list[int]) -> str:
+    named = ", ".join(str(rank) for rank in ranks[:MAX_NAMED])
+    return named + (f" and {len(ranks) - MAX_NAMED} more" if len(ranks) > MAX_NAMED else "")
+
+
+class _Progress:
+    """How far this rank got, for the message when the deadline passes."""
+
+    def __init__(self) -> None:
+        self.stage = "connect"
+
+
+#: A blocked call (a listener that never answers) is abandoned this long after the
+#: deadline; the store's own waits end at the deadline and say more.
+ABANDON_AFTER_S = 5.0
+
+
+def _wait(store: dist.Store, key: str, deadline: float) -> bool:
+    """Wait for ``key`` until ``deadline`` (monotonic); False if it timed out."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return store.check([key])
+    try:
+        store.wait([key], timedelta(seconds=remaining))
+    except dist.DistError:
+        if deadline - time.monotonic() > 1.0:
+            raise  # not a timeout: the connection failed (rank 0 ended?)
+        return False
+    return True
+
+
+def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> dist.Store:
+    """Connect (``store_factory``), check the marker, join; all within ``meeting.timeout_s``."""
+    progress = _Progress()
+    rank, world_size = meeting.env.rank, meeting.env.world_size
+    deadline = time.monotonic() + meeting.timeout_s
+    limit = f"within {meeting.timeout_s:g}s (distributed.rendezvous_timeout_s)"
+
+    def not_this_jobs() -> RendezvousError:
+        return RendezvousError(f"{meeting.whoami}: the listener at {meeting.address} is not this job's ddp_hpc "
+                               f"rendezvous (no job marker {limit}): another program holds the port; set "
+                               "MASTER_PORT to a free port")
+
+    def work() -> dist.Store:
+        store = store_factory()
+        if rank == 0:
+            store.set(MARKER_KEY, meeting.identity)
+        else:
+            progress.stage = "marker"
+            if not _wait(store, MARKER_KEY, deadline):
+                raise not_this_jobs()
+            found = store.get(MARKER_KEY).decode(errors="replace")
+            if found != meeting.identity:
+                raise RendezvousError(
+                    f"{meeting.whoami}: the rendezvous store at {meeting.address} belongs to another job "
+                    f"({found}), not this one ({meeting.identity}): set MASTER_PORT to a free port")
+        progress.stage = "join"
+        store.set(f"{JOINED_KEY}/{rank}", socket.gethostname())
+        if store.add(JOINED_KEY, 1) == world_size:
+            store.set(GATE_KEY, "open")
+        if not _wait(store, GATE_KEY, deadline):
+            missing = _missing_ranks(store, world_size) if rank == 0 else []
+            if missing:
+                raise RendezvousError(f"{meeting.whoami}: rank(s) {_describe_ranks(missing)} of {world_size} did "
+                                      f"not join the rendezvous at {meeting.address} {limit}: see their logs for why")
+            raise RendezvousError(f"{meeting.whoami}: not every one of the {world_size} ranks joined the rendezvous "
+                                  f"at {meeting.address} {limit}: see rank 0's line for the missing ones")
+        return store
+
+    def on_timeout() -> str:
+        if progress.stage == "connect":
+            if rank == 0:
+                return f"{meeting.whoami}: could not start the rendezvous store at {meeting.address} {limit}"
+            if _accepts(meeting.env.master_addr, meeting.env.master_port):
+                return (f"{meeting.whoami}: the listener at {meeting.address} did not answer as a rendezvous store "
+                        f"{limit}: another program holds the port; set MASTER_PORT to a free port")
+            return (f"{meeting.whoami}: no rendezvous store answered at {meeting.address} {limit}: rank 0 did "
+                    f"not start or failed, or the address or port is wrong (check MASTER_ADDR/MASTER_PORT), or a "
+                    f"firewall blocks the port; the ranks also need TCP to each other on any port for gloo")
+        if progress.stage == "marker":
+            return str(not_this_jobs())
+        return (f"{meeting.whoami}: the rendezvous store at {meeting.address} stopped answering during the join "
+                f"{limit}")
+
+    try:
+        return bounded(work, meeting.timeout_s + ABANDON_AFTER_S, on_timeout)
+    except RendezvousError:
+        raise
+    except (dist.DistError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousError(f"{meeting.whoami}: rendezvous at {meeting.address} failed during "
+                              f"{progress.stage}: {first[:200]}") from None

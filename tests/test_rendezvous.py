@@ -1,0 +1,158 @@
+"""The rendezvous handshake and the launcher abort, in one process: what each failure says."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ddp_hpc import fail_fast
+from ddp_hpc.distributed import DistributedOptions, create_store, process_group
+from ddp_hpc.environment import resolve_env
+from ddp_hpc.environment.ports import free_port
+from ddp_hpc.errors import UserError
+from ddp_hpc.rendezvous import MARKER_KEY, RendezvousError, parse_timeout
+from launch_records import MPICH_RANK1, OPENMPI_RANK1, SRUN_RANK3, TORCHRUN_RANK1
+
+pytestmark = pytest.mark.reliability
+HOST = socket.gethostname()
+
+
+def rank_env(rank: int, world_size: int, port: int, timeout: str = "2") -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DDP_HPC_RENDEZVOUS_TIMEOUT": timeout}
+
+
+def join(env: dict[str, str]) -> None:
+    with process_group(DistributedOptions(device="cpu", backend="gloo"), environ=env):
+        pass
+
+
+def timed_join(env: dict[str, str]) -> tuple[str, float]:
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as caught:
+        join(env)
+    return str(caught.value), time.monotonic() - started
+
+
+def test_a_foreign_listener_is_named_within_the_timeout():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        message, seconds = timed_join(rank_env(1, 2, port))
+    # torch's own client would wait here for ever (it expects an answer that never comes).
+    assert message == (f"rank 1 on host {HOST}: the listener at 127.0.0.1:{port} did not answer as a rendezvous "
+                       "store within 2s (distributed.rendezvous_timeout_s): another program holds the port; set "
+                       "MASTER_PORT to a free port")
+    assert seconds < 10
+
+
+def test_nothing_listening_is_named_within_the_timeout():
+    port = free_port()
+    message, seconds = timed_join(rank_env(1, 2, port))
+    assert message.startswith(f"rank 1 on host {HOST}: no rendezvous store answered at 127.0.0.1:{port} within 2s")
+    assert seconds < 10
+
+
+def test_another_jobs_store_is_recognised():
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store.set(MARKER_KEY, "world_size=2 launcher=slurm SLURM_JOB_ID=41")
+    with pytest.raises(RendezvousError) as caught:
+        join({**rank_env(1, 2, port), "SLURM_JOB_ID": "42"})
+    assert str(caught.value) == (
+        f"rank 1 on host {HOST}: the rendezvous store at 127.0.0.1:{port} belongs to another job (world_size=2 "
+        "launcher=slurm SLURM_JOB_ID=41), not this one (world_size=2 launcher=env SLURM_JOB_ID=42): set MASTER_PORT "
+        "to a free port")
+    del store
+
+
+def test_rank_0_names_the_ranks_that_never_joined():
+    port = free_port()
+    message, seconds = timed_join(rank_env(0, 4, port))
+    assert message == (f"rank 0 on host {HOST}: rank(s) 1, 2, 3 of 4 did not join the rendezvous at 127.0.0.1:{port} "
+                       "within 2s (distributed.rendezvous_timeout_s): see their logs for why")
+    assert seconds < 10
+
+
+def test_ranks_that_all_arrive_meet():
+    port = free_port()
+    errors: list[BaseException] = []
+
+    def rank1() -> None:  # the second rank, as a thread
+        try:
+            env = rank_env(1, 2, port, "20")
+            create_store(resolve_env(env), timedelta(seconds=20), env, 20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    env0 = rank_env(0, 2, port, "20")
+    store = create_store(resolve_env(env0), timedelta(seconds=20), env0, 20)
+    thread.join(30)
+    assert not errors, errors
+    assert store.get("ddp_hpc/joined/1").decode() == HOST and store.add("ddp_hpc/joined", 0) == 2
+
+
+@pytest.mark.parametrize("raw,expected", [(None, 180.0), ("", 180.0), ("45", 45.0), ("0.5", 0.5)])
+def test_rendezvous_timeout_from_the_environment(raw, expected):
+    assert parse_timeout(raw, 180.0) == expected
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-3", "nan"])
+def test_a_bad_rendezvous_timeout_is_named(raw):
+    with pytest.raises(UserError, match="DDP_HPC_RENDEZVOUS_TIMEOUT="):
+        parse_timeout(raw, 180.0)
+
+
+def test_the_rendezvous_timeout_must_be_positive():
+    with pytest.raises(UserError, match="rendezvous_timeout_s"):
+        DistributedOptions(rendezvous_timeout_s=0)
+
+
+# ----- ending the job through the launcher --------------------------------------------
+
+
+def test_hydra_gets_a_pmi_abort_with_the_exit_code(monkeypatch):
+    monkeypatch.setattr(fail_fast, "OUTPUT_GRACE_S", 0)
+    read, write = os.pipe()
+    try:
+        done = fail_fast.end_job(2, {**MPICH_RANK1, "PMI_FD": str(write)})
+        assert done == "PMI abort with exit code 2"
+        assert os.read(read, 100) == b"cmd=abort exitcode=2\n"  # what MPI_Abort sends (PMI-1 wire protocol)
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_plain_srun_step_is_cancelled(monkeypatch):
+    monkeypatch.setattr(fail_fast, "OUTPUT_GRACE_S", 0)
+    monkeypatch.setattr(fail_fast.shutil, "which", lambda name: f"/usr/bin/{name}")
+    ran: list[list[str]] = []
+    env = {**SRUN_RANK3, "SLURM_JOB_ID": "17", "SLURM_STEP_ID": "2"}
+    assert fail_fast.end_job(1, env, run=ran.append) == "scancel --quiet --signal=KILL 17.2"
+    assert ran == [["scancel", "--quiet", "--signal=KILL", "17.2"]]
+
+
+@pytest.mark.parametrize("env", [TORCHRUN_RANK1, OPENMPI_RANK1, {}], ids=["torchrun", "openmpi", "single"])
+def test_launchers_that_end_the_job_themselves_are_left_alone(env):
+    assert fail_fast.abort_request(env) is None  # they kill the others on a non-zero exit
+
+
+@pytest.mark.parametrize("code", [0, 75])
+def test_agreed_exits_end_nothing(code):
+    assert fail_fast.end_job(code, {**MPICH_RANK1, "PMI_FD": "999"}) is None
+
+
+def test_error_lines_name_the_rank_and_host_once():
+    env = {**MPICH_RANK1}
+    assert fail_fast.with_rank("port taken", env) == f"rank 1 on host {HOST}: port taken"
+    assert fail_fast.with_rank(f"rank 1 on host {HOST}: x", env) == f"rank 1 on host {HOST}: x"
+    assert fail_fast.with_rank("bad config", {}) == "bad config"
