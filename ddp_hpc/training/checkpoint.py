@@ -40,6 +40,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: torch.save's zip writer reports a full disk either as the
+    OSError itself or as a RuntimeError ("unexpected pos") raised while closing after it."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 def save_atomic(state: Mapping[str, Any], path: Path) -> Path:
     """Write ``state`` to ``path`` so that ``path`` is either the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,8 +58,11 @@ def save_atomic(state: Mapping[str, Any], path: Path) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except OSError as exc:  # a full disk or quota: the previous checkpoint is still whole
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}; the previous checkpoint "
+    except (OSError, RuntimeError) as exc:  # a full disk or quota: the previous checkpoint is still whole
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        raise CheckpointError(f"cannot write checkpoint {path}: {cause.strerror or cause}; the previous checkpoint "
                               f"is kept: free space in {path.parent} and rerun to resume") from None
     finally:
         tmp.unlink(missing_ok=True)
