@@ -183,6 +183,9 @@ class CheckpointConfig:
     resume: str = "auto"
     #: After SIGUSR2/SIGTERM (time limit, preemption), ranks agree to stop this often.
     preemption_check_every_n_steps: int = 10
+    #: YAML key ``async``: rank 0 copies the state to host memory and writes the file in a
+    #: background thread; training waits only for the copy (ddp_hpc/training/async_checkpoint.py).
+    async_write: bool = field(default=False, metadata={"key": "async"})
 
     def __post_init__(self) -> None:
         positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")

@@ -1,0 +1,120 @@
+"""Asynchronous checkpoints (``checkpoint.async: true``): training waits for a copy only.
+
+Rank 0 copies the checkpoint state to host memory (the *snapshot*: the only time training
+is blocked), then one background thread writes the same single-file ``torch.save`` file
+that a synchronous save writes, through the same atomic path
+(:func:`ddp_hpc.training.checkpoint.write_checkpoint`): a hidden temporary file, fsync,
+rename, then ``last.pt``/``best.pt`` re-pointed, then pruning. So every guarantee of the
+synchronous path holds: a kill during the background write leaves the previous
+checkpoint as the newest readable one, and ``last.pt`` only ever names a complete file.
+
+At most one write is in flight: the next checkpoint first waits for the previous write.
+The Trainer waits for the last write before ``fit`` returns (or raises), so the process
+does not exit with a write half done.
+
+Why not ``torch.distributed.checkpoint.async_save``: it writes a *directory* of per-rank
+shard files plus a ``.metadata`` file, loaded with ``dcp.load`` into a pre-built state
+dict. ddp_hpc's checkpoints are single files loaded with ``torch.load(weights_only=True)``
+(resume, ``last.pt``/``best.pt`` links, ``keep_last`` pruning, and users' own tools read
+them), the state is replicated (DDP: rank 0 holds all of it), and DCP's async path also
+needs a process group of its own for its collective planning. The part of it that fits,
+staging into (pinned) host memory and writing from a thread, is what this module does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def snapshot(value: Any) -> Any:
+    """A deep copy of ``value`` whose tensors live in host memory and share nothing with
+    the live training state (on CPU ``tensor.cpu()`` would alias: always copy)."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                             pin_memory=torch.cuda.is_available())
+        pinned.copy_(tensor, non_blocking=False)
+        return pinned
+    if isinstance(value, Mapping):
+        return {key: snapshot(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [snapshot(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(snapshot(item) for item in value)
+    return copy.deepcopy(value)
+
+
+@dataclass(frozen=True)
+class WriteRecord:
+    """One finished background write."""
+
+    path: Path
+    snapshot_s: float   # training was blocked this long (the copy to host memory)
+    write_s: float      # the background write took this long
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write failed; raised on the training thread at the next wait."""
+
+
+class AsyncCheckpointWriter:
+    """One background writer thread at a time; ``wait`` joins it and re-raises its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._finished: list[WriteRecord] = []
+        self._path: Path | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, state: Mapping[str, Any], path: Path, write: Callable[[dict[str, Any]], Path]) -> list[WriteRecord]:
+        """Wait for the previous write, snapshot ``state``, start ``write(snapshot)`` in the
+        background. Returns the writes that finished since the last call."""
+        finished = self.wait()
+        started = time.perf_counter()
+        copied = snapshot(dict(state))
+        snapshot_s = time.perf_counter() - started
+        self._path = path
+        self._thread = threading.Thread(target=self._run, args=(write, copied, path, snapshot_s),
+                                        name="ddp_hpc-checkpoint-writer")
+        self._thread.start()
+        return finished
+
+    def _run(self, write: Callable[[dict[str, Any]], Path], state: dict[str, Any], path: Path,
+             snapshot_s: float) -> None:
+        started = time.perf_counter()
+        try:
+            written = write(state)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+            return
+        self._finished.append(WriteRecord(written, snapshot_s, time.perf_counter() - started))
+        log.debug("background checkpoint write of %s done in %.3fs", written, time.perf_counter() - started)
+
+    def wait(self) -> list[WriteRecord]:
+        """Block until no write is in flight; the writes finished since the last call."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointWriteError(f"background write of checkpoint {self._path} failed: "
+                                       f"{type(error).__name__}: {error}") from error
+        finished, self._finished = self._finished, []
+        return finished
