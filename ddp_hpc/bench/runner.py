@@ -214,6 +214,8 @@ def measure_stall(plan: Plan, workdir: Path, progress) -> dict[str, Any]:
             "every_n_steps": plan.stall_every,
             "sync_blocked_s": runs["sync"][0]["blocked_s"], "async_blocked_s": runs["async"][0]["blocked_s"],
             "sync_write_s": runs["sync"][0]["write_s"], "async_write_s": runs["async"][0]["write_s"],
+            "async_waited_for_previous_s": [b["waited_for_previous_s"] for b in runs["async"][0]["blocked"]],
+            "async_snapshot_s": [b["snapshot_s"] for b in runs["async"][0]["blocked"]],
             "sync_mean_blocked_s": sync_blocked, "async_mean_blocked_s": async_blocked,
             "async_over_sync": async_blocked / sync_blocked, "target": 0.10}
 
@@ -305,8 +307,9 @@ def format_table(results: Results) -> str:
     lines.append(f"== checkpoint stall (world size 2, {st['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, "
                  f"every {st['every_n_steps']} steps) ==")
     lines.append(f"sync:  blocked {st['sync_mean_blocked_s']:.3f} s per checkpoint ({_s(st['sync_blocked_s'])})")
-    lines.append(f"async: blocked {st['async_mean_blocked_s']:.3f} s per checkpoint ({_s(st['async_blocked_s'])}); "
-                 f"background write {_s(st['async_write_s'])} s")
+    lines.append(f"async: blocked {st['async_mean_blocked_s']:.3f} s per checkpoint ({_s(st['async_blocked_s'])}), "
+                 f"of which snapshot {_s(st['async_snapshot_s'])}, waiting for the previous write "
+                 f"{_s(st['async_waited_for_previous_s'])}; background write {_s(st['async_write_s'])} s")
     lines.append(f"async / sync stall {st['async_over_sync']:.3f} (target <= {st['target']})")
     su = results.startup
     lines.append("== start-up (launch to first step; bare = init + one all_reduce; median s) ==")
@@ -374,7 +377,8 @@ def plot(results: Results, path: Path) -> bool:
     startup_ax.set(xlabel="ranks (oversubscribed on this machine)", ylabel="s from launch to first step",
                    title="Start-up", xticks=[r["world_size"] for r in results.startup["rows"]])
     for axis in axes.flat:
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
         axis.grid(alpha=0.3)
     fig.suptitle(f"ddp_hpc on {results.machine['cpus']} CPU cores, gloo, 1 thread per rank, "
                  f"{results.machine['date']}")

@@ -231,7 +231,11 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
         def save_checkpoint(self, improved: bool):
             started = time.perf_counter()
             path = super().save_checkpoint(improved)
-            blocked.append({"step": self.progress.global_step, "blocked_s": time.perf_counter() - started})
+            row = {"step": self.progress.global_step, "blocked_s": time.perf_counter() - started}
+            if self.checkpoint_writer is not None and self.ctx.is_rank_zero:
+                timing = self.checkpoint_writer.last_submit
+                row.update(waited_for_previous_s=timing.waited_s, snapshot_s=timing.snapshot_s)
+            blocked.append(row)
             return path
 
         def _checkpoints_written(self, records) -> None:

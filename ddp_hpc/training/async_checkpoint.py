@@ -66,6 +66,14 @@ class WriteRecord:
     write_s: float      # the background write took this long
 
 
+@dataclass(frozen=True)
+class SubmitTiming:
+    """Where the training thread's time went in one ``submit``."""
+
+    waited_s: float     # for the previous write to finish (checkpoints faster than writes)
+    snapshot_s: float   # copying the state to host memory
+
+
 class CheckpointWriteError(RuntimeError):
     """A background checkpoint write failed; raised on the training thread at the next wait."""
 
@@ -78,6 +86,8 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self._finished: list[WriteRecord] = []
         self._path: Path | None = None
+        #: The last ``submit``'s timing (the benchmark reports it).
+        self.last_submit: SubmitTiming | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -86,10 +96,12 @@ class AsyncCheckpointWriter:
     def submit(self, state: Mapping[str, Any], path: Path, write: Callable[[dict[str, Any]], Path]) -> list[WriteRecord]:
         """Wait for the previous write, snapshot ``state``, start ``write(snapshot)`` in the
         background. Returns the writes that finished since the last call."""
-        finished = self.wait()
         started = time.perf_counter()
+        finished = self.wait()
+        copy_started = time.perf_counter()
         copied = snapshot(dict(state))
-        snapshot_s = time.perf_counter() - started
+        snapshot_s = time.perf_counter() - copy_started
+        self.last_submit = SubmitTiming(copy_started - started, snapshot_s)
         self._path = path
         self._thread = threading.Thread(target=self._run, args=(write, copied, path, snapshot_s),
                                         name="ddp_hpc-checkpoint-writer")
