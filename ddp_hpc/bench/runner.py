@@ -67,6 +67,7 @@ class Plan:
     startup_sizes: tuple[int, ...]
     startup_rounds: int
     bucket_sizes_mb: tuple[float, ...]  # DDP-step rows of the communication table (none: skipped)
+    with_async: bool = False         # also the Trainer with checkpoint.async in the overhead pairs
 
 
 # Compute-bound: a small MLP on large batches (~4.5 MFLOP per gradient byte).
@@ -81,7 +82,7 @@ FULL = Plan(rounds=4, epochs=3,
             compute_bound=ModelSize("compute-bound", 128, 256, 3, 2048, 32768),
             comm_bound=ModelSize("communication-bound", 2048, 2048, 3, 4, 128),
             world_sizes=(1, 2), stall_model=ModelSize("stall", 2048, 2048, 8, 4, 1024, "adam"), stall_every=10,
-            startup_sizes=(2, 4, 8, 16), startup_rounds=1, bucket_sizes_mb=(1.0, 25.0, 100.0))
+            startup_sizes=(2, 4, 8, 16), startup_rounds=1, bucket_sizes_mb=(1.0, 25.0, 100.0), with_async=True)
 
 
 @dataclass
@@ -160,11 +161,12 @@ def measure_loops(plan: Plan, workdir: Path, progress) -> tuple[list[dict[str, A
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for index, n in enumerate(plan.world_sizes):
             result = launch("loops", n, [*model.args(), "--epochs", str(plan.epochs), "--rounds", str(plan.rounds),
-                                         "--first", str(index % 2)], workdir)
-            for mode in LOOPS:
-                runs[(mode, n)] = result[mode]
+                                         "--first", str(index % 2), *(["--with-async"] if plan.with_async else [])],
+                            workdir)
+            for mode in (*LOOPS, "trainer_async"):
+                runs[(mode, n)] = result.get(mode, [])
             progress(f"{model.name} x{n}: " + "  ".join(
-                f"{mode} {_ms([r['mean_step_s'] for r in result[mode]])} ms/step" for mode in LOOPS)
+                f"{mode} {_ms([r['mean_step_s'] for r in result[mode]])} ms/step" for mode in result if mode != "order")
                 + f"  (order {' '.join(result['order'])})")
         n = max(plan.world_sizes)
         trainer = [r["mean_step_s"] for r in runs[("trainer", n)]]
@@ -178,6 +180,12 @@ def measure_loops(plan: Plan, workdir: Path, progress) -> tuple[list[dict[str, A
             "handwritten_median_step_s": [r["median_step_s"] for r in runs[("handwritten", n)]],
             "ratio_of_means": statistics.fmean(trainer) / statistics.fmean(handwritten),
             "paired_ratios": paired, "paired_ratio_spread": spread(paired), "target": 1.02})
+        if runs[("trainer_async", n)]:
+            with_async = [r["mean_step_s"] for r in runs[("trainer_async", n)]]
+            paired_async = [t / h for t, h in zip(with_async, handwritten)]
+            overhead[-1].update({"trainer_async_mean_step_s": with_async,
+                                 "async_ratio_of_means": statistics.fmean(with_async) / statistics.fmean(handwritten),
+                                 "async_paired_ratios": paired_async})
         base = plan.world_sizes[0]
         for mode in LOOPS:
             for size in plan.world_sizes:
@@ -298,6 +306,10 @@ def format_table(results: Results) -> str:
                      f"[min {s['min']:.3f} max {s['max']:.3f} sd {s['stdev']:.3f}]")
         lines.append(f"{'':<20}      trainer ms/step {_ms(o['trainer_mean_step_s'])}  hand-written "
                      f"{_ms(o['handwritten_mean_step_s'])}")
+        if "async_ratio_of_means" in o:
+            lines.append(f"{'':<20}      with checkpoint.async: ratio of means {o['async_ratio_of_means']:.3f}  paired "
+                         f"{', '.join(f'{r:.3f}' for r in o['async_paired_ratios'])}  ms/step "
+                         f"{_ms(o['trainer_async_mean_step_s'])}")
     lines.append("== scaling (1 thread per rank; efficiency = samples/s at N / (N x at 1), each loop its own) ==")
     for row in results.scaling:
         per_round = ", ".join(f"{e:.3f}" for e in row["efficiency_per_round"])
@@ -398,10 +410,17 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None) -> Results:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
         workdir = Path(tmp)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = output.with_name(f".{output.name}.partial")
+        # Each section is saved as it completes: a long run that fails late keeps the rest.
         results.overhead, results.scaling = measure_loops(plan, workdir, progress)
+        partial.write_text(json.dumps(asdict(results), indent=2) + "\n")
         results.stall = measure_stall(plan, workdir, progress)
+        partial.write_text(json.dumps(asdict(results), indent=2) + "\n")
         results.startup = measure_startup(plan, workdir, progress)
+        partial.write_text(json.dumps(asdict(results), indent=2) + "\n")
         results.communication = measure_communication(plan, workdir, progress)
+        partial.unlink()
     results.machine["bench_wall_s"] = round(time.monotonic() - started, 1)
     try:
         results.machine["load_average_at_end"] = os.getloadavg()

@@ -66,7 +66,8 @@ def _synthetic_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _trainer_fit(args: argparse.Namespace, ctx, phases: dict[str, float], tag: str) -> dict:
+def _trainer_fit(args: argparse.Namespace, ctx, phases: dict[str, float], tag: str,
+                 overrides: list[str] = ()) -> dict:
     """One Trainer fit in the process group ``ctx``; its step statistics."""
     from ddp_hpc.config import load_config
     from ddp_hpc.training import Callback
@@ -90,7 +91,7 @@ def _trainer_fit(args: argparse.Namespace, ctx, phases: dict[str, float], tag: s
             self.epoch_ends.append(time.perf_counter())
 
     config = load_config(None, [*_synthetic_overrides(args), f"training.epochs={args.warmup_epochs + args.epochs}",
-                                f"checkpoint.every_n_epochs={args.checkpoint_every_epochs or 'null'}"])
+                                f"checkpoint.every_n_epochs={args.checkpoint_every_epochs or 'null'}", *overrides])
     clock = Clock()
     job = create_job(config.job.name, config.job.params)
     trainer = Trainer(job, config, ctx, RunFolder(Path(args.run_dir) / f"bench-{os.getpid()}-{tag}"), [clock])
@@ -198,14 +199,18 @@ def run_loops(args: argparse.Namespace) -> tuple[dict, int]:
     import torch
 
     torch.set_num_threads(args.threads)
-    results: dict[str, list[dict]] = {"trainer": [], "handwritten": []}
+    loops = ["trainer", "handwritten", *(["trainer_async"] if args.with_async else [])]
+    results: dict[str, list[dict]] = {mode: [] for mode in loops}
     order: list[str] = []
     with _ddp_hpc_group() as ctx:
         for round_index in range(args.rounds):
-            pair = ("trainer", "handwritten") if (round_index + args.first) % 2 == 0 else ("handwritten", "trainer")
+            pair = loops if (round_index + args.first) % 2 == 0 else loops[::-1]
             for mode in pair:
                 tag = f"{round_index}-{mode}"
-                result = _trainer_fit(args, ctx, {}, tag) if mode == "trainer" else _handwritten_fit(args, {}, tag)
+                if mode == "handwritten":
+                    result = _handwritten_fit(args, {}, tag)
+                else:
+                    result = _trainer_fit(args, ctx, {}, tag, ["checkpoint.async=true"] if mode == "trainer_async" else [])
                 gc.collect()
                 results[mode].append(result)
                 order.append(mode)
@@ -309,6 +314,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("loops", "trainer", "handwritten", "stall", "bare", "allreduce"))
     parser.add_argument("--rounds", type=int, default=2, help="loops mode: Trainer/hand-written pairs")
+    parser.add_argument("--with-async", action="store_true",
+                        help="loops mode: also the Trainer with checkpoint.async (trainer_async)")
     parser.add_argument("--first", type=int, default=0, help="loops mode: 1 starts with the hand-written loop")
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs")
