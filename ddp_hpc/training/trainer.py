@@ -192,7 +192,7 @@ class Trainer:
         # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
         limit = self.config.distributed.watchdog_s
         watchdog = Watchdog(limit, self.ctx.rank) if limit else nullcontext()
-        with self._checkpoint_writes(), watchdog as self.watchdog:
+        with watchdog as self.watchdog, self._checkpoint_writes():
             status = self._train_epochs(datasets)
             if status == "preempted":
                 if self.ctx.is_rank_zero:
@@ -466,12 +466,14 @@ class Trainer:
             yield
         except BaseException:
             if self.checkpoint_writer is not None:
+                self._beat("checkpoint")
                 try:
                     self.checkpoint_writer.wait()
                 except CheckpointWriteError as exc:  # the error already raised matters more
                     log.error("%s", exc)
             raise
         if self.checkpoint_writer is not None:
+            self._beat("checkpoint")  # a write still in flight is watched like a synchronous one
             self._checkpoints_written(self.checkpoint_writer.wait())
 
     def _checkpoints_written(self, records) -> None:
