@@ -150,3 +150,15 @@ def test_a_kill_during_the_background_write_resumes_bit_identically(tmp_path):
     assert_same_training_state(reference, ckpt.load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"async checkpoint: killed in the background write of step 48 while training was at step "
                    f"{kill['training_step_at_kill']}; resumed from step 32; final weights bit-identical")
+
+
+def test_snapshot_refills_its_host_buffers_in_place():
+    cache: dict = {}
+    live = {"model": {"w": torch.zeros(8)}, "optimizer": {"state": {0: {"m": torch.ones(2)}}}}
+    first = snapshot(live, cache)
+    live["model"]["w"].fill_(3.0)
+    second = snapshot(live, cache)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # reused, not reallocated
+    assert torch.equal(second["model"]["w"], torch.full((8,), 3.0))
+    live["model"]["w"] = torch.zeros(9)  # another shape: a new buffer
+    assert snapshot(live, cache)["model"]["w"].shape == (9,)

@@ -348,6 +348,72 @@ def _s(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values)
 
 
+def format_markdown(results: Results, command: str) -> str:
+    """The same figures as markdown tables, every paired ratio shown (docs/performance.md)."""
+    m = results.machine
+    out = [f"# ddp-hpc bench results ({m['date']})", "",
+           f"`{command}` on {m['host']}: {m['cpus']} CPU cores, torch {m['torch']}, Python {m['python']}, "
+           f"ddp_hpc {m['ddp_hpc']}, gloo, 1 thread per rank; load average at start "
+           f"{_load(m.get('load_average_at_start'))}, at end {_load(m.get('load_average_at_end'))}; "
+           f"{m.get('bench_wall_s', 0):.0f} s.", "",
+           "## Overhead: Trainer / hand-written loop, mean step time over whole epochs", "",
+           "| model | ranks | ratio of means | paired ratios (round by round) | min / max / sd | "
+           "Trainer ms/step | hand-written ms/step |", "|---|---|---|---|---|---|---|"]
+    for o in results.overhead:
+        sp = o["paired_ratio_spread"]
+        out.append(f"| {o['model']} | {o['world_size']} | **{o['ratio_of_means']:.3f}** | "
+                   f"{', '.join(f'{r:.3f}' for r in o['paired_ratios'])} | {sp['min']:.3f} / {sp['max']:.3f} / "
+                   f"{sp['stdev']:.3f} | {_ms(o['trainer_mean_step_s'])} | {_ms(o['handwritten_mean_step_s'])} |")
+        if "async_ratio_of_means" in o:
+            out.append(f"| {o['model']}, `checkpoint.async` | {o['world_size']} | **{o['async_ratio_of_means']:.3f}** | "
+                       f"{', '.join(f'{r:.3f}' for r in o['async_paired_ratios'])} | | "
+                       f"{_ms(o['trainer_async_mean_step_s'])} | |")
+    out += ["", "## Scaling efficiency, both loops (samples/s at N / (N x samples/s at 1))", "",
+            "| model | loop | ranks | samples/s (mean) | efficiency | per round |", "|---|---|---|---|---|---|"]
+    for r in results.scaling:
+        out.append(f"| {r['model']} | {r['loop']} | {r['world_size']} | {r['samples_per_s']:.0f} | "
+                   f"**{r['efficiency']:.3f}** | {', '.join(f'{e:.3f}' for e in r['efficiency_per_round'])} |")
+    st = results.stall
+    out += ["", f"## Checkpoint stall: {st['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, 2 ranks, every "
+                f"{st['every_n_steps']} steps", "",
+            "| mode | blocked per checkpoint (s) | mean | background write (s) |", "|---|---|---|---|",
+            f"| synchronous | {_s(st['sync_blocked_s'])} | **{st['sync_mean_blocked_s']:.3f}** | (is the stall) |",
+            f"| `checkpoint.async` | {_s(st['async_blocked_s'])} (snapshot {_s(st['async_snapshot_s'])}; waiting for "
+            f"the previous write {_s(st['async_waited_for_previous_s'])}) | **{st['async_mean_blocked_s']:.3f}** | "
+            f"{_s(st['async_write_s'])} |", "",
+            f"async / sync stall: **{st['async_over_sync']:.3f}** (target <= {st['target']})", "",
+            "## Start-up: launch to first step (s; bare = init_process_group + one all_reduce)", ""]
+    variants = [v for v in STARTUP_VARIANTS if any(f"{v[0]}_{v[1]}_s" in r for r in results.startup["rows"])]
+    out.append("| ranks | " + " | ".join(f"{launcher} {mode}" for launcher, mode in variants)
+               + " | ddp_hpc own share (trainer - hand-written) | trainer - bare per launcher |")
+    out.append("|---" * (len(variants) + 3) + "|")
+    for r in results.startup["rows"]:
+        minus = ", ".join(f"{launcher} {r[f'{launcher}_trainer_minus_bare_s']:+.2f}"
+                          for launcher in ("torchrun", "mpich", "openmpi") if f"{launcher}_trainer_minus_bare_s" in r)
+        out.append(f"| {r['world_size']} | " + " | ".join(
+            ", ".join(f"{v:.2f}" for v in r[f"{launcher}_{mode}_s"]) for launcher, mode in variants)
+            + f" | **{r['ddp_hpc_own_share_s']:+.2f}** | {minus} |")
+    out += ["", "Phases (s after launch, median run): imported torch, process group ready, trainer/loop ready, "
+                "first step.", "", "| ranks | variant | imported | group ready | ready | first step |",
+            "|---|---|---|---|---|---|"]
+    for r in results.startup["rows"]:
+        for launcher, mode in variants:
+            phases = r[f"{launcher}_{mode}_phases_s"][0]
+            out.append(f"| {r['world_size']} | {launcher} {mode} | {phases.get('imported', 0):.2f} | "
+                       f"{phases.get('group_ready', 0):.2f} | {phases.get('trainer_ready', phases['first_step']):.2f} "
+                       f"| {phases['first_step']:.2f} |")
+    out += ["", "## Communication (communication-bound model, 2 ranks)", "",
+            "| what | hook | bucket MB | mean ms | MB per rank |", "|---|---|---|---|---|"]
+    for r in results.communication:
+        out.append(f"| {r['kind']} | {r['comm_hook']} | {r['bucket_mb'] or ''} | {r['mean_s'] * 1e3:.2f} | "
+                   f"{r['bytes_per_rank'] / 1e6:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def _load(value) -> str:
+    return " / ".join(f"{v:.1f}" for v in value) if value else "n/a"
+
+
 def plot(results: Results, path: Path) -> bool:
     try:
         import matplotlib
@@ -428,8 +494,10 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None) -> Results:
         pass
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(asdict(results), indent=2) + "\n")
+    command = "ddp-hpc bench" + (" --quick" if quick else "")
+    output.with_suffix(".md").write_text(format_markdown(results, command))
     print(format_table(results))
-    print(f"\nresults: {output}  ({results.machine['bench_wall_s']:.0f} s)")
+    print(f"\nresults: {output} and {output.with_suffix('.md')}  ({results.machine['bench_wall_s']:.0f} s)")
     if plot_path is not None:
         if plot(results, plot_path):
             print(f"plot: {plot_path}")

@@ -8,7 +8,9 @@ rename, then ``last.pt``/``best.pt`` re-pointed, then pruning. So every guarante
 synchronous path holds: a kill during the background write leaves the previous
 checkpoint as the newest readable one, and ``last.pt`` only ever names a complete file.
 
-At most one write is in flight: the next checkpoint first waits for the previous write.
+At most one write is in flight: the next checkpoint first waits for the previous write,
+then refills the previous snapshot's host tensors in place (one copy of the checkpoint
+state stays allocated in rank 0's host memory, as torch's own checkpoint staging does).
 The Trainer waits for the last write before ``fit`` returns (or raises), so the process
 does not exit with a write half done.
 
@@ -37,23 +39,30 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def snapshot(value: Any) -> Any:
+def snapshot(value: Any, cache: dict[tuple, torch.Tensor] | None = None, key: tuple = ()) -> Any:
     """A deep copy of ``value`` whose tensors live in host memory and share nothing with
-    the live training state (on CPU ``tensor.cpu()`` would alias: always copy)."""
+    the live training state (on CPU ``tensor.cpu()`` would alias: always copy).
+
+    With ``cache``, host tensors of the previous snapshot are refilled in place where the
+    shape and dtype match: no fresh allocation (and page faults) for every checkpoint.
+    Only safe once the previous snapshot's write is done, which ``submit`` ensures.
+    """
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
-        if tensor.device.type == "cpu":
-            return tensor.clone()
-        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                             pin_memory=torch.cuda.is_available())
-        pinned.copy_(tensor, non_blocking=False)
-        return pinned
+        held = cache.get(key) if cache is not None else None
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+            held = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                               pin_memory=tensor.device.type == "cuda")
+            if cache is not None:
+                cache[key] = held
+        held.copy_(tensor)
+        return held
     if isinstance(value, Mapping):
-        return {key: snapshot(item) for key, item in value.items()}
+        return {k: snapshot(item, cache, (*key, k)) for k, item in value.items()}
     if isinstance(value, list):
-        return [snapshot(item) for item in value]
+        return [snapshot(item, cache, (*key, i)) for i, item in enumerate(value)]
     if isinstance(value, tuple):
-        return tuple(snapshot(item) for item in value)
+        return tuple(snapshot(item, cache, (*key, i)) for i, item in enumerate(value))
     return copy.deepcopy(value)
 
 
@@ -86,6 +95,7 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self._finished: list[WriteRecord] = []
         self._path: Path | None = None
+        self._host_buffers: dict[tuple, torch.Tensor] = {}  # reused snapshot tensors
         #: The last ``submit``'s timing (the benchmark reports it).
         self.last_submit: SubmitTiming | None = None
 
@@ -99,7 +109,7 @@ class AsyncCheckpointWriter:
         started = time.perf_counter()
         finished = self.wait()
         copy_started = time.perf_counter()
-        copied = snapshot(dict(state))
+        copied = snapshot(dict(state), self._host_buffers)
         snapshot_s = time.perf_counter() - copy_started
         self.last_submit = SubmitTiming(copy_started - started, snapshot_s)
         self._path = path
