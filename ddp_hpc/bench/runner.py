@@ -360,13 +360,12 @@ def format_markdown(results: Results, command: str) -> str:
            "| model | ranks | ratio of means | paired ratios (round by round) | min / max / sd | "
            "Trainer ms/step | hand-written ms/step |", "|---|---|---|---|---|---|---|"]
     for o in results.overhead:
-        sp = o["paired_ratio_spread"]
         out.append(f"| {o['model']} | {o['world_size']} | **{o['ratio_of_means']:.3f}** | "
-                   f"{', '.join(f'{r:.3f}' for r in o['paired_ratios'])} | {sp['min']:.3f} / {sp['max']:.3f} / "
-                   f"{sp['stdev']:.3f} | {_ms(o['trainer_mean_step_s'])} | {_ms(o['handwritten_mean_step_s'])} |")
+                   f"{', '.join(f'{r:.3f}' for r in o['paired_ratios'])} | {_spread(o['paired_ratios'])} | "
+                   f"{_ms(o['trainer_mean_step_s'])} | {_ms(o['handwritten_mean_step_s'])} |")
         if "async_ratio_of_means" in o:
             out.append(f"| {o['model']}, `checkpoint.async` | {o['world_size']} | **{o['async_ratio_of_means']:.3f}** | "
-                       f"{', '.join(f'{r:.3f}' for r in o['async_paired_ratios'])} | | "
+                       f"{', '.join(f'{r:.3f}' for r in o['async_paired_ratios'])} | {_spread(o['async_paired_ratios'])} | "
                        f"{_ms(o['trainer_async_mean_step_s'])} | |")
     out += ["", "## Scaling efficiency, both loops (samples/s at N / (N x samples/s at 1))", "",
             "| model | loop | ranks | samples/s (mean) | efficiency | per round |", "|---|---|---|---|---|---|"]
@@ -410,6 +409,11 @@ def format_markdown(results: Results, command: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _spread(values: list[float]) -> str:
+    sp = spread(values)
+    return f"{sp['min']:.3f} / {sp['max']:.3f} / {sp['stdev']:.3f}"
+
+
 def _load(value) -> str:
     return " / ".join(f"{v:.1f}" for v in value) if value else "n/a"
 
@@ -437,6 +441,10 @@ def plot(results: Results, path: Path) -> bool:
                          if index == 0 else None)
         ratio_ax.scatter([index], [o["ratio_of_means"]], color="C3", marker="_", s=400,
                          label="ratio of means" if index == 0 else None)
+        if "async_paired_ratios" in o:
+            ratio_ax.scatter([index + 0.2] * len(o["async_paired_ratios"]), o["async_paired_ratios"], color="C2",
+                             marker="x", label="paired, checkpoint.async" if index == 0 else None)
+            ratio_ax.scatter([index + 0.2], [o["async_ratio_of_means"]], color="C2", marker="_", s=400)
     ratio_ax.axhline(1.02, color="grey", linestyle=":", label="target 1.02")
     ratio_ax.set(xticks=range(len(results.overhead)), xticklabels=[o["model"] for o in results.overhead],
                  ylabel="Trainer / hand-written mean step", title="Overhead: every paired ratio")
