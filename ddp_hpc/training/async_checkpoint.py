@@ -103,7 +103,8 @@ class AsyncCheckpointWriter:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, state: Mapping[str, Any], path: Path, write: Callable[[dict[str, Any]], Path]) -> list[WriteRecord]:
+    def submit(self, state: Mapping[str, Any], path: Path,
+               write: Callable[[dict[str, Any]], Path]) -> list[WriteRecord]:
         """Wait for the previous write, snapshot ``state``, start ``write(snapshot)`` in the
         background. Returns the writes that finished since the last call."""
         started = time.perf_counter()
@@ -113,13 +114,12 @@ class AsyncCheckpointWriter:
         snapshot_s = time.perf_counter() - copy_started
         self.last_submit = SubmitTiming(copy_started - started, snapshot_s)
         self._path = path
-        self._thread = threading.Thread(target=self._run, args=(write, copied, path, snapshot_s),
+        self._thread = threading.Thread(target=self._run, args=(write, copied, snapshot_s),
                                         name="ddp_hpc-checkpoint-writer")
         self._thread.start()
         return finished
 
-    def _run(self, write: Callable[[dict[str, Any]], Path], state: dict[str, Any], path: Path,
-             snapshot_s: float) -> None:
+    def _run(self, write: Callable[[dict[str, Any]], Path], state: dict[str, Any], snapshot_s: float) -> None:
         started = time.perf_counter()
         try:
             written = write(state)
