@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark the Trainer against a hand-written DDP loop and ideal scaling")
-    bench.add_argument("--quick", action="store_true", help="a small run (under 2 minutes) for smoke tests")
+    bench.add_argument("--quick", action="store_true",
+                       help="a small plan for smoke tests (2 rounds, start-up at 2 and 4 ranks)")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)

@@ -194,6 +194,9 @@ class CheckpointConfig:
     #: With a known job end (DDP_HPC_DEADLINE), stop when the time left would not cover
     #: the next check interval, a checkpoint and this margin; null: never stop for it.
     deadline_margin_s: float | None = 60.0
+    #: YAML key ``async``: rank 0 copies the state to host memory and writes the file in a
+    #: background thread; training waits only for the copy (ddp_hpc/training/async_checkpoint.py).
+    async_write: bool = field(default=False, metadata={"key": "async"})
 
     def __post_init__(self) -> None:
         positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")

@@ -94,7 +94,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     """An instance of dataclass ``cls`` from ``data``; unknown keys are refused."""
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    fields = {config_key(f): f.name for f in dataclasses.fields(cls) if f.init}
+    names = list(fields)
     kwargs = {}
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else str(key)
@@ -102,7 +103,7 @@ def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
             raise ConfigError(f"unknown key {key_path!r}{hint}")
-        kwargs[key] = _convert(value, hints[key], key_path)
+        kwargs[fields[key]] = _convert(value, hints[fields[key]], key_path)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
@@ -111,10 +112,16 @@ def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         raise
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """The YAML key of a config field: its name, or ``metadata["key"]`` where the key is a
+    Python keyword (``checkpoint.async`` is the field ``async_write``)."""
+    return f.metadata.get("key", f.name)
+
+
 def to_plain(obj: Any) -> Any:
     """Dataclasses back to plain dicts (for writing the resolved config)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {config_key(f): to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: to_plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -6,7 +6,8 @@
 #   scripts/test.sh [PYTEST ARGS...]      e.g. scripts/test.sh -m "not slow"
 #
 # Without root (no apt-get, no daemons, no namespaces) the MPI, SLURM and multihost tests
-# skip with their reason.
+# skip with their reason, unless DDP_HPC_REQUIRE_ALL=1 is set (.ci/run sets it): then a
+# missing part fails.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -23,6 +24,9 @@ if [ "$(id -u)" = 0 ]; then
   scripts/dev-cluster.sh up --hosts 2  # network namespaces h1, h2 (docs/test-world.md)
   # Everything is installed and running: a test that finds a tool missing fails.
   export DDP_HPC_REQUIRE_ALL=1
+elif [ "${DDP_HPC_REQUIRE_ALL:-0}" = 1 ]; then
+  echo "test.sh: not root: nothing installed or started here; DDP_HPC_REQUIRE_ALL=1, so a test whose" \
+       "Open MPI, MPICH, SLURM cluster or qsub is missing fails" >&2
 else
   echo "test.sh: not root: MPI/SLURM packages and the test cluster are not set up here" >&2
 fi

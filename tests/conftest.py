@@ -74,6 +74,14 @@ def slurm_cluster() -> None:
     need(up, "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)")
 
 
+@pytest.fixture(scope="session")
+def qsub(slurm_cluster) -> str:
+    """Slurm's PBS wrapper (``qsub``) in front of the test cluster."""
+    program = shutil.which("qsub")
+    need(program is not None, "qsub is not on PATH (Slurm's PBS wrappers: apt-get install slurm-wlm-torque)")
+    return program
+
+
 def assert_same_training_state(expected: dict, actual: dict) -> None:
     """Two checkpoints hold the same progress and bit-identical model and optimizer state."""
     import torch

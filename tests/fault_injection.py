@@ -204,3 +204,42 @@ class RaiseInBuildDatasets(SyntheticJob):
                 Path(self.marker).write_text(repr(time.time()))
             raise RuntimeError(f"injected failure in build_datasets on rank {self.fail_rank}")
         return super().build_datasets()
+
+
+class KillLaunchDuringAsyncWrite(Callback):
+    """SIGKILL the whole launch inside rank 0's background write of the ``nth`` asynchronous
+    checkpoint: the temporary file is complete and fsync'd but not yet renamed, and training
+    has gone on past the checkpoint's step. ``marker`` records where the kill landed."""
+
+    def __init__(self, nth: int, marker: str) -> None:
+        self.nth, self.marker = nth, marker
+
+    def on_fit_start(self, trainer) -> None:
+        if not trainer.ctx.is_rank_zero:
+            return
+        import json
+        import threading
+
+        from ddp_hpc.training import checkpoint
+
+        real_fsync, writes = checkpoint.os.fsync, [0]
+
+        def fsync_then_die(fd: int) -> None:
+            real_fsync(fd)
+            name = os.readlink(f"/proc/self/fd/{fd}")
+            if ".tmp-" not in Path(name).name or not Path(name).name.startswith(".step-"):
+                return  # a folder, or a last.pt/best.pt link
+            writes[0] += 1
+            if writes[0] != self.nth:
+                return
+            saved_step = int(Path(name).name[len(".step-"):len(".step-") + 8])
+            deadline = time.monotonic() + 30
+            while trainer.progress.global_step <= saved_step and time.monotonic() < deadline:
+                time.sleep(0.01)  # training goes on while this write is in flight
+            Path(self.marker).write_text(json.dumps({
+                "thread": threading.current_thread().name, "main_thread": threading.current_thread()
+                is threading.main_thread(), "temporary": name, "temporary_bytes": os.fstat(fd).st_size,
+                "checkpoint_step": saved_step, "training_step_at_kill": trainer.progress.global_step}))
+            kill_tree(launch_root())
+
+        checkpoint.os.fsync = fsync_then_die

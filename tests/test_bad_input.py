@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, ddp_hpc_command, run
 
@@ -37,8 +38,14 @@ CORPUS = [
     ("unreadable data path", {}, [*TRAIN, "job.params.data_path={tmp}/none.npz"], {}, "job.params.data_path"),
     ("data file without the arrays", {"bad.npz": None}, [*TRAIN, "job.params.data_path={tmp}/bad.npz"], {},
      "cannot be read as an .npz with 'images' and 'target'"),
-    ("nccl on a CPU-only machine", {}, [*TRAIN, "distributed.backend=nccl"], {}, "backend 'nccl'"),
-    ("xpu without an XPU", {}, [*TRAIN, "--device", "xpu"], {}, "device 'xpu' was requested"),
+    ("nccl for CPU tensors", {}, [*TRAIN, "distributed.backend=nccl", "--device", "cpu"], {},
+     "backend 'nccl' cannot communicate cpu tensors"),
+    pytest.param("xpu without an XPU", {}, [*TRAIN, "--device", "xpu"], {}, "device 'xpu' was requested",
+                 marks=pytest.mark.skipif(hasattr(torch, "xpu") and torch.xpu.is_available(),
+                                          reason="this host has an XPU: requesting one is not bad input here")),
+    pytest.param("cuda without a GPU", {}, [*TRAIN, "--device", "cuda"], {}, "device 'cuda' was requested",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                          reason="this host has a CUDA device: requesting one is not bad input here")),
     ("conflicting rank variables", {}, TRAIN,
      {"RANK": "1", "WORLD_SIZE": "2", "PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
      "launcher variables disagree"),
@@ -138,7 +145,8 @@ def materialise(tmp_path: Path, files: dict, argv: list[str]) -> list[str]:
     return [a.replace("{tmp}", str(tmp_path)) for a in argv]
 
 
-@pytest.mark.parametrize("name,files,argv,env,fragment", CORPUS, ids=[c[0] for c in CORPUS])
+@pytest.mark.parametrize("name,files,argv,env,fragment", CORPUS,
+                         ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CORPUS])
 def test_bad_input(tmp_path, name, files, argv, env, fragment):
     runs = tmp_path / "runs"
     argv = materialise(tmp_path, files, argv)

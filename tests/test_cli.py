@@ -41,9 +41,10 @@ def test_bad_input_gives_one_line_and_exit_2(args, fragment):
 
 
 def test_environment_variables_choose_the_backend():
-    result = run([*ddp_hpc_command(), "env"], env={"DDP_HPC_BACKEND": "nccl"})
+    # nccl cannot carry CPU tensors on any host, with or without GPUs.
+    result = run([*ddp_hpc_command(), "env"], env={"DDP_HPC_BACKEND": "nccl", "DDP_HPC_DEVICE": "cpu"})
     assert result.returncode == 2
-    assert "backend 'nccl'" in _one_error_line(result)
+    assert "backend 'nccl' cannot communicate cpu tensors" in _one_error_line(result)
 
 
 def test_conflicting_launcher_variables_exit_2():
@@ -55,7 +56,7 @@ def test_conflicting_launcher_variables_exit_2():
 
 
 def test_debug_shows_the_traceback():
-    result = run([*ddp_hpc_command(), "env", "--debug", "--backend", "nccl"])
+    result = run([*ddp_hpc_command(), "env", "--debug", "--device", "cpu", "--backend", "nccl"])
     assert result.returncode == 2
     assert "Traceback" in result.stderr
 
@@ -78,7 +79,8 @@ def test_doctor_single_process():
     (["train", "configs/digits.yaml", "training.grad_accum_steps=0"], "training.grad_accum_steps must be > 0"),
     (["train", "configs/digits.yaml", "training.bach_size=4"], "unknown key 'training.bach_size'"),
     (["train", "configs/digits.yaml", "job.name=missing_module:Job"], "cannot import module 'missing_module'"),
-    (["train", "configs/digits.yaml", "distributed.backend=nccl"], "backend 'nccl'"),
+    (["train", "configs/digits.yaml", "distributed.backend=nccl", "distributed.device=cpu"],
+     "backend 'nccl' cannot communicate cpu tensors"),
     (["train", "configs/digits.yaml", "training.epochs"], "is not KEY=VALUE"),
     (["train", "configs/digits.yaml", "checkpoint.resume=/nonexistent.pt"], "checkpoint /nonexistent.pt does not exist"),
 ])

@@ -1,5 +1,6 @@
 """Device and backend selection. Hosts with GPUs are described, not faked into running:
-only the choice is under test; the real host here is CPU-only and is tested as such."""
+only the choice is under test; the real host is tested as what it is (tests/test_gpu.py
+runs the GPU paths for real where there is a CUDA device)."""
 
 from __future__ import annotations
 
@@ -101,11 +102,23 @@ def test_request_precedence():
     assert requested(None, {}, "DDP_HPC_DEVICE") == "auto"
 
 
-def test_this_cpu_host_for_real():
+def test_this_host_for_real():
+    """The real host, whatever it has: a CPU-only host picks cpu+gloo and refuses nccl; a
+    CUDA host picks cuda+nccl on device 0 (and one device per local rank)."""
     host = TorchHost()
     assert host.device_count("cuda") == torch.cuda.device_count()
     assert host.backend_available("gloo")
-    if not torch.cuda.is_available():
+    cpu = select_device("cpu", "auto", host=host, env={})
+    assert cpu == DeviceChoice("cpu", "gloo", None)
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    if torch.cuda.is_available() and not xpu:
+        count = torch.cuda.device_count()
+        assert host.backend_available("nccl")
+        assert select_device(host=host, env={}) == DeviceChoice("cuda", "nccl", 0)
+        last = select_device("auto", "auto", local_rank=count - 1, local_world_size=count, host=host, env={})
+        assert last == DeviceChoice("cuda", "nccl", count - 1)
+        assert last.init_device_id == torch.device("cuda", count - 1)
+    elif not xpu:
         assert select_device(host=host, env={}) == DeviceChoice("cpu", "gloo", None)
         with pytest.raises(DeviceUnavailableError):
             select_device("auto", "nccl", host=host, env={})

@@ -7,15 +7,16 @@ import typing
 
 from conftest import REPO
 from ddp_hpc.config import Config
+from ddp_hpc.config_loader import config_key
 
 
 def config_keys(cls=Config, prefix=""):
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[field.name]):
-            yield from config_keys(hints[field.name], f"{prefix}{field.name}.")
+            yield from config_keys(hints[field.name], f"{prefix}{config_key(field)}.")
         else:
-            yield f"{prefix}{field.name}"
+            yield f"{prefix}{config_key(field)}"
 
 
 def test_every_config_key_is_documented():

@@ -47,7 +47,7 @@ def test_pbs_script_runs_with_pbs_pro_variables(tmp_path, mpich):
 
 
 @pytest.mark.slurm
-def test_qsub_wait_on_two_nodes(tmp_path, slurm_cluster):
+def test_qsub_wait_on_two_nodes(tmp_path, slurm_cluster, qsub):
     result = submit(tmp_path, "pbs", DIGITS, "--cluster", "pbs-generic", "--nodes", "2", "--walltime", "10", "--wait")
     summary = finished_summary(result, tmp_path, "digits")
     assert summary["world_size"] == 4

@@ -1,8 +1,10 @@
-"""``ddp-hpc bench``: overhead, scaling, start-up and communication, side by side.
+"""``ddp-hpc bench``: overhead, scaling, checkpoint stall, start-up and communication.
 
-Every measurement is a real torchrun launch of ``ddp_hpc.bench.worker`` on this machine,
-one thread per rank. Paired measurements (Trainer vs hand-written loop, ddp_hpc start-up
-vs bare torchrun) alternate round by round, so slow drift of the machine hits both alike.
+Every measurement is a real launch (torchrun, or mpiexec for the start-up figures) of
+``ddp_hpc.bench.worker`` on this machine, one thread per rank. Paired measurements
+alternate round by round (Trainer and hand-written loop, the start-up variants), so slow
+drift of the machine hits both alike, and every paired ratio is reported, not only a
+summary of them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +29,8 @@ from ddp_hpc import __version__
 from ddp_hpc.bench.worker import STARTED_AT_VAR
 from ddp_hpc.errors import UserError
 
+LOOPS = ("trainer", "handwritten")
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -34,155 +40,382 @@ class ModelSize:
     depth: int
     batch: int
     samples: int
+    optimizer: str = "sgd"
 
     def parameters(self, classes: int = 10) -> int:
         widths = [self.input_dim] + [self.hidden] * self.depth + [classes]
         return sum(a * b + b for a, b in zip(widths, widths[1:]))
 
+    def state_bytes(self) -> int:
+        """Parameters plus optimizer moments (Adam keeps two per parameter), fp32."""
+        return self.parameters() * 4 * (3 if self.optimizer in ("adam", "adamw") else 1)
+
     def args(self) -> list[str]:
         return ["--input-dim", str(self.input_dim), "--hidden", str(self.hidden), "--depth", str(self.depth),
-                "--batch", str(self.batch), "--samples", str(self.samples)]
+                "--batch", str(self.batch), "--samples", str(self.samples), "--optimizer", self.optimizer]
 
 
 @dataclass(frozen=True)
 class Plan:
-    rounds: int
-    steps: int
+    rounds: int                      # Trainer/hand-written pairs per model and world size
+    epochs: int                      # timed epochs per launch, after one warm-up epoch
     compute_bound: ModelSize
     comm_bound: ModelSize
     world_sizes: tuple[int, ...]
-    bucket_sizes_mb: tuple[float, ...]
+    stall_model: ModelSize
+    stall_every: int                 # steps between checkpoints in the stall runs
+    startup_sizes: tuple[int, ...]
+    startup_rounds: int
+    bucket_sizes_mb: tuple[float, ...]  # DDP-step rows of the communication table (none: skipped)
+    with_async: bool = False         # also the Trainer with checkpoint.async in the overhead pairs
 
 
 # Compute-bound: a small MLP on large batches (~4.5 MFLOP per gradient byte).
 # Communication-bound: a wide MLP on tiny batches (the gradient all-reduce dominates).
-QUICK = Plan(rounds=1, steps=12, compute_bound=ModelSize("compute-bound", 128, 256, 3, 1024, 8192),
-             comm_bound=ModelSize("communication-bound", 1024, 1024, 2, 4, 1024), world_sizes=(1, 2),
-             bucket_sizes_mb=(25.0,))
-FULL = Plan(rounds=3, steps=40, compute_bound=ModelSize("compute-bound", 128, 256, 3, 2048, 32768),
-            comm_bound=ModelSize("communication-bound", 2048, 2048, 3, 4, 1024), world_sizes=(1, 2),
-            bucket_sizes_mb=(1.0, 25.0, 100.0))
+# Stall: an MLP whose parameters and Adam moments make a ~400 MB checkpoint (40 MB quick).
+QUICK = Plan(rounds=2, epochs=2,
+             compute_bound=ModelSize("compute-bound", 128, 256, 3, 1024, 16384),
+             comm_bound=ModelSize("communication-bound", 1024, 1024, 2, 4, 128),
+             world_sizes=(1, 2), stall_model=ModelSize("stall", 1024, 1024, 3, 4, 512, "adam"), stall_every=6,
+             startup_sizes=(2, 4), startup_rounds=1, bucket_sizes_mb=())
+FULL = Plan(rounds=4, epochs=3,
+            compute_bound=ModelSize("compute-bound", 128, 256, 3, 2048, 32768),
+            comm_bound=ModelSize("communication-bound", 2048, 2048, 3, 4, 128),
+            world_sizes=(1, 2), stall_model=ModelSize("stall", 2048, 2048, 8, 4, 1024, "adam"), stall_every=10,
+            startup_sizes=(2, 4, 8, 16), startup_rounds=1, bucket_sizes_mb=(1.0, 25.0, 100.0), with_async=True)
 
 
 @dataclass
 class Results:
     machine: dict[str, Any]
     plan: dict[str, Any]
-    overhead: dict[str, Any] = field(default_factory=dict)
+    overhead: list[dict[str, Any]] = field(default_factory=list)
     scaling: list[dict[str, Any]] = field(default_factory=list)
+    stall: dict[str, Any] = field(default_factory=dict)
     startup: dict[str, Any] = field(default_factory=dict)
     communication: list[dict[str, Any]] = field(default_factory=list)
 
 
 def machine_info() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "ddp_hpc": __version__, "backend": "gloo", "device": "cpu",
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_at_start": load}
 
 
-def launch(mode: str, nproc: int, extra: list[str], workdir: Path, timeout: float = 600) -> dict[str, Any]:
-    """One torchrun launch of the worker; its rank-0 JSON result."""
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "max": max(values), "mean": statistics.fmean(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+# ----- launching ------------------------------------------------------------------------
+
+def _launcher_argv(launcher: str, nproc: int) -> list[str]:
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if launcher == "mpich":
+        return [shutil.which("mpiexec.mpich") or "mpiexec.hydra", "-n", str(nproc), sys.executable]
+    if launcher == "openmpi":
+        return ["mpiexec.openmpi", "-n", str(nproc), "--oversubscribe", "--bind-to", "none", sys.executable]
+    raise ValueError(launcher)
+
+
+def launcher_available(launcher: str) -> bool:
+    return launcher == "torchrun" or shutil.which({"mpich": "mpiexec.mpich", "openmpi": "mpiexec.openmpi"}[launcher]) \
+        is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str = "torchrun",
+           timeout: float = 600) -> dict[str, Any]:
+    """One launch of the worker on ``nproc`` ranks; its rank-0 JSON result."""
     out = workdir / f"{mode}-{time.monotonic_ns()}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "ddp_hpc.bench.worker", mode, "--out", str(out), "--run-dir", str(workdir), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    port = ["--port", str(_free_port())] if mode == "bare" and launcher != "torchrun" else []
+    argv = [*_launcher_argv(launcher, nproc), "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
+            "--run-dir", str(workdir), *port, *extra]
     env[STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     if result.returncode != 0 or not out.exists():
-        raise UserError(f"benchmark launch {mode} x{nproc} failed: {result.stderr.strip().splitlines()[-1:]}")
+        raise UserError(f"benchmark launch {launcher} {mode} x{nproc} failed: "
+                        f"{result.stderr.strip().splitlines()[-3:]}")
     return json.loads(out.read_text())
 
 
-def measure_overhead(plan: Plan, workdir: Path, progress) -> dict[str, Any]:
-    model, trainer, handwritten = plan.compute_bound, [], []
-    for round_index in range(plan.rounds):
-        order = ("trainer", "handwritten") if round_index % 2 == 0 else ("handwritten", "trainer")
-        for mode in order:
-            result = launch(mode, 2, [*model.args(), "--steps", str(plan.steps)], workdir)
-            (trainer if mode == "trainer" else handwritten).append(result["median_step_s"])
-            progress(f"overhead round {round_index + 1}/{plan.rounds}: {mode} {result['median_step_s'] * 1e3:.2f} ms/step")
-    ratio = statistics.median(trainer) / statistics.median(handwritten)
-    return {"model": asdict(model), "world_size": 2, "trainer_step_s": trainer, "handwritten_step_s": handwritten,
-            "ratio_of_medians": ratio, "target": 1.02}
+# ----- overhead and scaling -------------------------------------------------------------
 
-
-def measure_scaling(plan: Plan, workdir: Path, progress) -> list[dict[str, Any]]:
-    rows = []
+def measure_loops(plan: Plan, workdir: Path, progress) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Trainer and hand-written loop, alternating round by round inside one launch per model
+    and world size: the overhead rows (ratio of mean step times at the largest world size,
+    with every paired ratio) and the scaling rows (each loop's own efficiency)."""
+    overhead, scaling = [], []
     for model in (plan.compute_bound, plan.comm_bound):
-        throughput: dict[int, list[float]] = {n: [] for n in plan.world_sizes}
-        for round_index in range(plan.rounds):
-            for n in plan.world_sizes:
-                result = launch("trainer", n, [*model.args(), "--steps", str(plan.steps)], workdir)
-                throughput[n].append(result["samples_per_s"])
-                progress(f"scaling {model.name} x{n}: {result['samples_per_s']:.0f} samples/s")
-        base = statistics.median(throughput[plan.world_sizes[0]])
-        for n in plan.world_sizes:
-            median = statistics.median(throughput[n])
-            rows.append({"model": model.name, "parameters": model.parameters(), "world_size": n,
-                         "samples_per_s": median, "runs": throughput[n], "efficiency": median / (n * base)})
-    return rows
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for index, n in enumerate(plan.world_sizes):
+            result = launch("loops", n, [*model.args(), "--epochs", str(plan.epochs), "--rounds", str(plan.rounds),
+                                         "--first", str(index % 2), *(["--with-async"] if plan.with_async else [])],
+                            workdir)
+            for mode in (*LOOPS, "trainer_async"):
+                runs[(mode, n)] = result.get(mode, [])
+            progress(f"{model.name} x{n}: " + "  ".join(
+                f"{mode} {_ms([r['mean_step_s'] for r in result[mode]])} ms/step" for mode in result if mode != "order")
+                + f"  (order {' '.join(result['order'])})")
+        n = max(plan.world_sizes)
+        trainer = [r["mean_step_s"] for r in runs[("trainer", n)]]
+        handwritten = [r["mean_step_s"] for r in runs[("handwritten", n)]]
+        paired = [t / h for t, h in zip(trainer, handwritten)]
+        overhead.append({
+            "model": model.name, "parameters": model.parameters(), "world_size": n,
+            "steps_per_epoch": runs[("trainer", n)][0]["steps_per_epoch"], "epochs_timed": plan.epochs,
+            "trainer_mean_step_s": trainer, "handwritten_mean_step_s": handwritten,
+            "trainer_median_step_s": [r["median_step_s"] for r in runs[("trainer", n)]],
+            "handwritten_median_step_s": [r["median_step_s"] for r in runs[("handwritten", n)]],
+            "ratio_of_means": statistics.fmean(trainer) / statistics.fmean(handwritten),
+            "paired_ratios": paired, "paired_ratio_spread": spread(paired), "target": 1.02})
+        if runs[("trainer_async", n)]:
+            with_async = [r["mean_step_s"] for r in runs[("trainer_async", n)]]
+            paired_async = [t / h for t, h in zip(with_async, handwritten)]
+            overhead[-1].update({"trainer_async_mean_step_s": with_async,
+                                 "async_ratio_of_means": statistics.fmean(with_async) / statistics.fmean(handwritten),
+                                 "async_paired_ratios": paired_async})
+        base = plan.world_sizes[0]
+        for mode in LOOPS:
+            for size in plan.world_sizes:
+                rates = [r["samples_per_s"] for r in runs[(mode, size)]]
+                # Paired per round: round r's N-rank run against round r's 1-rank run.
+                per_round = [rate / (size / base * one) for rate, one in
+                             zip(rates, [r["samples_per_s"] for r in runs[(mode, base)]])]
+                scaling.append({"model": model.name, "loop": mode, "parameters": model.parameters(),
+                                "world_size": size, "samples_per_s": statistics.fmean(rates), "runs": rates,
+                                "efficiency": statistics.fmean(rates) / (size / base * statistics.fmean(
+                                    [r["samples_per_s"] for r in runs[(mode, base)]])),
+                                "efficiency_per_round": per_round})
+    return overhead, scaling
+
+
+# ----- checkpoint stall -----------------------------------------------------------------
+
+def measure_stall(plan: Plan, workdir: Path, progress) -> dict[str, Any]:
+    """Time training is blocked per checkpoint at world size 2, synchronous vs asynchronous."""
+    model = plan.stall_model
+    runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+    samples = 2 * model.batch * (3 * plan.stall_every + plan.stall_every // 2 + 1)
+    for mode in ("sync", "async"):
+        args = [*ModelSize(**{**asdict(model), "samples": samples}).args(), "--every", str(plan.stall_every),
+                "--checkpoints", "3", *(["--async"] if mode == "async" else [])]
+        result = launch("stall", 2, args, workdir)
+        runs[mode].append(result)
+        progress(f"checkpoint stall {mode}: blocked {', '.join(f'{s:.3f}' for s in result['blocked_s'])} s, "
+                 f"write {', '.join(f'{s:.3f}' for s in result['write_s'])} s "
+                 f"({result['checkpoint_bytes'] / 1e6:.0f} MB)")
+    sync_blocked = statistics.fmean(runs["sync"][0]["blocked_s"])
+    async_blocked = statistics.fmean(runs["async"][0]["blocked_s"])
+    return {"model": asdict(model), "world_size": 2, "checkpoint_bytes": runs["sync"][0]["checkpoint_bytes"],
+            "every_n_steps": plan.stall_every,
+            "sync_blocked_s": runs["sync"][0]["blocked_s"], "async_blocked_s": runs["async"][0]["blocked_s"],
+            "sync_write_s": runs["sync"][0]["write_s"], "async_write_s": runs["async"][0]["write_s"],
+            "async_waited_for_previous_s": [b["waited_for_previous_s"] for b in runs["async"][0]["blocked"]],
+            "async_snapshot_s": [b["snapshot_s"] for b in runs["async"][0]["blocked"]],
+            "sync_mean_blocked_s": sync_blocked, "async_mean_blocked_s": async_blocked,
+            "async_over_sync": async_blocked / sync_blocked, "target": 0.10}
+
+
+# ----- start-up -------------------------------------------------------------------------
+
+#: (launcher, worker mode): what runs at each size. ``handwritten`` needs torchrun's variables.
+STARTUP_VARIANTS = (("torchrun", "bare"), ("torchrun", "handwritten"), ("torchrun", "trainer"),
+                    ("mpich", "bare"), ("mpich", "trainer"), ("openmpi", "bare"), ("openmpi", "trainer"))
+TINY = ModelSize("tiny", 16, 16, 1, 4, 0)
 
 
 def measure_startup(plan: Plan, workdir: Path, progress) -> dict[str, Any]:
-    """Launch to first step (Trainer, hand-written loop) and to a first all_reduce (bare)."""
-    times: dict[str, list[float]] = {"trainer": [], "handwritten": [], "bare": []}
-    modes = list(times)
-    for round_index in range(max(plan.rounds, 2)):
-        for mode in modes[round_index % 3:] + modes[:round_index % 3]:
-            args = [] if mode == "bare" else [*plan.compute_bound.args(), "--steps", "2", "--warmup", "0"]
-            result = launch(mode, 2, args, workdir)
-            times[mode].append(result["first_all_reduce_after_launch_s" if mode == "bare" else "first_step_after_launch_s"])
-            progress(f"start-up {mode}: {times[mode][-1]:.2f}s")
-    median = {mode: statistics.median(values) for mode, values in times.items()}
-    return {"trainer_first_step_s": times["trainer"], "handwritten_first_step_s": times["handwritten"],
-            "bare_first_all_reduce_s": times["bare"], "difference_s": median["trainer"] - median["bare"],
-            "trainer_minus_handwritten_s": median["trainer"] - median["handwritten"], "target_s": 1.0}
+    """Launch to first step at every size, for bare torchrun/mpiexec (init + one all_reduce),
+    the hand-written loop and ddp_hpc's Trainer; ddp_hpc's own share is the Trainer minus
+    the hand-written loop (the same torch work: DDP, an optimizer, one step)."""
+    rows = []
+    variants = [v for v in STARTUP_VARIANTS if launcher_available(v[0])]
+    missing = sorted({v[0] for v in STARTUP_VARIANTS} - {v[0] for v in variants})
+    for n in plan.startup_sizes:
+        tiny = ModelSize(**{**asdict(TINY), "samples": TINY.batch * n * 2})
+        times: dict[tuple[str, str], list[dict[str, Any]]] = {v: [] for v in variants}
+        for round_index in range(plan.startup_rounds):
+            shift = (round_index + plan.startup_sizes.index(n)) % len(variants)
+            for launcher, mode in variants[shift:] + variants[:shift]:
+                args = [] if mode == "bare" else [*tiny.args(), "--epochs", "0", "--warmup-epochs", "1",
+                                                  "--checkpoint-every-epochs", "0"]
+                result = launch(mode, n, args, workdir, launcher=launcher)
+                times[(launcher, mode)].append(result)
+                progress(f"start-up x{n} {launcher} {mode}: {result['first_step_after_launch_s']:.2f}s")
+        row: dict[str, Any] = {"world_size": n}
+        for (launcher, mode), results in times.items():
+            row[f"{launcher}_{mode}_s"] = [r["first_step_after_launch_s"] for r in results]
+            row[f"{launcher}_{mode}_phases_s"] = [r["phases_after_launch_s"] for r in results]
+        median = {key: statistics.median(values) for key, values in row.items() if key.endswith("_s")
+                  and isinstance(values, list) and values and isinstance(values[0], float)}
+        row["ddp_hpc_own_share_s"] = median["torchrun_trainer_s"] - median["torchrun_handwritten_s"]
+        for launcher in ("torchrun", "mpich", "openmpi"):
+            if f"{launcher}_trainer_s" in median:
+                row[f"{launcher}_trainer_minus_bare_s"] = median[f"{launcher}_trainer_s"] - median[f"{launcher}_bare_s"]
+        rows.append(row)
+    return {"rows": rows, "launchers_missing": missing, "target_own_share_s": 0.2}
 
+
+# ----- communication --------------------------------------------------------------------
 
 def measure_communication(plan: Plan, workdir: Path, progress) -> list[dict[str, Any]]:
     model = plan.comm_bound
     params = model.parameters()
     rows = []
-    raw = {hook: launch("allreduce", 2, ["--numel", str(params), "--steps", str(plan.steps), "--comm-hook", hook],
-                        workdir) for hook in ("none", "fp16")}
-    for hook, result in raw.items():
+    for hook in ("none", "fp16"):
+        result = launch("allreduce", 2, ["--numel", str(params), "--steps", "20", "--comm-hook", hook], workdir)
         rows.append({"kind": "all_reduce of the gradients alone", "comm_hook": hook, "bucket_mb": None,
-                     "median_s": result["median_step_s"], "bytes_per_rank": result["bytes"],
-                     "ring_bytes_sent_per_rank": result["bytes"]})  # 2(N-1)/N = 1 at N = 2
-        progress(f"all_reduce {hook}: {result['median_step_s'] * 1e3:.2f} ms for {result['bytes'] / 1e6:.1f} MB")
+                     "mean_s": result["mean_step_s"], "median_s": result["median_step_s"],
+                     "bytes_per_rank": result["bytes"]})  # a 2-rank ring sends the buffer once per rank
+        progress(f"all_reduce {hook}: {result['mean_step_s'] * 1e3:.2f} ms for {result['bytes'] / 1e6:.1f} MB")
     for hook in ("none", "fp16"):
         for bucket in plan.bucket_sizes_mb:
-            result = launch("trainer", 2, [*model.args(), "--steps", str(plan.steps), "--comm-hook", hook,
+            result = launch("trainer", 2, [*model.args(), "--epochs", str(plan.epochs), "--comm-hook", hook,
                                            "--bucket-mb", str(bucket)], workdir)
             rows.append({"kind": "DDP step (communication-bound model)", "comm_hook": hook, "bucket_mb": bucket,
-                         "median_s": result["median_step_s"],
+                         "mean_s": result["mean_step_s"], "median_s": result["median_step_s"],
                          "bytes_per_rank": params * (2 if hook == "fp16" else 4)})
-            progress(f"DDP step hook={hook} bucket={bucket}MB: {result['median_step_s'] * 1e3:.2f} ms")
+            progress(f"DDP step hook={hook} bucket={bucket}MB: {result['mean_step_s'] * 1e3:.2f} ms")
     return rows
 
 
+# ----- output ---------------------------------------------------------------------------
+
+def _ms(values: list[float]) -> str:
+    return ", ".join(f"{v * 1e3:.2f}" for v in values)
+
+
 def format_table(results: Results) -> str:
-    lines = ["", "== overhead (world size 2, compute-bound model) =="]
-    o = results.overhead
-    lines.append(f"trainer {statistics.median(o['trainer_step_s']) * 1e3:.2f} ms/step  hand-written "
-                 f"{statistics.median(o['handwritten_step_s']) * 1e3:.2f} ms/step  ratio {o['ratio_of_medians']:.3f} "
-                 f"(target <= {o['target']})")
-    lines.append("== scaling (1 thread per rank) ==")
+    lines = ["", "== overhead (Trainer / hand-written loop, mean step time over whole epochs, alternating) =="]
+    for o in results.overhead:
+        s = o["paired_ratio_spread"]
+        lines.append(f"{o['model']:<20} x{o['world_size']}  ratio of means {o['ratio_of_means']:.3f} "
+                     f"(target <= {o['target']})  paired {', '.join(f'{r:.3f}' for r in o['paired_ratios'])}  "
+                     f"[min {s['min']:.3f} max {s['max']:.3f} sd {s['stdev']:.3f}]")
+        lines.append(f"{'':<20}      trainer ms/step {_ms(o['trainer_mean_step_s'])}  hand-written "
+                     f"{_ms(o['handwritten_mean_step_s'])}")
+        if "async_ratio_of_means" in o:
+            lines.append(f"{'':<20}      with checkpoint.async: ratio of means {o['async_ratio_of_means']:.3f}  paired "
+                         f"{', '.join(f'{r:.3f}' for r in o['async_paired_ratios'])}  ms/step "
+                         f"{_ms(o['trainer_async_mean_step_s'])}")
+    lines.append("== scaling (1 thread per rank; efficiency = samples/s at N / (N x at 1), each loop its own) ==")
     for row in results.scaling:
-        lines.append(f"{row['model']:<22} {row['parameters'] / 1e6:6.2f}M params  x{row['world_size']}  "
-                     f"{row['samples_per_s']:9.0f} samples/s  efficiency {row['efficiency']:.3f}")
-    s = results.startup
-    lines.append("== start-up (launch to first step / first all_reduce) ==")
-    lines.append(f"trainer {statistics.median(s['trainer_first_step_s']):.2f}s  hand-written "
-                 f"{statistics.median(s['handwritten_first_step_s']):.2f}s  bare torchrun "
-                 f"{statistics.median(s['bare_first_all_reduce_s']):.2f}s  trainer - bare {s['difference_s']:.2f}s "
-                 f"(target <= {s['target_s']}s)  trainer - hand-written {s['trainer_minus_handwritten_s']:.2f}s")
-    lines.append("== communication (communication-bound model) ==")
+        per_round = ", ".join(f"{e:.3f}" for e in row["efficiency_per_round"])
+        lines.append(f"{row['model']:<20} {row['loop']:<11} x{row['world_size']}  {row['samples_per_s']:9.0f} "
+                     f"samples/s  efficiency {row['efficiency']:.3f}  per round {per_round}")
+    st = results.stall
+    lines.append(f"== checkpoint stall (world size 2, {st['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, "
+                 f"every {st['every_n_steps']} steps) ==")
+    lines.append(f"sync:  blocked {st['sync_mean_blocked_s']:.3f} s per checkpoint ({_s(st['sync_blocked_s'])})")
+    lines.append(f"async: blocked {st['async_mean_blocked_s']:.3f} s per checkpoint ({_s(st['async_blocked_s'])}), "
+                 f"of which snapshot {_s(st['async_snapshot_s'])}, waiting for the previous write "
+                 f"{_s(st['async_waited_for_previous_s'])}; background write {_s(st['async_write_s'])} s")
+    lines.append(f"async / sync stall {st['async_over_sync']:.3f} (target <= {st['target']})")
+    su = results.startup
+    lines.append("== start-up (launch to first step; bare = init + one all_reduce; median s) ==")
+    for row in su["rows"]:
+        cells = [f"{launcher} {mode} {statistics.median(row[f'{launcher}_{mode}_s']):.2f}"
+                 for launcher, mode in STARTUP_VARIANTS if f"{launcher}_{mode}_s" in row]
+        lines.append(f"x{row['world_size']:<3} " + "  ".join(cells))
+        lines.append(f"     ddp_hpc own share (trainer - hand-written, torchrun) {row['ddp_hpc_own_share_s']:+.2f}s "
+                     f"(target <= {su['target_own_share_s']}s); trainer - bare: "
+                     + "  ".join(f"{launcher} {row[f'{launcher}_trainer_minus_bare_s']:+.2f}s"
+                                 for launcher in ("torchrun", "mpich", "openmpi")
+                                 if f"{launcher}_trainer_minus_bare_s" in row))
+    if su["launchers_missing"]:
+        lines.append(f"     not measured (not installed): {', '.join(su['launchers_missing'])}")
+    lines.append("== communication (communication-bound model, world size 2) ==")
     for row in results.communication:
         bucket = f"bucket {row['bucket_mb']:>5} MB" if row["bucket_mb"] else "             "
-        lines.append(f"{row['kind']:<38} hook {row['comm_hook']:<4} {bucket}  {row['median_s'] * 1e3:8.2f} ms  "
+        lines.append(f"{row['kind']:<38} hook {row['comm_hook']:<4} {bucket}  {row['mean_s'] * 1e3:8.2f} ms  "
                      f"{row['bytes_per_rank'] / 1e6:6.1f} MB/rank")
     return "\n".join(lines)
+
+
+def _s(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+def format_markdown(results: Results, command: str) -> str:
+    """The same figures as markdown tables, every paired ratio shown (docs/performance.md)."""
+    m = results.machine
+    out = [f"# ddp-hpc bench results ({m['date']})", "",
+           f"`{command}` on {m['host']}: {m['cpus']} CPU cores, torch {m['torch']}, Python {m['python']}, "
+           f"ddp_hpc {m['ddp_hpc']}, gloo, 1 thread per rank; load average at start "
+           f"{_load(m.get('load_average_at_start'))}, at end {_load(m.get('load_average_at_end'))}; "
+           f"{m.get('bench_wall_s', 0):.0f} s.", "",
+           "## Overhead: Trainer / hand-written loop, mean step time over whole epochs", "",
+           "| model | ranks | ratio of means | paired ratios (round by round) | min / max / sd | "
+           "Trainer ms/step | hand-written ms/step |", "|---|---|---|---|---|---|---|"]
+    for o in results.overhead:
+        out.append(f"| {o['model']} | {o['world_size']} | **{o['ratio_of_means']:.3f}** | "
+                   f"{', '.join(f'{r:.3f}' for r in o['paired_ratios'])} | {_spread(o['paired_ratios'])} | "
+                   f"{_ms(o['trainer_mean_step_s'])} | {_ms(o['handwritten_mean_step_s'])} |")
+        if "async_ratio_of_means" in o:
+            out.append(f"| {o['model']}, `checkpoint.async` | {o['world_size']} | **{o['async_ratio_of_means']:.3f}** | "
+                       f"{', '.join(f'{r:.3f}' for r in o['async_paired_ratios'])} | {_spread(o['async_paired_ratios'])} | "
+                       f"{_ms(o['trainer_async_mean_step_s'])} | |")
+    out += ["", "## Scaling efficiency, both loops (samples/s at N / (N x samples/s at 1))", "",
+            "| model | loop | ranks | samples/s (mean) | efficiency | per round |", "|---|---|---|---|---|---|"]
+    for r in results.scaling:
+        out.append(f"| {r['model']} | {r['loop']} | {r['world_size']} | {r['samples_per_s']:.0f} | "
+                   f"**{r['efficiency']:.3f}** | {', '.join(f'{e:.3f}' for e in r['efficiency_per_round'])} |")
+    st = results.stall
+    out += ["", f"## Checkpoint stall: {st['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, 2 ranks, every "
+                f"{st['every_n_steps']} steps", "",
+            "| mode | blocked per checkpoint (s) | mean | background write (s) |", "|---|---|---|---|",
+            f"| synchronous | {_s(st['sync_blocked_s'])} | **{st['sync_mean_blocked_s']:.3f}** | (is the stall) |",
+            f"| `checkpoint.async` | {_s(st['async_blocked_s'])} (snapshot {_s(st['async_snapshot_s'])}; waiting for "
+            f"the previous write {_s(st['async_waited_for_previous_s'])}) | **{st['async_mean_blocked_s']:.3f}** | "
+            f"{_s(st['async_write_s'])} |", "",
+            f"async / sync stall: **{st['async_over_sync']:.3f}** (target <= {st['target']})", "",
+            "## Start-up: launch to first step (s; bare = init_process_group + one all_reduce)", ""]
+    variants = [v for v in STARTUP_VARIANTS if any(f"{v[0]}_{v[1]}_s" in r for r in results.startup["rows"])]
+    out.append("| ranks | " + " | ".join(f"{launcher} {mode}" for launcher, mode in variants)
+               + " | ddp_hpc own share (trainer - hand-written) | trainer - bare per launcher |")
+    out.append("|---" * (len(variants) + 3) + "|")
+    for r in results.startup["rows"]:
+        minus = ", ".join(f"{launcher} {r[f'{launcher}_trainer_minus_bare_s']:+.2f}"
+                          for launcher in ("torchrun", "mpich", "openmpi") if f"{launcher}_trainer_minus_bare_s" in r)
+        out.append(f"| {r['world_size']} | " + " | ".join(
+            ", ".join(f"{v:.2f}" for v in r[f"{launcher}_{mode}_s"]) for launcher, mode in variants)
+            + f" | **{r['ddp_hpc_own_share_s']:+.2f}** | {minus} |")
+    out += ["", "Phases (s after launch, median run): imported torch, process group ready, trainer/loop ready, "
+                "first step.", "", "| ranks | variant | imported | group ready | ready | first step |",
+            "|---|---|---|---|---|---|"]
+    for r in results.startup["rows"]:
+        for launcher, mode in variants:
+            phases = r[f"{launcher}_{mode}_phases_s"][0]
+            out.append(f"| {r['world_size']} | {launcher} {mode} | {phases.get('imported', 0):.2f} | "
+                       f"{phases.get('group_ready', 0):.2f} | {phases.get('trainer_ready', phases['first_step']):.2f} "
+                       f"| {phases['first_step']:.2f} |")
+    out += ["", "## Communication (communication-bound model, 2 ranks)", "",
+            "| what | hook | bucket MB | mean ms | MB per rank |", "|---|---|---|---|---|"]
+    for r in results.communication:
+        out.append(f"| {r['kind']} | {r['comm_hook']} | {r['bucket_mb'] or ''} | {r['mean_s'] * 1e3:.2f} | "
+                   f"{r['bytes_per_rank'] / 1e6:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def _spread(values: list[float]) -> str:
+    sp = spread(values)
+    return f"{sp['min']:.3f} / {sp['max']:.3f} / {sp['stdev']:.3f}"
+
+
+def _load(value) -> str:
+    return " / ".join(f"{v:.1f}" for v in value) if value else "n/a"
 
 
 def plot(results: Results, path: Path) -> bool:
@@ -193,22 +426,48 @@ def plot(results: Results, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    (scaling_ax, ratio_ax), (stall_ax, startup_ax) = axes
     for model in dict.fromkeys(r["model"] for r in results.scaling):
-        rows = [r for r in results.scaling if r["model"] == model]
-        ranks = [r["world_size"] for r in rows]
-        left.plot(ranks, [r["samples_per_s"] for r in rows], marker="o", label=model)
-        left.plot(ranks, [rows[0]["samples_per_s"] * n for n in ranks], linestyle=":", color="grey")
-        right.plot(ranks, [r["efficiency"] for r in rows], marker="o", label=model)
-    left.set(xlabel="ranks", ylabel="samples/s (log scale)", title="Throughput (dotted: ideal)", xticks=ranks,
-             yscale="log")
-    right.set(xlabel="ranks", ylabel="throughput(N) / (N x throughput(1))", title="Scaling efficiency",
-              ylim=(0, 1.1), xticks=ranks)
-    right.axhline(0.95, color="grey", linestyle=":")
-    for axis in (left, right):
-        axis.legend()
+        for loop, style in (("trainer", "-"), ("handwritten", "--")):
+            rows = [r for r in results.scaling if r["model"] == model and r["loop"] == loop]
+            scaling_ax.plot([r["world_size"] for r in rows], [r["efficiency"] for r in rows], marker="o",
+                            linestyle=style, label=f"{model}, {loop}")
+    scaling_ax.set(xlabel="ranks", ylabel="samples/s at N / (N x at 1)", title="Scaling efficiency, both loops",
+                   ylim=(0, 1.1), xticks=sorted({r["world_size"] for r in results.scaling}))
+    scaling_ax.axhline(0.95, color="grey", linestyle=":")
+    for index, o in enumerate(results.overhead):
+        ratio_ax.scatter([index] * len(o["paired_ratios"]), o["paired_ratios"], color="C0", label="paired ratio"
+                         if index == 0 else None)
+        ratio_ax.scatter([index], [o["ratio_of_means"]], color="C3", marker="_", s=400,
+                         label="ratio of means" if index == 0 else None)
+        if "async_paired_ratios" in o:
+            ratio_ax.scatter([index + 0.2] * len(o["async_paired_ratios"]), o["async_paired_ratios"], color="C2",
+                             marker="x", label="paired, checkpoint.async" if index == 0 else None)
+            ratio_ax.scatter([index + 0.2], [o["async_ratio_of_means"]], color="C2", marker="_", s=400)
+    ratio_ax.axhline(1.02, color="grey", linestyle=":", label="target 1.02")
+    ratio_ax.set(xticks=range(len(results.overhead)), xticklabels=[o["model"] for o in results.overhead],
+                 ylabel="Trainer / hand-written mean step", title="Overhead: every paired ratio")
+    st = results.stall
+    stall_ax.bar(["sync", "async"], [st["sync_mean_blocked_s"], st["async_mean_blocked_s"]], color=["C1", "C2"])
+    stall_ax.set(ylabel="s blocked per checkpoint",
+                 title=f"Checkpoint stall, {st['checkpoint_bytes'] / 1e6:.0f} MB, 2 ranks")
+    for key, label in (("torchrun_bare_s", "torchrun bare"), ("torchrun_handwritten_s", "torchrun hand-written"),
+                       ("torchrun_trainer_s", "torchrun ddp_hpc"), ("mpich_bare_s", "MPICH bare"),
+                       ("mpich_trainer_s", "MPICH ddp_hpc"), ("openmpi_bare_s", "Open MPI bare"),
+                       ("openmpi_trainer_s", "Open MPI ddp_hpc")):
+        rows = [r for r in results.startup["rows"] if key in r]
+        if rows:
+            startup_ax.plot([r["world_size"] for r in rows], [statistics.median(r[key]) for r in rows], marker="o",
+                            label=label, linestyle="--" if "bare" in key else "-")
+    startup_ax.set(xlabel="ranks (oversubscribed on this machine)", ylabel="s from launch to first step",
+                   title="Start-up", xticks=[r["world_size"] for r in results.startup["rows"]])
+    for axis in axes.flat:
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
         axis.grid(alpha=0.3)
-    fig.suptitle(f"ddp_hpc on {results.machine['cpus']} CPU cores, gloo, 1 thread per rank")
+    fig.suptitle(f"ddp_hpc on {results.machine['cpus']} CPU cores, gloo, 1 thread per rank, "
+                 f"{results.machine['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -222,16 +481,31 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None) -> Results:
     def progress(message: str) -> None:
         print(f"bench: {message}", file=sys.stderr, flush=True)
 
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
         workdir = Path(tmp)
-        results.overhead = measure_overhead(plan, workdir, progress)
-        results.scaling = measure_scaling(plan, workdir, progress)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = output.with_name(f".{output.name}.partial")
+        # Each section is saved as it completes: a long run that fails late keeps the rest.
+        results.overhead, results.scaling = measure_loops(plan, workdir, progress)
+        partial.write_text(json.dumps(asdict(results), indent=2) + "\n")
+        results.stall = measure_stall(plan, workdir, progress)
+        partial.write_text(json.dumps(asdict(results), indent=2) + "\n")
         results.startup = measure_startup(plan, workdir, progress)
+        partial.write_text(json.dumps(asdict(results), indent=2) + "\n")
         results.communication = measure_communication(plan, workdir, progress)
+        partial.unlink()
+    results.machine["bench_wall_s"] = round(time.monotonic() - started, 1)
+    try:
+        results.machine["load_average_at_end"] = os.getloadavg()
+    except OSError:
+        pass
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(asdict(results), indent=2) + "\n")
+    command = "ddp-hpc bench" + (" --quick" if quick else "")
+    output.with_suffix(".md").write_text(format_markdown(results, command))
     print(format_table(results))
-    print(f"\nresults: {output}")
+    print(f"\nresults: {output} and {output.with_suffix('.md')}  ({results.machine['bench_wall_s']:.0f} s)")
     if plot_path is not None:
         if plot(results, plot_path):
             print(f"plot: {plot_path}")

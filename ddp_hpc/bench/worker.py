@@ -1,12 +1,21 @@
-"""One benchmark process per rank (started by torchrun from ``ddp_hpc.bench.runner``).
+"""One benchmark process per rank (started by torchrun or mpiexec from ``ddp_hpc.bench.runner``).
 
 Modes:
-- ``trainer``: the ddp_hpc Trainer on the synthetic job, step times from a callback;
-- ``handwritten``: the DDP loop every tutorial shows (DistributedSampler, DDP, SGD), timed
-  the same way: the reference for the Trainer's overhead;
+- ``loops``: ``trainer`` and ``handwritten`` below, alternating round by round in one launch;
+- ``trainer``: the ddp_hpc Trainer on the synthetic job, at its configured cadences (the
+  preemption agreement every 10 steps, the epoch-end metric reduction, a checkpoint at
+  the end of every epoch);
+- ``handwritten``: the DDP loop every tutorial shows (DistributedSampler, DDP, SGD), with
+  what such a script does besides: the epoch loss all-reduced at the end of each epoch and
+  rank 0 saving model and optimizer with ``torch.save`` once per epoch;
+- ``stall``: the Trainer with a large state and ``checkpoint.every_n_steps``: how long
+  rank 0 is blocked per checkpoint, synchronous or ``checkpoint.async``;
 - ``bare``: init_process_group and one all_reduce: the reference for start-up time;
 - ``allreduce``: all_reduce of a gradient-sized buffer, timed.
-Rank 0 writes a JSON result to ``--out``.
+
+Step times are taken over whole epochs: from the end of the warm-up epochs (after their
+checkpoint) to the end of the last epoch (after its checkpoint), divided by the steps in
+between, so periodic work counts in full. Rank 0 writes a JSON result to ``--out``.
 """
 
 from __future__ import annotations
@@ -19,68 +28,92 @@ import time
 from pathlib import Path
 
 STARTED_AT_VAR = "DDP_HPC_BENCH_T0"
+#: Variables that carry rank and world size under each MPI (for ``bare`` under mpiexec).
+MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
 
 
 def _since_launch() -> float:
     return time.time() - float(os.environ[STARTED_AT_VAR])
 
 
-def _write(out: str, result: dict) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+IMPORTED_AFTER_LAUNCH = None  # set by main() once the heavy imports are done
+
+
+def _write(out: str, result: dict, rank: int) -> None:
+    if rank == 0:
         Path(out).write_text(json.dumps(result))
 
 
-def step_stats(stamps: list[float], warmup: int) -> dict:
-    """Median and spread of the intervals between step ends, after ``warmup`` steps."""
-    deltas = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
-    return {"median_step_s": statistics.median(deltas), "steps_timed": len(deltas),
-            "p10_step_s": sorted(deltas)[len(deltas) // 10], "p90_step_s": sorted(deltas)[len(deltas) * 9 // 10]}
+def epoch_stats(stamps: list[float], epoch_ends: list[float], steps_per_epoch: int, warmup_epochs: int) -> dict:
+    """Mean step time over whole epochs after the warm-up ones, plus the median step interval."""
+    timed_epochs = len(epoch_ends) - warmup_epochs
+    start = epoch_ends[warmup_epochs - 1] if warmup_epochs else stamps[0]
+    steps = timed_epochs * steps_per_epoch - (0 if warmup_epochs else 1)
+    deltas = [b - a for a, b in zip(stamps, stamps[1:])][warmup_epochs * steps_per_epoch:]
+    return {"mean_step_s": (epoch_ends[-1] - start) / steps, "steps_timed": steps, "epochs_timed": timed_epochs,
+            "median_step_s": statistics.median(deltas) if deltas else None,
+            "max_step_s": max(deltas) if deltas else None}
 
 
-def run_trainer(args: argparse.Namespace) -> dict:
-    import torch
+def _synthetic_overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        "job.name=synthetic", f"job.params.samples={args.samples}", "job.params.val_samples=0",
+        f"job.params.input_dim={args.input_dim}", f"job.params.hidden={args.hidden}", f"job.params.depth={args.depth}",
+        f"training.batch_size={args.batch}", f"training.optimizer={args.optimizer}", "training.lr=0.01",
+        "training.precision=fp32", "checkpoint.resume=never", "logging.progress=never",
+        f"logging.run_dir={args.run_dir}", "logging.name=bench",
+        f"distributed.bucket_cap_mb={args.bucket_mb}", f"distributed.comm_hook={args.comm_hook}",
+    ]
 
+
+def _trainer_fit(args: argparse.Namespace, ctx, phases: dict[str, float], tag: str,
+                 overrides: list[str] = ()) -> dict:
+    """One Trainer fit in the process group ``ctx``; its step statistics."""
     from ddp_hpc.config import load_config
-    from ddp_hpc.distributed import DistributedOptions, process_group
     from ddp_hpc.training import Callback
     from ddp_hpc.training.job import create_job
     from ddp_hpc.training.run_folder import RunFolder
     from ddp_hpc.training.trainer import Trainer
 
-    torch.set_num_threads(args.threads)
-
-    class StepClock(Callback):
+    class Clock(Callback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
-            self.first_step_after_launch: float | None = None
+            self.epoch_ends: list[float] = []
+
+        def on_fit_start(self, trainer) -> None:
+            phases.setdefault("trainer_ready", _since_launch())
 
         def on_step_end(self, trainer) -> None:
             self.stamps.append(time.perf_counter())
-            if self.first_step_after_launch is None:
-                self.first_step_after_launch = _since_launch()
+            phases.setdefault("first_step", _since_launch())
 
-    overrides = [
-        "job.name=synthetic", f"job.params.samples={args.samples}", "job.params.val_samples=0",
-        f"job.params.input_dim={args.input_dim}", f"job.params.hidden={args.hidden}", f"job.params.depth={args.depth}",
-        f"training.batch_size={args.batch}", f"training.max_steps={args.steps}", "training.epochs=1000",
-        "training.optimizer=sgd", "training.lr=0.01", "training.precision=fp32",
-        "checkpoint.every_n_epochs=null", "checkpoint.resume=never", "logging.progress=never",
-        f"logging.run_dir={args.run_dir}", "logging.name=bench",
-        f"distributed.bucket_cap_mb={args.bucket_mb}", f"distributed.comm_hook={args.comm_hook}",
-    ]
-    config = load_config(None, overrides)
-    clock = StepClock()
-    with process_group(DistributedOptions(backend="gloo", device="cpu")) as ctx:
-        job = create_job(config.job.name, config.job.params)
-        Trainer(job, config, ctx, RunFolder(Path(args.run_dir) / f"bench-{os.getpid()}"), [clock]).fit()
-        world = ctx.world_size
-    stats = step_stats(clock.stamps, args.warmup)
-    return {**stats, "world_size": world, "samples_per_s": args.batch * world / stats["median_step_s"],
-            "first_step_after_launch_s": clock.first_step_after_launch}
+        def on_epoch_end(self, trainer, metrics) -> None:  # after the epoch's checkpoint
+            self.epoch_ends.append(time.perf_counter())
+
+    config = load_config(None, [*_synthetic_overrides(args), f"training.epochs={args.warmup_epochs + args.epochs}",
+                                f"checkpoint.every_n_epochs={args.checkpoint_every_epochs or 'null'}", *overrides])
+    clock = Clock()
+    job = create_job(config.job.name, config.job.params)
+    trainer = Trainer(job, config, ctx, RunFolder(Path(args.run_dir) / f"bench-{os.getpid()}-{tag}"), [clock])
+    trainer.fit()
+    steps_per_epoch = trainer.steps_per_epoch
+    del trainer
+    return _loop_result(clock.stamps, clock.epoch_ends, steps_per_epoch, args, ctx.world_size)
 
 
-def run_handwritten(args: argparse.Namespace) -> dict:
-    """The minimal DDP loop of the PyTorch tutorials, on the same model and data."""
+def _loop_result(stamps: list[float], epoch_ends: list[float], steps_per_epoch: int, args: argparse.Namespace,
+                 world: int) -> dict:
+    if not args.epochs:
+        return {"world_size": world, "steps_per_epoch": steps_per_epoch}
+    stats = epoch_stats(stamps, epoch_ends, steps_per_epoch, args.warmup_epochs)
+    return {**stats, "world_size": world, "steps_per_epoch": steps_per_epoch,
+            "samples_per_s": args.batch * world / stats["mean_step_s"]}
+
+
+def _handwritten_fit(args: argparse.Namespace, phases: dict[str, float], tag: str) -> dict:
+    """The minimal DDP loop of the PyTorch tutorials, on the same model and data, in the
+    default process group (none for one process: it then trains without DDP, as the
+    Trainer does, so both loops' scaling is measured against the same single-rank loop)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -88,53 +121,177 @@ def run_handwritten(args: argparse.Namespace) -> dict:
 
     from ddp_hpc.jobs.synthetic import SyntheticJob
 
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    grouped = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     torch.manual_seed(0)
     job = SyntheticJob(samples=args.samples, val_samples=0, input_dim=args.input_dim, hidden=args.hidden,
                        depth=args.depth)
-    model = DistributedDataParallel(job.build_model(), bucket_cap_mb=args.bucket_mb)
+    model = job.build_model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb) if world > 1 else model
     dataset = job.build_datasets().train
-    sampler = DistributedSampler(dataset)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
+    phases.setdefault("trainer_ready", _since_launch())
     stamps: list[float] = []
-    first_step_after_launch = None
-    epoch = 0
-    while len(stamps) < args.steps:
+    epoch_ends: list[float] = []
+    for epoch in range(args.warmup_epochs + args.epochs):
         sampler.set_epoch(epoch)
+        loss_sum = torch.zeros(2)
         for inputs, targets in loader:
             optimizer.zero_grad()
-            loss = loss_fn(model(inputs), targets)
+            loss = loss_fn(ddp(inputs), targets)
             loss.backward()
             optimizer.step()
+            loss_sum += torch.stack([loss.detach() * len(targets), torch.tensor(float(len(targets)))])
             stamps.append(time.perf_counter())
-            if first_step_after_launch is None:
-                first_step_after_launch = _since_launch()
-            if len(stamps) == args.steps:
-                break
-        epoch += 1
-    world = dist.get_world_size()
-    del model
-    dist.destroy_process_group()
-    stats = step_stats(stamps, args.warmup)
-    return {**stats, "world_size": world, "samples_per_s": args.batch * world / stats["median_step_s"],
-            "first_step_after_launch_s": first_step_after_launch}
+            phases.setdefault("first_step", _since_launch())
+        if grouped:
+            dist.all_reduce(loss_sum)
+        if rank == 0 and args.checkpoint_every_epochs and (epoch + 1) % args.checkpoint_every_epochs == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
+                       Path(args.run_dir) / f"handwritten-{os.getpid()}-{tag}.pt")
+        epoch_ends.append(time.perf_counter())
+    del ddp, model
+    return _loop_result(stamps, epoch_ends, len(loader), args, world)
 
 
-def run_bare(args: argparse.Namespace) -> dict:
+def _ddp_hpc_group():
+    from ddp_hpc.distributed import DistributedOptions, process_group
+
+    return process_group(DistributedOptions(backend="gloo", device="cpu"))
+
+
+def run_trainer(args: argparse.Namespace) -> tuple[dict, int]:
+    """One Trainer fit (the start-up figures)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    phases: dict[str, float] = {"imported": IMPORTED_AFTER_LAUNCH}
+    with _ddp_hpc_group() as ctx:
+        phases["group_ready"] = _since_launch()
+        result = _trainer_fit(args, ctx, phases, "0")
+        rank = ctx.rank
+    return {**result, "phases_after_launch_s": phases, "first_step_after_launch_s": phases["first_step"]}, rank
+
+
+def run_handwritten(args: argparse.Namespace) -> tuple[dict, int]:
+    """One hand-written loop under torchrun, with its own init_process_group (start-up figures)."""
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(args.threads)
+    phases: dict[str, float] = {"imported": IMPORTED_AFTER_LAUNCH}
     dist.init_process_group("gloo")
-    dist.all_reduce(torch.ones(1))
-    ready = _since_launch()
+    phases["group_ready"] = _since_launch()
+    rank = dist.get_rank()
+    result = _handwritten_fit(args, phases, "0")
     dist.destroy_process_group()
-    return {"first_all_reduce_after_launch_s": ready}
+    return {**result, "phases_after_launch_s": phases, "first_step_after_launch_s": phases["first_step"]}, rank
 
 
-def run_allreduce(args: argparse.Namespace) -> dict:
+def run_loops(args: argparse.Namespace) -> tuple[dict, int]:
+    """Trainer and hand-written loop alternating in one launch, ``--rounds`` pairs: both
+    run at the same moment of the machine's load, in the same process."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    loops = ["trainer", "handwritten", *(["trainer_async"] if args.with_async else [])]
+    results: dict[str, list[dict]] = {mode: [] for mode in loops}
+    order: list[str] = []
+    with _ddp_hpc_group() as ctx:
+        for round_index in range(args.rounds):
+            pair = loops if (round_index + args.first) % 2 == 0 else loops[::-1]
+            for mode in pair:
+                tag = f"{round_index}-{mode}"
+                if mode == "handwritten":
+                    result = _handwritten_fit(args, {}, tag)
+                else:
+                    result = _trainer_fit(args, ctx, {}, tag, ["checkpoint.async=true"] if mode == "trainer_async" else [])
+                gc.collect()
+                results[mode].append(result)
+                order.append(mode)
+        rank = ctx.rank
+    return {**results, "order": order}, rank
+
+
+def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
+    """Time rank 0 is blocked in each checkpoint, and the background write times."""
+    import torch
+
+    from ddp_hpc.config import load_config
+    from ddp_hpc.distributed import DistributedOptions, process_group
+    from ddp_hpc.training.job import create_job
+    from ddp_hpc.training.run_folder import RunFolder
+    from ddp_hpc.training.trainer import Trainer
+
+    torch.set_num_threads(args.threads)
+    blocked: list[dict] = []
+    written: list[float] = []
+
+    class TimedTrainer(Trainer):
+        def save_checkpoint(self, improved: bool):
+            started = time.perf_counter()
+            path = super().save_checkpoint(improved)
+            row = {"step": self.progress.global_step, "blocked_s": time.perf_counter() - started}
+            if self.checkpoint_writer is not None and self.ctx.is_rank_zero:
+                timing = self.checkpoint_writer.last_submit
+                row.update(waited_for_previous_s=timing.waited_s, snapshot_s=timing.snapshot_s)
+            blocked.append(row)
+            return path
+
+        def _checkpoints_written(self, records) -> None:
+            written.extend(record.write_s for record in records)
+            super()._checkpoints_written(records)
+
+    config = load_config(None, [*_synthetic_overrides(args), "training.epochs=1",
+                                f"training.max_steps={args.checkpoints * args.every + args.every // 2}",
+                                "checkpoint.every_n_epochs=null", f"checkpoint.every_n_steps={args.every}",
+                                f"checkpoint.async={'true' if args.async_checkpoint else 'false'}"])
+    with process_group(DistributedOptions(backend="gloo", device="cpu")) as ctx:
+        job = create_job(config.job.name, config.job.params)
+        trainer = TimedTrainer(job, config, ctx, RunFolder(Path(args.run_dir) / f"stall-{os.getpid()}"))
+        trainer.fit()
+        rank = ctx.rank
+        state_bytes = 0
+        if rank == 0:
+            path = trainer.run.checkpoints / "last.pt"
+            state_bytes = path.stat().st_size
+    periodic = [b for b in blocked if b["step"] % args.every == 0]
+    return {"async": args.async_checkpoint, "checkpoint_bytes": state_bytes, "blocked": periodic,
+            "blocked_s": [b["blocked_s"] for b in periodic],
+            "write_s": written if args.async_checkpoint else [b["blocked_s"] for b in periodic]}, rank
+
+
+def _mpi_rank() -> tuple[int, int] | None:
+    for rank_var, size_var in MPI_RANK_VARS:
+        if rank_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return None
+
+
+def run_bare(args: argparse.Namespace) -> tuple[dict, int]:
+    import torch
+    import torch.distributed as dist
+
+    phases: dict[str, float] = {"imported": IMPORTED_AFTER_LAUNCH}
+    mpi = _mpi_rank()
+    if mpi is None:  # torchrun: env://
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=mpi[0], world_size=mpi[1])
+    phases["group_ready"] = _since_launch()
+    dist.all_reduce(torch.ones(1))
+    phases["first_step"] = _since_launch()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return {"phases_after_launch_s": phases, "first_step_after_launch_s": phases["first_step"]}, rank
+
+
+def run_allreduce(args: argparse.Namespace) -> tuple[dict, int]:
     import torch
     import torch.distributed as dist
 
@@ -145,32 +302,50 @@ def run_allreduce(args: argparse.Namespace) -> dict:
     for _ in range(args.steps):
         dist.all_reduce(buffer)
         stamps.append(time.perf_counter())
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
-    stats = step_stats(stamps, args.warmup)
-    return {**stats, "world_size": world, "bytes": buffer.numel() * buffer.element_size()}
+    deltas = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup_steps:]
+    return {"mean_step_s": statistics.fmean(deltas), "median_step_s": statistics.median(deltas),
+            "world_size": world, "bytes": buffer.numel() * buffer.element_size()}, rank
 
 
 def main() -> None:
+    global IMPORTED_AFTER_LAUNCH
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("trainer", "handwritten", "bare", "allreduce"))
+    parser.add_argument("mode", choices=("loops", "trainer", "handwritten", "stall", "bare", "allreduce"))
+    parser.add_argument("--rounds", type=int, default=2, help="loops mode: Trainer/hand-written pairs")
+    parser.add_argument("--with-async", action="store_true",
+                        help="loops mode: also the Trainer with checkpoint.async (trainer_async)")
+    parser.add_argument("--first", type=int, default=0, help="loops mode: 1 starts with the hand-written loop")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs")
+    parser.add_argument("--warmup-epochs", type=int, default=1)
+    parser.add_argument("--checkpoint-every-epochs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40, help="allreduce mode")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="allreduce mode")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--input-dim", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--comm-hook", default="none")
     parser.add_argument("--numel", type=int, default=1 << 20)
+    parser.add_argument("--every", type=int, default=10, help="stall mode: checkpoint every N steps")
+    parser.add_argument("--checkpoints", type=int, default=3, help="stall mode: periodic checkpoints")
+    parser.add_argument("--async", dest="async_checkpoint", action="store_true", help="stall mode")
+    parser.add_argument("--port", type=int, default=29500, help="bare mode under mpiexec")
     parser.add_argument("--run-dir", default="/tmp")
     args = parser.parse_args()
-    runner = {"trainer": run_trainer, "handwritten": run_handwritten, "bare": run_bare,
+    import torch  # noqa: F401  (the import every mode pays, timed as "imported")
+
+    IMPORTED_AFTER_LAUNCH = _since_launch()
+    runner = {"loops": run_loops, "trainer": run_trainer, "handwritten": run_handwritten, "stall": run_stall, "bare": run_bare,
               "allreduce": run_allreduce}[args.mode]
-    _write(args.out, runner(args))
+    result, rank = runner(args)
+    _write(args.out, result, rank)
     # Leave before interpreter teardown (see ddp_hpc.cli.main): the result is written.
     os._exit(0)
 

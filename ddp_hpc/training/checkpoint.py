@@ -121,6 +121,18 @@ def prune(directory: Path, keep_last: int) -> None:
             old.unlink(missing_ok=True)
 
 
+def write_checkpoint(state: Mapping[str, Any], path: Path, *, best: bool, keep_last: int) -> Path:
+    """The whole save: ``path`` atomically, ``last.pt`` (and ``best.pt``) re-pointed at it
+    once it is complete, old periodic files pruned. Synchronous saves call it on the
+    training thread, ``checkpoint.async`` saves from the background writer."""
+    save_atomic(state, path)
+    link_atomic(path, path.parent / "last.pt")
+    if best:
+        link_atomic(path, path.parent / "best.pt")
+    prune(path.parent, keep_last)
+    return path
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint with ``weights_only=True``: tensors and plain data only, no code."""
     try:

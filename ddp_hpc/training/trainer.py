@@ -9,8 +9,9 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.tracking import RunShape, Tracking
 from ddp_hpc.training import checkpoint as ckpt
+from ddp_hpc.training.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
@@ -76,6 +78,8 @@ class Trainer:
         #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
         self.last_checkpoint_s = 0.0
         self.resharding: Resharding | None = None
+        #: checkpoint.async: rank 0's background writer (None: synchronous saves).
+        self.checkpoint_writer = AsyncCheckpointWriter() if config.checkpoint.async_write else None
 
     # ----- setup ------------------------------------------------------------------------
 
@@ -203,7 +207,7 @@ class Trainer:
 
         # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
         limit = self.config.distributed.watchdog_s
-        with watch_progress(self.ctx, limit) as self.watchdog:
+        with watch_progress(self.ctx, limit) as self.watchdog, self._checkpoint_writes():
             status = self._train_epochs(datasets)
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (status 75) before rank 0's checkpoint is on disk
@@ -466,18 +470,46 @@ class Trainer:
             "config": self.config.to_dict(),
             "tracking": self.tracking.state(self.progress.global_step),
         }
-        directory = self.run.checkpoints
-        path = ckpt.save_atomic(state, ckpt.step_path(directory, self.progress.global_step))
-        ckpt.link_atomic(path, directory / "last.pt")
-        if improved and self.config.checkpoint.save_best:
-            ckpt.link_atomic(path, directory / "best.pt")
-        ckpt.prune(directory, self.config.checkpoint.keep_last)
+        path = ckpt.step_path(self.run.checkpoints, self.progress.global_step)
+        write = partial(ckpt.write_checkpoint, path=path, best=improved and self.config.checkpoint.save_best,
+                        keep_last=self.config.checkpoint.keep_last)
+        if self.checkpoint_writer is not None:
+            # Blocks for the previous write and the copy to host memory; callbacks hear of a
+            # file once its write is known to be complete.
+            self._checkpoints_written(self.checkpoint_writer.submit(state, path, write))
+            self.last_checkpoint_s = time.perf_counter() - started  # what training waited for
+            return path
+        write(state)
         self.last_checkpoint_s = time.perf_counter() - started
         log.debug("checkpoint %s (epoch %d, batch %d, step %d)", path, self.progress.epoch,
                   self.progress.batches_done, self.progress.global_step)
         for callback in self.callbacks:
             callback.on_checkpoint_saved(self, path)
         return path
+
+    @contextmanager
+    def _checkpoint_writes(self):
+        """With checkpoint.async: ``fit`` returns (or raises) only once the last write is done."""
+        try:
+            yield
+        except BaseException:
+            if self.checkpoint_writer is not None:
+                self._beat("checkpoint")
+                try:
+                    self.checkpoint_writer.wait()
+                except CheckpointWriteError as exc:  # the error already raised matters more
+                    log.error("%s", exc)
+            raise
+        if self.checkpoint_writer is not None:
+            self._beat("checkpoint")  # a write still in flight is watched like a synchronous one
+            self._checkpoints_written(self.checkpoint_writer.wait())
+
+    def _checkpoints_written(self, records) -> None:
+        for record in records:
+            log.debug("checkpoint %s written in the background in %.3fs (training blocked %.3fs)",
+                      record.path, record.write_s, record.snapshot_s)
+            for callback in self.callbacks:
+                callback.on_checkpoint_saved(self, record.path)
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
         if state["optimizer"] is not None:
