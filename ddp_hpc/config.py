@@ -166,6 +166,9 @@ class DistributedConfig:
     host_suffix: str = ""
     #: End a rank that makes no progress (no step, batch or checkpoint) for this long.
     watchdog_s: float | None = 300.0
+    #: Relaunch every rank after a failure, at most this often, when render/submit get no
+    #: ``--max-restarts`` for this config.
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         positive(self.timeout_s, "distributed.timeout_s")
@@ -173,6 +176,7 @@ class DistributedConfig:
         if self.watchdog_s is not None:
             positive(self.watchdog_s, "distributed.watchdog_s")
         positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")
+        non_negative(self.max_restarts, "distributed.max_restarts")
 
 
 @dataclass(frozen=True)

@@ -55,9 +55,10 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
                         help="a shell line to run in the job before launching (repeatable)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for every rank (repeatable)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    parser.add_argument("--max-restarts", type=int, default=None, metavar="N",
                         help="relaunch all ranks in the same allocation after a failure, at most N times "
-                             "(they resume from the newest checkpoint; default: 0)")
+                             "(they resume from the newest checkpoint; default: the config's "
+                             "distributed.max_restarts, else 0)")
     if family == "slurm":
         parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
                             help="allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
@@ -88,12 +89,16 @@ def _payload(args: argparse.Namespace) -> TrainPayload | CommandPayload:
 
 
 def job_request(args: argparse.Namespace) -> JobRequest:
+    payload = _payload(args)
+    max_restarts = args.max_restarts
+    if max_restarts is None:
+        max_restarts = payload.config.distributed.max_restarts if isinstance(payload, TrainPayload) else 0
     return JobRequest(
-        payload=_payload(args), profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
+        payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
-        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=args.max_restarts,
+        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=max_restarts,
         sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
         stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0))
 
