@@ -111,7 +111,12 @@ CORPUS = [
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;
 # the rest would add a minute of start-ups to the suite and test the same CLI path.
-DEBUG_RERUN = {case[0] for case in CORPUS[:24]} | {
+def case_name(case) -> str:
+    """A corpus entry's name: a plain tuple's first item, or a pytest.param's first value."""
+    return case.values[0] if hasattr(case, "values") else case[0]
+
+
+DEBUG_RERUN = {case_name(case) for case in CORPUS[:24]} | {
     "config not UTF-8", "keep no checkpoint", "run folder under a file", "checkpoint from another job",
     "rendezvous timeout not a number", "--nodes zero"}
 
