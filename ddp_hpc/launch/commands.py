@@ -169,8 +169,11 @@ def _report_end(result: schedulers.JobResult) -> int:
         if result.submission.kind == "command":
             print(result.log_tail)
         return 0
-    reason = result.failure or (
-        "ended without a training summary" if result.submission.kind == "train" else "failed")
+    if result.failure:  # the backend's own line: "job ID failed: rank(s) ... ; logs in ..."
+        raise JobFailed(f"{result.failure}; {result.log_tail}", result.exit_code)
+    code = result.status.exit_code
+    reason = ("ended without a training summary" if result.submission.kind == "train" else
+              f"the command ended with exit status {code}" if code is not None else "the job ended abnormally")
     raise JobFailed(f"job {result.submission.job_id} {result.status.state.value}: {reason}; {result.log_tail}",
                     result.exit_code)
 

@@ -104,10 +104,13 @@ class JobResult:
 
     @property
     def exit_code(self) -> int:
-        """What ``submit --wait`` exits with: the job's own status where known."""
+        """What ``submit --wait`` exits with: 0; for a failed command job its own status where
+        known; else 1 (a training job that left no summary)."""
         if self.succeeded:
             return 0
-        return self.status.exit_code if self.status.exit_code else 1
+        if self.submission.kind == "command" and self.status.exit_code:
+            return self.status.exit_code
+        return 1
 
 
 def read_submission(target: str | Path) -> Submission:
