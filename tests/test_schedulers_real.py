@@ -77,7 +77,10 @@ def test_sbatch_script_wait_on_two_nodes(tmp_path, slurm_cluster, variant):
 def test_dry_run_prints_everything_and_submits_nothing(tmp_path, scheduler):
     result = submit(tmp_path, scheduler, DIGITS, "--nodes", "2", "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("#!/bin/bash")
+    if scheduler == "pbs":  # a script, and the qsub line
+        assert result.stdout.startswith("#!/bin/bash") and "# would run: qsub " in result.stdout
+    else:  # submitit: no script of ours, its parameters
+        assert "# would submit with submitit, parameters:" in result.stdout and "#   nodes = 2" in result.stdout
     assert f"# per-rank command (4 ranks): ddp-hpc train {DIGITS}" in result.stdout
     assert "submitted job" not in result.stdout
     assert not (tmp_path / "runs").exists() and not (tmp_path / "logs").exists()
