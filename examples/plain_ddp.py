@@ -56,8 +56,11 @@ def main() -> None:
         correct = (model(test_inputs[mine]).argmax(1) == test_targets[mine]).sum()
     counts = torch.stack([correct, torch.tensor(len(test_targets[mine]), device=device)]).float()
     dist.all_reduce(counts)
-    print(f"rank {rank}/{world_size} local_rank {local_rank}: all_reduce correct={int(counts[0])} "
-          f"total={int(counts[1])} test_accuracy={counts[0] / counts[1]:.4f}", flush=True)
+    line = (f"rank {rank}/{world_size} local_rank {local_rank}: all_reduce correct={int(counts[0])} "
+            f"total={int(counts[1])} test_accuracy={counts[0] / counts[1]:.4f}")
+    # One write per line: the ranks share the launcher's output, and print() writes the
+    # newline separately, so two ranks' lines could merge.
+    print(line + "\n", end="", flush=True)
     # Free DDP (it sits in a reference cycle) while the group is alive: with gloo, a
     # DistributedDataParallel that outlives destroy_process_group can abort the process at exit.
     del model, optimizer

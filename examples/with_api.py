@@ -46,8 +46,11 @@ def main() -> None:
             mine = slice(rank, None, world_size)
             correct = (model(test_inputs[mine]).argmax(1) == test_targets[mine]).sum().item()
         total_correct, total = ctx.all_reduce([correct, len(test_targets[mine])])  # sum over ranks
-        print(f"rank {rank}/{world_size} local_rank {ctx.local_rank}: all_reduce correct={int(total_correct)} "
-              f"total={int(total)} test_accuracy={total_correct / total:.4f}", flush=True)
+        line = (f"rank {rank}/{world_size} local_rank {ctx.local_rank}: all_reduce correct={int(total_correct)} "
+                f"total={int(total)} test_accuracy={total_correct / total:.4f}")
+        # One write per line: the ranks share the launcher's output, and print() writes the
+        # newline separately, so two ranks' lines could merge.
+        print(line + "\n", end="", flush=True)
 
 
 if __name__ == "__main__":
