@@ -17,6 +17,12 @@ from dataclasses import dataclass
 
 from ddp_hpc.errors import UserError
 
+#: What ranks exit with after checkpointing on a stop request (EX_TEMPFAIL: try again later).
+PREEMPTED_EXIT = 75
+#: The file rank 0 writes in the run folder after such a checkpoint: under
+#: ``srun --kill-on-bad-exit`` the ranks' 75 reaches the batch script as 143.
+PREEMPTED_MARKER = "preempted"
+
 #: The job's end (walltime limit) in seconds since the epoch, exported by the batch script.
 DEADLINE_ENV = "DDP_HPC_DEADLINE"
 #: Alternatively: when the job started (seconds since the epoch) and its walltime in seconds.

@@ -14,7 +14,7 @@ from ddp_hpc.config import Config, load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
-from ddp_hpc.stop import job_deadline, parse_stop_signal
+from ddp_hpc.stop import PREEMPTED_EXIT, job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.training.callbacks import create_callbacks
 from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
@@ -44,7 +44,7 @@ class TrainOptions:
 class Preempted(UserError):
     """The run stopped on request (time limit, preemption) after writing a checkpoint."""
 
-    exit_code = 75  # EX_TEMPFAIL: try again later
+    exit_code = PREEMPTED_EXIT
 
     def __init__(self, message: str, signum: int | None = None) -> None:
         super().__init__(message)

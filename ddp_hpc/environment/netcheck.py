@@ -20,7 +20,6 @@ import logging
 import os
 import socket
 import struct
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -7,16 +7,13 @@ from collections.abc import Sequence
 from ddp_hpc import __version__
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.launch.request import JobRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.stop import PREEMPTED_EXIT, PREEMPTED_MARKER
 from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
 
 #: Where a rendered script keeps the run folder's path (also read by ``ddp-hpc status``).
 RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 #: The job's end (epoch seconds), exported by every rendered script.
 DEADLINE_VAR = "DDP_HPC_DEADLINE"
-#: What ranks exit with after checkpointing on a stop request (EX_TEMPFAIL).
-PREEMPTED_EXIT = 75
-#: The file rank 0 writes in the run folder after such a checkpoint (training/run_folder.py).
-PREEMPTED_MARKER = "preempted"
 
 
 class ShellVar(str):

@@ -12,9 +12,8 @@ from typing import Any
 import yaml
 
 from ddp_hpc.errors import UserError
+from ddp_hpc.stop import PREEMPTED_MARKER
 from ddp_hpc.summary import RunSummary
-
-PREEMPTED_MARKER = "preempted"
 
 
 @dataclass(frozen=True)

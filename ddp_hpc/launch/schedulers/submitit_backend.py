@@ -26,13 +26,12 @@ from ddp_hpc.launch.schedulers.base import (
     run_tool,
 )
 from ddp_hpc.launch.schedulers.slurm_state import slurm_status
-from ddp_hpc.stop import SLURM_DEADLINE_LINES
+from ddp_hpc.stop import PREEMPTED_EXIT, SLURM_DEADLINE_LINES
 
 log = logging.getLogger(__name__)
 
 #: How long a command job's checkpoint() waits for the command to stop, at most.
 COMMAND_STOP_WAIT_S = 80
-PREEMPTED_EXIT = 75
 
 
 class SubmititTrainTask:
