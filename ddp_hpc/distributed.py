@@ -141,6 +141,15 @@ class DistContext:
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` in rank order on rank ``dst``, None elsewhere: what only one
+        rank needs, without sending every rank everybody's copy."""
+        if not self.group_initialized:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
     @contextmanager
     def rank_zero_first(self) -> Iterator[None]:
         """Rank 0 runs the block first (e.g. to prepare files); the others then follow."""

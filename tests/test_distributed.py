@@ -18,6 +18,7 @@ def test_group_is_created_used_and_destroyed():
         assert ctx.all_reduce([4.0], op="mean") == [4.0]
         assert ctx.broadcast_object({"a": 1}) == {"a": 1}
         assert ctx.all_gather_object("x") == ["x"]
+        assert ctx.gather_object("y") == ["y"]
         assert check_all_reduce(ctx) is None
         assert check_parameter_sync(ctx) is None
     assert not dist.is_initialized()

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,27 +100,27 @@ class Tracking:
         self._sums: MetricSums | None = None
         self._at_point: dict[str, tuple[float, float]] = {}
         self._at_line: dict[str, tuple[float, float]] = {}
+        self._record_writer: threading.Thread | None = None
 
     # ----- start ------------------------------------------------------------------------
 
     def start(self, shape: RunShape, start_step: int, saved: Mapping[str, Any] | None,
               history: Sequence[Mapping[str, Any]], *, environ: Mapping[str, str] | None = None,
               argv: Sequence[str] | None = None) -> None:
-        """Write the run record (a collective), then start the trackers on rank 0."""
+        """Gather every rank's facts to rank 0 (a collective); there, write the run record in
+        the background and start the trackers."""
         ctx = self.ctx
         facts = rank_facts(ctx.env.to_dict(), str(ctx.device.torch_device), ctx.device.backend,
                            os.environ if environ is None else environ)
-        gathered = ctx.all_gather_object(facts)
+        gathered = ctx.gather_object(facts)
         if not ctx.is_rank_zero:
             return
-        try:
-            record = build_record(run_path=self.run.path, argv=sys.argv if argv is None else argv,
-                                  config=self.config.to_dict(), ranks=gathered, start_step=start_step,
-                                  cwd=Path.cwd())
-            path = write_record(self.run.path, record)
-            log.info("run record: %s", path)
-        except Exception as exc:  # noqa: BLE001 - a record is worth a warning, not the run
-            log.warning("could not write the run record: %s: %s", type(exc).__name__, exc)
+        # Versions, packages and git state take ~0.15 s (subprocesses, a scan of every
+        # installed distribution): not worth delaying the first step for.
+        self._record_writer = threading.Thread(
+            target=self._write_record, name="ddp-hpc-run-record", daemon=True,
+            args=(sys.argv if argv is None else list(argv), gathered, start_step, Path.cwd()))
+        self._record_writer.start()
 
         logging_config = self.config.logging
         params = {**flatten(self.config.to_dict()), "world_size": shape.world_size,
@@ -149,6 +150,21 @@ class Tracking:
             self.lines = ProgressLines(
                 ProgressShape(shape.epochs, shape.steps_per_epoch, shape.total_steps,
                               shape.effective_batch_size), logging_config.progress_every_s, start_step)
+
+    def _write_record(self, argv: Sequence[str], ranks: Sequence[dict[str, Any]], start_step: int,
+                      cwd: Path) -> None:
+        try:
+            record = build_record(run_path=self.run.path, argv=argv, config=self.config.to_dict(), ranks=ranks,
+                                  start_step=start_step, cwd=cwd)
+            log.info("run record: %s", write_record(self.run.path, record))
+        except Exception as exc:  # noqa: BLE001 - a record is worth a warning, not the run
+            log.warning("could not write the run record: %s: %s", type(exc).__name__, exc)
+
+    def wait_for_record(self) -> None:
+        """The run record is on disk (or its failure logged) when this returns."""
+        if self._record_writer is not None:
+            self._record_writer.join()
+            self._record_writer = None
 
     def progress_bar_shown(self) -> bool:
         mode = self.config.logging.progress
@@ -215,6 +231,7 @@ class Tracking:
 
     def state(self, global_step: int) -> dict[str, Any]:
         """For the checkpoint (rank 0): run ids and recent points, after a flush."""
+        self.wait_for_record()  # a checkpoint's run has its record
         for tracker, _ in list(self.trackers):
             try:
                 tracker.flush()
@@ -229,6 +246,7 @@ class Tracking:
         """Close the trackers (a preempted run's stay open for the requeued job) and plot."""
         if not self.ctx.is_rank_zero:
             return
+        self.wait_for_record()
         for tracker, _ in self.trackers:
             try:
                 tracker.close(finished=completed)

@@ -78,6 +78,8 @@ class Trainer:
         #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
         self.last_checkpoint_s = 0.0
         self.resharding: Resharding | None = None
+        #: "host:pid" of every rank, in rank order (gathered at start-up, for the log).
+        self.rank_places: list[str] = []
         #: checkpoint.async: rank 0's background writer (None: synchronous saves).
         self.checkpoint_writer = AsyncCheckpointWriter() if config.checkpoint.async_write else None
 
@@ -107,7 +109,12 @@ class Trainer:
     def _build_model(self) -> nn.Module:
         seed_everything(self.training.seed)  # the same initial weights on every rank
         model = self.job.build_model().to(self.device)
-        checksums = self.ctx.all_gather_object(parameter_checksum(model))
+        # One start-up gather to rank 0 (each costs two collectives' latency, which grows with
+        # the ranks): the weights' checksums, and each rank's host:pid for the start-up log.
+        place = f"{socket.gethostname()}:{os.getpid()}"
+        gathered = self.ctx.gather_object((parameter_checksum(model), place)) or []
+        checksums = [checksum for checksum, _ in gathered]
+        self.rank_places = [place for _, place in gathered]
         if len(set(checksums)) > 1:
             log.warning("build_model gave different weights on different ranks (checksums %s); "
                         "DDP copies rank 0's", checksums)
@@ -129,9 +136,6 @@ class Trainer:
 
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
             wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
-        checksums = self.ctx.all_gather_object(parameter_checksum(model))
-        if len(set(checksums)) > 1:
-            raise RuntimeError(f"parameters differ across ranks after DDP's broadcast: {checksums}")
         return wrapped
 
     def _find_resume_state(self) -> tuple[Path, dict[str, Any]] | None:
@@ -226,12 +230,11 @@ class Trainer:
         return summary
 
     def _log_start(self, datasets: Datasets) -> None:
-        # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
-        # this line maps one to the other in the job log.
-        places = self.ctx.all_gather_object(f"{socket.gethostname()}:{os.getpid()}")
         if not self.ctx.is_rank_zero:
             return
-        log.info("ranks (host:pid): %s", " ".join(f"{rank}={place}" for rank, place in enumerate(places)))
+        # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
+        # this line maps one to the other in the job log.
+        log.info("ranks (host:pid): %s", " ".join(f"{rank}={place}" for rank, place in enumerate(self.rank_places)))
         log.info("job %s: %d train samples, world size %d, %s on %s, precision %s",
                  self.config.job.name, len(datasets.train), self.ctx.world_size, self.ctx.device.backend,
                  self.ctx.device.torch_device, self.precision.name)
@@ -448,11 +451,11 @@ class Trainer:
         return self.optimizer.state_dict()
 
     def save_checkpoint(self, improved: bool) -> Path | None:
-        """Every rank calls this (it gathers RNG states); rank 0 writes the file."""
+        """Every rank calls this (rank 0 gathers their RNG states); rank 0 writes the file."""
         self._beat("checkpoint")
         started = time.perf_counter()
         optimizer_state = self._optimizer_state()
-        rng_states = self.ctx.all_gather_object(capture_rng())
+        rng_states = self.ctx.gather_object(capture_rng())
         if not self.ctx.is_rank_zero:
             return None
         state = {
@@ -560,8 +563,9 @@ class Trainer:
 
     def _summary(self, started: float, status: RunStatus, test: dict[str, float] | None,
                  write: bool = True) -> RunSummary:
-        epochs_per_rank = self.ctx.all_gather_object(self.progress.epoch)
-        checksums = self.ctx.all_gather_object(parameter_checksum(self.model))
+        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model)))
+        epochs_per_rank = [epoch for epoch, _ in gathered]
+        checksums = [checksum for _, checksum in gathered]
         rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
         metric = self.config.validation.early_stopping.metric
         summary = RunSummary(
