@@ -117,9 +117,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ddp_hpc.bench.runner import run_bench
+    from ddp_hpc.bench.runner import parse_sizes, run_bench
 
-    run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None)
+    run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None,
+              startup_sizes=parse_sizes(args.startup_sizes) if args.startup_sizes else None)
     return 0
 
 
@@ -229,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="benchmark the Trainer against a hand-written DDP loop and ideal scaling")
     bench.add_argument("--quick", action="store_true",
                        help="a small plan for smoke tests (2 rounds, start-up at 2 and 4 ranks)")
+    bench.add_argument("--startup-sizes", metavar="N,N,...",
+                       help="world sizes of the start-up figures (default: 2,4,8,16; --quick: 2,4)")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)

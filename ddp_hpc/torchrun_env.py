@@ -15,10 +15,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, DeviceChoice
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.errors import UserError
+
+if TYPE_CHECKING:  # ddp_hpc.device imports torch; the job scripts' launch code must not
+    from ddp_hpc.device import DeviceChoice
 
 #: The role name torchrun gives workers when none is asked for (``--role``).
 ROLE_NAME = "default"
@@ -106,6 +109,8 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     restart = environ.get(RESTART_COUNT_VAR, "0").strip() or "0"
     if not restart.isdigit():
         raise UserError(f"environment variable {RESTART_COUNT_VAR}={restart!r} is not a whole number")
+    from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR  # torch is loaded: ``choice`` exists
+
     exported = torchrun_variables(dist_env, run_id_for(environ, dist_env, launcher_key), int(restart))
     exported[DEVICE_ENV_VAR] = choice.device_type
     exported[BACKEND_ENV_VAR] = choice.backend

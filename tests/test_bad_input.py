@@ -54,6 +54,9 @@ CORPUS = [
     ("ranks per node above devices per node", {}, ["render", "pbs", DIGITS, "--cluster", "polaris",
                                                    "--ranks-per-node", "8"], {}, "8 ranks per node"),
     ("walltime nonsense", {}, ["render", "slurm", DIGITS, "--walltime", "1:99:00"], {}, "--walltime"),
+    ("bench start-up size of one rank", {}, ["bench", "--quick", "--startup-sizes", "1,4"], {},
+     "--startup-sizes '1,4': world sizes of at least 2"),
+    ("bench start-up sizes not numbers", {}, ["bench", "--startup-sizes", "two"], {}, "--startup-sizes 'two'"),
     # Configs that are not UTF-8 or not YAML at all.
     ("config not UTF-8", {"c.yaml": b"\xff\xfe\x00\x81training: 1\n"}, ["train", "{tmp}/c.yaml"], {},
      "c.yaml is not UTF-8 text (byte 0xff at offset 0)"),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import ddp_hpc_command, run
+from conftest import REPO, ddp_hpc_command, run
 
 
 def _one_error_line(result) -> str:
@@ -98,3 +98,22 @@ def test_train_single_process_prints_the_run_folder(tmp_path):
     assert f"run folder: {tmp_path}/digits" in result.stdout
     assert {p.name for p in (tmp_path / "digits").iterdir()} == {
         "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "record", "curves.png"}
+
+
+def test_scheduler_commands_never_import_torch(tmp_path):
+    """Login nodes: render, submit --dry-run and status answer without torch (its import
+    costs seconds there). A torch that cannot be imported shadows the real one."""
+    poison = tmp_path / "poison" / "torch"
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    env = {"PYTHONPATH": str(tmp_path / "poison")}
+    digits = str(REPO / "configs" / "digits.yaml")
+    for args in (["render", "slurm", digits], ["render", "pbs", digits, "--cluster", "aurora"],
+                 ["submit", "slurm", "--sbatch", "--dry-run", digits],
+                 ["submit", "pbs", "--cluster", "pbs-generic", "--dry-run", "--", "python", "train.py"]):
+        result = run([*ddp_hpc_command(), *args], env=env, cwd=tmp_path)
+        assert result.returncode == 0 and "#!/bin/bash" in result.stdout, (args, result.stderr[-2000:])
+    status = run([*ddp_hpc_command(), "status", str(tmp_path / "no-run")], env=env, cwd=tmp_path)
+    assert status.returncode == 2 and "neither a run folder nor a job id" in status.stderr, status.stderr
+    # The poison works: what needs torch says so.
+    assert "torch was imported" in run([*ddp_hpc_command(), "env"], env=env, cwd=tmp_path).stderr

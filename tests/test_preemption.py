@@ -53,17 +53,19 @@ def nodes_idle() -> bool:
     return bool(states) and all(state == "idle" for state in states)
 
 
-def reference_run(tmp_path: Path) -> Path:
-    """The same training, uninterrupted, with the same world size (srun -n 2)."""
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm_cluster) -> dict:
+    """The same training, uninterrupted, with the same world size (srun -n 2): one run for
+    both signal tests (its final checkpoint)."""
+    folder = tmp_path_factory.mktemp("reference")
+    result = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES,
+                  f"logging.run_dir={folder / 'runs'}", "logging.name=reference"], timeout=300, cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_checkpoint(folder / "runs" / "reference" / "checkpoints" / "last.pt")
+
+
+def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, reference):
     runs = tmp_path / "runs"
-    reference = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES,
-                     f"logging.run_dir={runs}", "logging.name=reference"], timeout=300, cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    return runs
-
-
-def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, slurm_cluster):
-    runs = reference_run(tmp_path)
 
     submit = subprocess.Popen(
         [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
@@ -95,15 +97,14 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, sl
     resumed_at = time.mktime(time.strptime(time.strftime("%Y-%m-%d ") + ":".join(resumed.group(1, 2, 3)),
                                            "%Y-%m-%d %H:%M:%S"))
 
-    assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
-                            load_checkpoint(checkpoints / "last.pt"))
+    assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"preemption (sbatch, SIGUSR2 to the batch shell): checkpoint {checkpointed - signalled:.1f}s after "
                    f"the signal; resumed {max(0.0, resumed_at - released):.0f}s (1 s resolution) after the requeued "
                    f"job was released; final weights bit-identical")
 
 
-def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, slurm_cluster):
-    runs = reference_run(tmp_path)
+def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, reference):
+    runs = tmp_path / "runs"
     submit = subprocess.Popen(
         [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--nodes", "1", "--tasks-per-node", "2", "--walltime", "20",
          "--wait", *OVERRIDES, f"logging.run_dir={runs}", "logging.name=preempted"],
@@ -129,15 +130,14 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, s
     assert re.search(rf"resuming from \S+step-{int(stopped.group(1)):08d}\.pt:", logs), logs[-3000:]
     # submitit's own handler ran only after the checkpoint.
     assert logs.index("stopped on request") < logs.index("Caught signal SIGUSR2") < logs.index("resuming from")
-    assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
-                            load_checkpoint(checkpoints / "last.pt"))
+    assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): checkpoint at the agreed step {stopped.group(1)}, "
                    f"requeued {requeued - signalled:.1f}s after the signal; final weights bit-identical")
 
 
 @pytest.mark.timeout(600)
 def test_sbatch_job_stops_before_its_walltime_with_no_signal_and_resumes_exactly(tmp_path, slurm_cluster):
-    """A 2-minute job and no signal at all: the batch script exports the job's end
+    """A 1-minute job and no signal at all: the batch script exports the job's end
     (ddp_hpc.stop.SLURM_DEADLINE_LINES), the ranks stop ahead of it with a checkpoint and
     exit 75, the script requeues, and the requeued job finishes bit-identical."""
     import shlex
@@ -153,13 +153,13 @@ def test_sbatch_job_stops_before_its_walltime_with_no_signal_and_resumes_exactly
                      f"logging.run_dir={runs}", "logging.name=reference"], timeout=300, cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    # Only the first attempt is slowed down (20 epochs x 16 steps x 0.5 s: longer than 2 minutes).
+    # Only the first attempt is slowed down (20 epochs x 16 steps x 0.5 s: longer than a minute).
     slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.5}}]"
     train = shlex.join([*ddp_hpc_command(), "train", CONFIG, *common, f"logging.run_dir={runs}", "logging.name=deadline"])
     script = tmp_path / "deadline.sbatch"
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH --job-name=deadline", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2",
-        "#SBATCH --time=2", "#SBATCH --output=logs/%x-%j.out", "#SBATCH --open-mode=append", "#SBATCH --requeue",
+        "#SBATCH --time=1", "#SBATCH --output=logs/%x-%j.out", "#SBATCH --open-mode=append", "#SBATCH --requeue",
         *SLURM_DEADLINE_LINES,
         'echo "test: DDP_HPC_DEADLINE=$DDP_HPC_DEADLINE"',
         "extra=()",
@@ -192,5 +192,5 @@ def test_sbatch_job_stops_before_its_walltime_with_no_signal_and_resumes_exactly
     assert re.search(rf"resuming from \S+step-{step:08d}\.pt:", log), log[-3000:]
     assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
                                load_checkpoint(runs / "deadline" / "checkpoints" / "last.pt"))
-    FIGURES.append(f"deadline stop (sbatch --time=2, no signal, margin 15 s): checkpoint at step {step} "
+    FIGURES.append(f"deadline stop (sbatch --time=1, no signal, margin 15 s): checkpoint at step {step} "
                    f"{deadline - checkpointed:.1f} s before the time limit; requeued, final weights bit-identical")

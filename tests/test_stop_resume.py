@@ -104,8 +104,8 @@ def test_deadline_stops_the_job_in_time_and_the_rerun_ends_bit_identical(tmp_pat
     straight = torchrun(tmp_path, 2, config, DEADLINE_CONFIG, name="straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    # 16 steps per epoch, 12 epochs: at 0.25 s a step, well over the 35 s the job is given.
-    deadline = time.time() + 35
+    # 16 steps per epoch, 12 epochs: at 0.25 s a step, well over the 25 s the job is given.
+    deadline = time.time() + 25
     slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.25}}]"
     stopped = torchrun(tmp_path, 2, config, [*DEADLINE_CONFIG, slow], name="deadline",
                        env={"DDP_HPC_DEADLINE": f"{deadline:.3f}"})
@@ -129,6 +129,6 @@ def test_deadline_stops_the_job_in_time_and_the_rerun_ends_bit_identical(tmp_pat
     b = load_checkpoint(checkpoints / "last.pt")
     assert_same_training_state(a, b)
     assert a["scheduler"] == b["scheduler"]
-    FIGURES.append(f"deadline stop (torchrun, 2 ranks, DDP_HPC_DEADLINE 35 s ahead, margin 8 s): checkpoint at "
+    FIGURES.append(f"deadline stop (torchrun, 2 ranks, DDP_HPC_DEADLINE 25 s ahead, margin 8 s): checkpoint at "
                    f"step {step} {deadline - checkpointed:.1f} s before the deadline, job ended "
                    f"{deadline - ended:.1f} s before it; resumed run bit-identical")

@@ -71,7 +71,7 @@ def test_job_commands_name_what_is_wrong(tmp_path):
 @pytest.mark.timeout(900)
 def test_a_chain_past_the_walltime_ends_bit_identical_to_one_long_run(slurm_cluster, tmp_path):
     """PBS's way past the walltime (no signal, no user requeue): each link of a 3-link chain
-    stops ahead of its 2-minute walltime at an agreed step with a checkpoint, the next link
+    stops ahead of its 1-minute walltime at an agreed step with a checkpoint, the next link
     resumes it, and the link that finds the run finished trains nothing."""
     from conftest import assert_same_training_state, clean_env
     from ddp_hpc.training.checkpoint import load_checkpoint
@@ -85,12 +85,13 @@ def test_a_chain_past_the_walltime_ends_bit_identical_to_one_long_run(slurm_clus
     reference = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", *ddp_hpc_command(), "train", config,
                      *common, "logging.name=reference"], cwd=tmp_path, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    # 320 steps of at least 0.3 s: longer than one 2-minute link.
-    slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.3}}]"
+    # 320 steps of at least 0.15 s: longer than the 40 s one 1-minute link leaves before its
+    # margin, shorter than two links (the third is there if start-up is slow).
+    slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.15}}]"
     env = clean_env({"PYTHONPATH": str(REPO / "tests")})
     started = time.monotonic()
     result = run([*ddp_hpc_command(), "submit", "pbs", config, "--cluster", "pbs-generic", "--nodes", "1",
-                  "--walltime", "2", "--chain", "3", "--wait", *common, "logging.name=chained", slow],
+                  "--walltime", "1", "--chain", "3", "--wait", *common, "logging.name=chained", slow],
                  env=env, cwd=tmp_path, timeout=840)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads((tmp_path / "runs" / "chained" / "submission.json").read_text())
@@ -102,5 +103,5 @@ def test_a_chain_past_the_walltime_ends_bit_identical_to_one_long_run(slurm_clus
                                load_checkpoint(tmp_path / "runs" / "chained" / "checkpoints" / "last.pt"))
     from conftest import FIGURES
 
-    FIGURES.append(f"chain of 3 x 2-minute PBS jobs (qsub): stopped itself at step(s) {', '.join(stops)}, "
+    FIGURES.append(f"chain of 3 x 1-minute PBS jobs (qsub): stopped itself at step(s) {', '.join(stops)}, "
                    f"{time.monotonic() - started:.0f}s in all; final weights bit-identical to one run")

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -474,8 +474,22 @@ def plot(results: Results, path: Path) -> bool:
     return True
 
 
-def run_bench(quick: bool, output: Path, plot_path: Path | None) -> Results:
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> (2, 4, 8): world sizes of at least 2, each once, ascending."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--startup-sizes {text!r}: give world sizes as N,N,... (e.g. 2,4,8)") from None
+    if any(n < 2 for n in sizes) or list(sizes) != sorted(set(sizes)):
+        raise UserError(f"--startup-sizes {text!r}: world sizes of at least 2, ascending, each once")
+    return sizes
+
+
+def run_bench(quick: bool, output: Path, plot_path: Path | None,
+              startup_sizes: tuple[int, ...] | None = None) -> Results:
     plan = QUICK if quick else FULL
+    if startup_sizes:
+        plan = replace(plan, startup_sizes=startup_sizes)
     results = Results(machine_info(), {**asdict(plan), "quick": quick})
 
     def progress(message: str) -> None:
@@ -502,7 +516,8 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None) -> Results:
         pass
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(asdict(results), indent=2) + "\n")
-    command = "ddp-hpc bench" + (" --quick" if quick else "")
+    command = "ddp-hpc bench" + (" --quick" if quick else "") + (
+        f" --startup-sizes {','.join(map(str, startup_sizes))}" if startup_sizes else "")
     output.with_suffix(".md").write_text(format_markdown(results, command))
     print(format_table(results))
     print(f"\nresults: {output} and {output.with_suffix('.md')}  ({results.machine['bench_wall_s']:.0f} s)")
