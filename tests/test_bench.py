@@ -50,5 +50,6 @@ def test_quick_bench_writes_json_table_and_plot(tmp_path):
         for launcher in launchers:
             assert row[f"{launcher}_bare_s"] and row[f"{launcher}_trainer_s"], (launcher, row)
         assert row["torchrun_handwritten_s"] and "ddp_hpc_own_share_s" in row
+        assert "ddp_hpc_own_share_in_process_s" in row
     assert {r["comm_hook"] for r in data["communication"]} == {"none", "fp16"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
