@@ -162,3 +162,18 @@ def test_snapshot_refills_its_host_buffers_in_place():
     assert torch.equal(second["model"]["w"], torch.full((8,), 3.0))
     live["model"]["w"] = torch.zeros(9)  # another shape: a new buffer
     assert snapshot(live, cache)["model"]["w"].shape == (9,)
+
+
+def test_prestaged_buffers_are_the_ones_the_first_snapshot_fills(tmp_path):
+    writer = AsyncCheckpointWriter()
+    live = {"model": {"w": torch.randn(64)}, "optimizer": {"state": {0: {"m": torch.randn(4, 4)}}, "lr": 0.1}}
+    writer.prestage({"model": live["model"], "optimizer": live["optimizer"]})
+    assert writer.staged
+    writer.wait()
+    staged = {key: tensor.data_ptr() for key, tensor in writer._host_buffers.items()}
+    assert set(staged) == {("model", "w"), ("optimizer", "state", 0, "m")}
+    writer.submit({**live, "progress": {"step": 1}}, tmp_path / "a.pt", lambda state: ckpt.write_checkpoint(
+        state, path=tmp_path / "a.pt", best=False, keep_last=2))
+    writer.wait()
+    assert {key: writer._host_buffers[key].data_ptr() for key in staged} == staged  # filled, not reallocated
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["model"]["w"], live["model"]["w"])

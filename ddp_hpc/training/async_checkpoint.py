@@ -11,6 +11,8 @@ checkpoint as the newest readable one, and ``last.pt`` only ever names a complet
 At most one write is in flight: the next checkpoint first waits for the previous write,
 then refills the previous snapshot's host tensors in place (one copy of the checkpoint
 state stays allocated in rank 0's host memory, as torch's own checkpoint staging does).
+The Trainer has those host tensors allocated in the background after the first step
+(``prestage``), so that even the first checkpoint's stall is a copy, not an allocation.
 The Trainer waits for the last write before ``fit`` returns (or raises), so the process
 does not exit with a write half done.
 
@@ -66,6 +68,23 @@ def snapshot(value: Any, cache: dict[tuple, torch.Tensor] | None = None, key: tu
     return copy.deepcopy(value)
 
 
+def allocate_like(value: Any, cache: dict[tuple, torch.Tensor], key: tuple = ()) -> None:
+    """Host tensors for ``value``'s tensors in ``cache``, under the keys ``snapshot`` uses,
+    touched so that their pages exist: what the first snapshot would otherwise allocate
+    while training waits."""
+    if isinstance(value, torch.Tensor):
+        held = cache.get(key)
+        if held is None or held.shape != value.shape or held.dtype != value.dtype:
+            cache[key] = torch.zeros(value.shape, dtype=value.dtype, device="cpu",
+                                     pin_memory=value.device.type == "cuda")
+    elif isinstance(value, Mapping):
+        for k, item in value.items():
+            allocate_like(item, cache, (*key, k))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            allocate_like(item, cache, (*key, i))
+
+
 @dataclass(frozen=True)
 class WriteRecord:
     """One finished background write."""
@@ -96,12 +115,34 @@ class AsyncCheckpointWriter:
         self._finished: list[WriteRecord] = []
         self._path: Path | None = None
         self._host_buffers: dict[tuple, torch.Tensor] = {}  # reused snapshot tensors
+        self._staged = False
         #: The last ``submit``'s timing (the benchmark reports it).
         self.last_submit: SubmitTiming | None = None
 
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def staged(self) -> bool:
+        """Whether host buffers were asked for (``prestage``) or made by a snapshot."""
+        return self._staged or bool(self._host_buffers)
+
+    def prestage(self, state: Mapping[str, Any]) -> None:
+        """Allocate the host buffers for checkpoints of ``state``'s shape in the background
+        (``state`` is only read for shapes and dtypes). The next ``submit`` waits for it."""
+        if self._thread is not None or self.staged:
+            return
+        self._staged = True
+        self._thread = threading.Thread(target=self._allocate, args=(dict(state),), name="ddp_hpc-checkpoint-staging")
+        self._thread.start()
+
+    def _allocate(self, state: dict[str, Any]) -> None:
+        try:
+            allocate_like(state, self._host_buffers)
+        except Exception as exc:  # noqa: BLE001 - the first snapshot then allocates, as without it
+            log.warning("could not allocate host memory for checkpoints ahead of time: %s: %s",
+                        type(exc).__name__, exc)
 
     def submit(self, state: Mapping[str, Any], path: Path,
                write: Callable[[dict[str, Any]], Path]) -> list[WriteRecord]:

@@ -340,6 +340,8 @@ class Trainer:
                 continue
             self._optimizer_step()
             self.progress = replace(self.progress, batches_done=batch_index, global_step=self.progress.global_step + 1)
+            if self.checkpoint_writer is not None and not self.checkpoint_writer.staged and self.ctx.is_rank_zero:
+                self._prestage_checkpoint()
             self._beat("training")
             for callback in self.callbacks:
                 callback.on_step_end(self)
@@ -449,6 +451,16 @@ class Trainer:
             self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank calls it
             return self.optimizer.state_dict() if self.ctx.is_rank_zero else None
         return self.optimizer.state_dict()
+
+    def _prestage_checkpoint(self) -> None:
+        """checkpoint.async: host buffers for the largest parts of a checkpoint, allocated in
+        the background once the optimizer has state (after the first step)."""
+        parts: dict[str, Any] = {"model": self.model.state_dict()}
+        if not hasattr(self.optimizer, "consolidate_state_dict"):  # ZeRO's state needs a collective
+            parts["optimizer"] = self.optimizer.state_dict()
+        if self.ema is not None:
+            parts["ema"] = self.ema.state_dict()
+        self.checkpoint_writer.prestage(parts)
 
     def save_checkpoint(self, improved: bool) -> Path | None:
         """Every rank calls this (rank 0 gathers their RNG states); rank 0 writes the file."""
