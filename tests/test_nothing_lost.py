@@ -80,7 +80,9 @@ def _pids() -> list[int]:
 
 @pytest.mark.timeout(900)  # 21 launches of a 2-rank job on a 2-core machine
 def test_twenty_kills_lose_nothing(tmp_path):
-    straight = launch(tmp_path, "straight")
+    # The uninterrupted reference checkpoints once per epoch only (saving changes nothing in
+    # the training, as the bit-identical end shows): 640 fewer 8 MB writes.
+    straight = launch(tmp_path, "straight", ["checkpoint.every_n_steps=null"])
     _, err = straight.communicate(timeout=300)
     assert straight.returncode == 0, err[-3000:]
     reference = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")
