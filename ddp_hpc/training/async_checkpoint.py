@@ -134,7 +134,8 @@ class AsyncCheckpointWriter:
         if self._thread is not None or self.staged:
             return
         self._staged = True
-        self._thread = threading.Thread(target=self._allocate, args=(dict(state),), name="ddp_hpc-checkpoint-staging")
+        self._thread = threading.Thread(target=self._allocate, args=(dict(state),),
+                                        name="ddp_hpc-checkpoint-staging")
         self._thread.start()
 
     def _allocate(self, state: dict[str, Any]) -> None:

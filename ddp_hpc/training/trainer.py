@@ -234,7 +234,8 @@ class Trainer:
             return
         # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
         # this line maps one to the other in the job log.
-        log.info("ranks (host:pid): %s", " ".join(f"{rank}={place}" for rank, place in enumerate(self.rank_places)))
+        log.info("ranks (host:pid): %s",
+                 " ".join(f"{rank}={place}" for rank, place in enumerate(self.rank_places)))
         log.info("job %s: %d train samples, world size %d, %s on %s, precision %s",
                  self.config.job.name, len(datasets.train), self.ctx.world_size, self.ctx.device.backend,
                  self.ctx.device.torch_device, self.precision.name)
