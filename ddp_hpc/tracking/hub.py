@@ -115,6 +115,10 @@ class Tracking:
         gathered = ctx.gather_object(facts)
         if not ctx.is_rank_zero:
             return
+        # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
+        # this line maps one to the other in the job log.
+        log.info("ranks (host:pid): %s",
+                 " ".join(f"{rank}={fact['host']}:{fact['pid']}" for rank, fact in enumerate(gathered)))
         # Versions, packages and git state take ~0.15 s (subprocesses, a scan of every
         # installed distribution): not worth delaying the first step for.
         self._record_writer = threading.Thread(

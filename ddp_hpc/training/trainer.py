@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -78,8 +76,6 @@ class Trainer:
         #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
         self.last_checkpoint_s = 0.0
         self.resharding: Resharding | None = None
-        #: "host:pid" of every rank, in rank order (gathered at start-up, for the log).
-        self.rank_places: list[str] = []
         #: checkpoint.async: rank 0's background writer (None: synchronous saves).
         self.checkpoint_writer = AsyncCheckpointWriter() if config.checkpoint.async_write else None
 
@@ -109,12 +105,9 @@ class Trainer:
     def _build_model(self) -> nn.Module:
         seed_everything(self.training.seed)  # the same initial weights on every rank
         model = self.job.build_model().to(self.device)
-        # One start-up gather to rank 0 (each costs two collectives' latency, which grows with
-        # the ranks): the weights' checksums, and each rank's host:pid for the start-up log.
-        place = f"{socket.gethostname()}:{os.getpid()}"
-        gathered = self.ctx.gather_object((parameter_checksum(model), place)) or []
-        checksums = [checksum for checksum, _ in gathered]
-        self.rank_places = [place for _, place in gathered]
+        # Gathered to rank 0 only: each gather costs two collectives' latency, growing with the
+        # ranks. (Each rank's host and PID reach rank 0 with the run record's facts.)
+        checksums = self.ctx.gather_object(parameter_checksum(model)) or []
         if len(set(checksums)) > 1:
             log.warning("build_model gave different weights on different ranks (checksums %s); "
                         "DDP copies rank 0's", checksums)
@@ -232,10 +225,6 @@ class Trainer:
     def _log_start(self, datasets: Datasets) -> None:
         if not self.ctx.is_rank_zero:
             return
-        # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
-        # this line maps one to the other in the job log.
-        log.info("ranks (host:pid): %s",
-                 " ".join(f"{rank}={place}" for rank, place in enumerate(self.rank_places)))
         log.info("job %s: %d train samples, world size %d, %s on %s, precision %s",
                  self.config.job.name, len(datasets.train), self.ctx.world_size, self.ctx.device.backend,
                  self.ctx.device.torch_device, self.precision.name)
