@@ -6,8 +6,9 @@ again and again: under plain torchrun, and under MPICH through ``ddp-hpc run``.
     python benchmarks/exit_statuses.py --runs 30 --launcher mpich --exec   # ddp-hpc run --exec
 
 Each run starts 2 ranks of tests/scripts/ddp_no_destroy.py; the launcher's exit status is
-counted (134: a rank aborted in gloo's teardown, "terminate called without an active
-exception"). Prints one line per run and a summary line. Run it from the repository with
+counted, and so are the runs where a rank aborted in gloo's teardown ("terminate called
+without an active exception": the rank dies of SIGABRT, 134; mpiexec passes 134 on, torchrun
+reports its own 1). Prints one line per run and a summary line. Run it from the repository with
 the project's venv first on PATH (``ddp-hpc`` and ``torchrun`` from it).
 """
 
@@ -47,17 +48,20 @@ def main() -> int:
     argv = command(args.launcher, args.nproc, args.exec)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     statuses: collections.Counter[int] = collections.Counter()
+    aborts = 0
     started = time.monotonic()
     for index in range(args.runs):
         began = time.monotonic()
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         aborted = "terminate called without an active exception" in result.stderr
+        aborts += aborted
         statuses[result.returncode] += 1
         print(f"run {index + 1}: exit {result.returncode}{' (terminate called)' if aborted else ''} "
               f"in {time.monotonic() - began:.1f} s", flush=True)
     label = f"{args.launcher}{' --exec' if args.exec else ''}"
     summary = ", ".join(f"exit {code}: {count}" for code, count in sorted(statuses.items()))
-    print(f"{label}, {args.runs} runs of {args.nproc} ranks in {time.monotonic() - started:.0f} s: {summary}")
+    print(f"{label}, {args.runs} runs of {args.nproc} ranks in {time.monotonic() - started:.0f} s: {summary}; "
+          f"runs with a rank aborted in teardown ('terminate called'): {aborts}")
     return 0
 
 

@@ -151,6 +151,7 @@ def test_mpich_ranks_that_never_destroy_the_group_end_with_0_and_a_raising_rank_
     assert sorted(finished.stdout.splitlines()) == ["rank 0 trained 5 steps", "rank 1 trained 5 steps"]
     failed = run(launch, env={"NO_DESTROY_STEPS": "5", "NO_DESTROY_RAISE_ON_RANK": "1"}, timeout=240,
                  cwd=tmp_path)
+    # Rank 0 was left inside an all-reduce: it fails too once rank 1 is gone; the job ends.
     assert failed.returncode != 0
-    assert "RuntimeError: rank 1 fails on purpose after 5 steps" in failed.stderr
-    assert "rank 1 trained" not in failed.stdout
+    assert "RuntimeError: rank 1 fails on purpose at step 2" in failed.stderr
+    assert "trained" not in failed.stdout

@@ -3,7 +3,7 @@ interpreter exit, as the Hugging Face Trainer does: it never calls destroy_proce
 
 Under plain torchrun this now and then aborts in gloo's teardown ("terminate called
 without an active exception", exit 134); under ``ddp-hpc run`` it must end with exit 0.
-With ``NO_DESTROY_RAISE_ON_RANK=N``, rank N raises after training instead of finishing.
+With ``NO_DESTROY_RAISE_ON_RANK=N``, rank N raises halfway through training.
 """
 
 import os
@@ -20,11 +20,12 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(STEPS):
+for step in range(STEPS):
+    if RAISE_ON_RANK is not None and dist.get_rank() == int(RAISE_ON_RANK) and step == STEPS // 2:
+        # Mid-training: the other ranks are left waiting in this step's all-reduce.
+        raise RuntimeError(f"rank {dist.get_rank()} fails on purpose at step {step}")
     optimizer.zero_grad()
     x = torch.randn(16, 32)
     nn.functional.cross_entropy(model(x), torch.randint(0, 4, (16,))).backward()
     optimizer.step()
-if RAISE_ON_RANK is not None and dist.get_rank() == int(RAISE_ON_RANK):
-    raise RuntimeError(f"rank {dist.get_rank()} fails on purpose after {STEPS} steps")
 print(f"rank {dist.get_rank()} trained {STEPS} steps\n", end="", flush=True)
