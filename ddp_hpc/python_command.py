@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: ``python``, ``python3``, ``python3.12`` (also a venv's ``/path/.venv/bin/python``).
-INTERPRETER_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+#: ``python``, ``python3``, ``python3.12``, ``python3.13t`` (also a venv's ``.../bin/python``).
+INTERPRETER_NAME = re.compile(r"python(\d+(\.\d+t?)?)?")
 #: Interpreter options without a value, which stay in front of the runner.
 FLAGS = frozenset("bBdEIOPqRsSuv")
 #: Options whose value follows, glued (``-Wignore``) or as the next argument.

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import sys
 
-# This file's folder is sys.path[0] while it starts: nothing may be imported from there.
-_OWN_FOLDER = sys.path[0] if sys.path else None
+import os  # (already loaded by the interpreter's start-up)
 
-import os  # noqa: E402  (already loaded by the interpreter's start-up)
+#: This file's folder, which the interpreter put first on sys.path (unless -P or -I):
+#: nothing may be imported from there, and the script's own folder takes its place.
+_OWN_FOLDER = os.path.dirname(os.path.realpath(__file__))
 
 #: The interpreter gives __main__ an empty __annotations__ up to Python 3.13.
 _MAIN_HAS_ANNOTATIONS = "__annotations__" in globals()
@@ -44,8 +45,11 @@ MODES = ("file", "module", "code")
 
 
 def _absolute(path: str) -> str:
-    """The script's path as the interpreter keeps it (absolute since Python 3.9)."""
-    return os.path.abspath(path) if sys.version_info >= (3, 9) else path
+    """The script's path as the interpreter keeps it: since Python 3.9 joined to the
+    working folder if relative, but not normalized (``/w/../x.py`` stays so)."""
+    if sys.version_info < (3, 9) or os.path.isabs(path):
+        return path
+    return os.path.join(os.getcwd(), path)
 
 
 def _is_runnable_location(path: str) -> bool:
@@ -67,9 +71,7 @@ def _script_path0(mode: str, target: str) -> str:
 
 
 def _set_path0(mode: str, target: str) -> None:
-    if getattr(sys.flags, "safe_path", False) or not sys.path:
-        return  # -P or -I: the interpreter prepends nothing, and prepended nothing for us
-    if sys.path[0] == _OWN_FOLDER:
+    if sys.path and sys.path[0] == _OWN_FOLDER:  # not under -P or -I, which prepend nothing
         sys.path[0] = _script_path0(mode, target)
 
 
@@ -146,7 +148,11 @@ def _report_uncaught(exc: BaseException) -> None:
     try:
         sys.excepthook(type(exc), exc, tb)
     except BaseException as hook_error:  # noqa: BLE001  (the interpreter reports both)
-        sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
+        hook_error.__context__ = None  # the interpreter calls the hook outside any handler
+        sys.stderr.write("Error in sys.excepthook:\n")
+        hook_tb = _without_own_frames(hook_error.__traceback__)
+        sys.__excepthook__(type(hook_error), hook_error.with_traceback(hook_tb), hook_tb)
+        sys.stderr.write("\nOriginal exception was:\n")
         sys.__excepthook__(type(exc), exc, tb)
 
 
@@ -185,7 +191,6 @@ def _flush_std_streams() -> None:
                 stream.flush()
         except (OSError, ValueError):
             pass  # closed or gone: nothing left to write
-
 
 
 def main(argv: list[str]) -> None:

@@ -15,7 +15,7 @@ from conftest import REPO, ddp_hpc_command, run
 from ddp_hpc.python_command import RUNNER, PythonCommand, parse_python_command, runner_argv
 
 SCRIPTS = REPO / "tests" / "scripts"
-PROBE = "runner_probe.py"
+PROBE = "../scripts/runner_probe.py"  # relative and not normalized, as users may type it
 CODE = "from probe_pkg import report; report(globals())"
 
 # ----- which commands are Python commands (pure) ------------------------------------------------
@@ -73,9 +73,10 @@ def test_the_script_sees_and_reports_exactly_what_python_gives_it(form, action):
     assert through.returncode == expected_status
 
 
-@pytest.mark.parametrize("target", ["missing.py", "broken.py", "folder"])
-def test_a_missing_script_a_syntax_error_and_a_folder_are_reported_and_run_as_python_does(target, tmp_path):
+@pytest.mark.parametrize("target", ["missing.py", "broken.py", "folder", "bad_hook.py"])
+def test_missing_scripts_syntax_errors_folders_and_failing_excepthooks_go_as_python_has_them(target, tmp_path):
     (tmp_path / "broken.py").write_text("def (\n")
+    (tmp_path / "bad_hook.py").write_text("import sys\nsys.excepthook = lambda *a: 1 / 0\nraise ValueError(3)\n")
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "__main__.py").write_text(
         "import sys\nprint(sys.argv, sys.path[0], __name__, __file__)\nsys.exit(4)\n")
@@ -83,7 +84,7 @@ def test_a_missing_script_a_syntax_error_and_a_folder_are_reported_and_run_as_py
     alone, through = run(typed, cwd=tmp_path), run(runner_argv(typed), cwd=tmp_path)
     assert (through.returncode, through.stdout, through.stderr) == (
         alone.returncode, alone.stdout, alone.stderr)
-    assert through.returncode == {"missing.py": 2, "broken.py": 1, "folder": 4}[target]
+    assert through.returncode == {"missing.py": 2, "broken.py": 1, "folder": 4, "bad_hook.py": 1}[target]
 
 
 def test_interpreter_options_still_apply_to_the_script():
