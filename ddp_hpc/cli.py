@@ -32,6 +32,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def _add_device_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("device and backend")
     group.add_argument("--device", help="auto, xpu, cuda or cpu (default: $DDP_HPC_DEVICE, else auto)")
@@ -74,6 +84,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         healthy, report = run_doctor(ctx)
         if ctx.is_rank_zero:
             print(report, flush=True)
+        if args.links and healthy:
+            from ddp_hpc.links import format_links, measure_links
+
+            hosts = ctx.all_gather_object(socket.gethostname())
+            plan, verdict, elapsed = measure_links(ctx, hosts, message_bytes=int(args.link_mib * 2**20),
+                                                   min_bandwidth_mb_s=args.min_bandwidth)
+            if ctx.is_rank_zero:
+                print(format_links(plan, verdict, elapsed), flush=True)
+            healthy = verdict.healthy
     return 0 if healthy else 1
 
 
@@ -159,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(doctor)
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
+    doctor.add_argument("--links", action="store_true",
+                        help="also measure bandwidth and latency between the hosts (every pair up to 8 hosts, "
+                             "a ring above); exit 1 when a link is slow")
+    doctor.add_argument("--link-mib", type=_positive_float, default=4.0, metavar="MIB",
+                        help="message size of the bandwidth rounds (default: 4)")
+    doctor.add_argument("--min-bandwidth", type=_positive_float, default=None, metavar="MB/S",
+                        help="also call a link slow below this bandwidth (default: only relative to the median)")
     doctor.set_defaults(func=_cmd_doctor, exit_without_teardown=True)
 
     train = sub.add_parser("train", parents=[common],
