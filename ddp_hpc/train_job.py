@@ -100,6 +100,10 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
     if deadline is not None and config.checkpoint.deadline_margin_s is not None:
         callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
                                                      config.checkpoint.deadline_margin_s)))
+    if config.distributed.weights_check_every:
+        from ddp_hpc.training.weights_check import WeightsCheckCallback
+
+        callbacks.append(WeightsCheckCallback(config.distributed.weights_check_every))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
     run.check_creatable()
     with process_group(distributed_options(config, options.device, options.backend)) as ctx:

@@ -77,6 +77,8 @@ CORPUS = [
     ("rendezvous timeout 0", {}, [*TRAIN, "distributed.rendezvous_timeout_s=0"], {},
      "distributed.rendezvous_timeout_s must be > 0"),
     ("negative watchdog", {}, [*TRAIN, "distributed.watchdog_s=-1"], {}, "distributed.watchdog_s must be > 0"),
+    ("weights check every 0 steps", {}, [*TRAIN, "distributed.weights_check_every=0"], {},
+     "distributed.weights_check_every must be > 0"),
     # A run folder that cannot be created.
     ("run folder under a file", {"afile": "x"}, [*TRAIN, "logging.run_dir={tmp}/afile/runs"], {},
      "afile/runs/digits cannot be created: {tmp}/afile is not a folder"),
