@@ -51,6 +51,12 @@ def _add_device_flags(parser: argparse.ArgumentParser) -> None:
                             "$DDP_HPC_HOST_SUFFIX)")
 
 
+def _add_console_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--console-ranks", default=None, metavar="RANKS",
+                        help="ranks whose INFO lines reach the console: 0 (default), 0,3, 0-3, all or none; "
+                             "every rank's warnings and errors always do (default: $DDP_HPC_CONSOLE_RANKS)")
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
     from ddp_hpc.environment import resolve_env
@@ -77,10 +83,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ddp_hpc.distributed import DistributedOptions, process_group
     from ddp_hpc.doctor import run_doctor
 
+    from ddp_hpc.logs import ConsoleFilter
+
+    console = ConsoleFilter.from_environment(args.console_ranks, os.environ)
     options = DistributedOptions(device=args.device, backend=args.backend,
                                  timeout_s=args.timeout, host_suffix=args.host_suffix)
     with process_group(options) as ctx:
-        configure_logging(ctx.rank, verbose=args.verbose)
+        configure_logging(ctx.rank, verbose=args.verbose, console=console)
         healthy, report = run_doctor(ctx)
         if ctx.is_rank_zero:
             print(report, flush=True)
@@ -99,8 +108,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
 
+    from ddp_hpc.logs import ConsoleFilter
+
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
-                           verbose=args.verbose, report=True)
+                           verbose=args.verbose, report=True,
+                           console=ConsoleFilter.from_environment(args.console_ranks, os.environ))
     raise_if_preempted(train(args.config, args.overrides, options=options))
     return 0
 
@@ -176,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", parents=[common],
                             help="start the group on every rank and check that it works")
     _add_device_flags(doctor)
+    _add_console_flag(doctor)
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
     doctor.add_argument("--links", action="store_true",
@@ -194,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. training.batch_size=64")
     _add_device_flags(train)
+    _add_console_flag(train)
     train.set_defaults(func=_cmd_train, exit_without_teardown=True)
 
     run = sub.add_parser("run", parents=[common],

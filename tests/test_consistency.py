@@ -1,6 +1,6 @@
 """Silent data corruption (ddp_hpc.engine.consistency): the hash sees every flipped bit, the
 odd rank is named, and a bit flipped in rank 1's weights ends a real 3-rank torchrun job
-naming rank 1, its host and the step."""
+naming rank 1, its host and the step (and the per-rank log files of that launch)."""
 
 from __future__ import annotations
 
@@ -70,3 +70,13 @@ def test_bit_flipped_in_rank_1_ends_the_job_naming_rank_host_and_step(tmp_path):
         assert rank == "1" and host == socket.gethostname()
         assert flip_step < int(step) <= flip_step + every
     assert "done:" not in result.stdout
+    # Every rank's log file in the run folder has its own lines, the error included.
+    files = sorted(tmp_path.glob("*/logs/rank-*.log"))
+    assert [f.name for f in files] == ["rank-00000.log", "rank-00001.log", "rank-00002.log"]
+    for rank, path in enumerate(files):
+        text = path.read_text()
+        assert re.search(rf"\[rank {rank}\] INFO ddp_hpc\.train_job: rank {rank} of 3 on host", text), text
+        assert re.search(rf"\[rank {rank}\] ERROR .*silent data corruption: rank 1 ", text), text
+    # The console shows rank 0's INFO lines and the other ranks' errors only.
+    assert "[rank 0] INFO" in result.stderr and "[rank 2] INFO" not in result.stderr
+    assert "[rank 2] ERROR" in result.stderr
