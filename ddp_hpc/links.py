@@ -7,9 +7,10 @@ measured link runs one after another, so that no two share a host's interface:
 - above, a ring: host i with host i+1 (N pairs), and a host's two neighbours say which of
   its links is slow.
 
-Each pair measures both directions: ``LATENCY_ROUNDS`` round trips of one float (latency:
-half the median round trip), then ``BANDWIDTH_ROUNDS`` messages of ``message_bytes`` each
-way, each acknowledged by one float (bandwidth: the best of the rounds). A directed link
+Each pair measures both directions: one untimed message each way, ``LATENCY_ROUNDS`` round
+trips of one float (latency: half the median round trip), then ``BANDWIDTH_ROUNDS`` messages
+of ``message_bytes`` each way, the directions taking turns, each acknowledged by one float
+(bandwidth: the best round). A directed link
 is slow when its bandwidth is below ``SLOW_FRACTION`` of the median of all directed links
 (or below ``--min-bandwidth``), or its latency above ``1 / SLOW_FRACTION`` times the median
 and ``LATENCY_FLOOR_US``. A host that sends (or receives) on every slow link is named.
@@ -22,10 +23,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddp_hpc.distributed import DistContext
 
 ALL_PAIRS_MAX_HOSTS = 8
 LATENCY_ROUNDS = 20
-BANDWIDTH_ROUNDS = 3
+BANDWIDTH_ROUNDS = 5
 DEFAULT_MESSAGE_BYTES = 4 << 20
 SLOW_FRACTION = 0.5
 #: Latency differences below this are noise between processes (scheduling), not links.
@@ -43,9 +48,10 @@ class LinkPlan:
 
     @property
     def cost(self) -> str:
-        per_pair = 2 * BANDWIDTH_ROUNDS * self.message_bytes / 2**20
-        return (f"{self.shape}: {len(self.pairs)} pair(s) of {len(self.hosts)} hosts, one after another; each pair "
-                f"{LATENCY_ROUNDS} round trips and {per_pair:g} MiB ({BANDWIDTH_ROUNDS} x "
+        messages = BANDWIDTH_ROUNDS + 1  # the first one untimed
+        per_pair = 2 * messages * self.message_bytes / 2**20
+        return (f"{self.shape}: {len(self.pairs)} pair(s) of {len(self.hosts)} hosts, one after another; "
+                f"each pair {2 * LATENCY_ROUNDS} round trips and {per_pair:g} MiB ({messages} x "
                 f"{self.message_bytes / 2**20:g} MiB each way)")
 
 
@@ -90,14 +96,13 @@ def judge_links(results: Sequence[LinkResult], min_bandwidth_mb_s: float | None 
     slow: list[tuple[LinkResult, str]] = []
     for result in results:
         reasons = []
-        if result.bandwidth_mb_s < SLOW_FRACTION * median_bw:
-            reasons.append(f"{result.bandwidth_mb_s:.1f} MB/s, {result.bandwidth_mb_s / median_bw:.2f}x the median "
-                           f"{median_bw:.1f} MB/s")
-        elif min_bandwidth_mb_s is not None and result.bandwidth_mb_s < min_bandwidth_mb_s:
-            reasons.append(f"{result.bandwidth_mb_s:.1f} MB/s, below --min-bandwidth {min_bandwidth_mb_s:g} MB/s")
-        if result.latency_us > max(median_lat / SLOW_FRACTION, LATENCY_FLOOR_US):
-            reasons.append(f"latency {result.latency_us:.0f} us, {result.latency_us / median_lat:.1f}x the median "
-                           f"{median_lat:.0f} us")
+        bandwidth, latency = result.bandwidth_mb_s, result.latency_us
+        if bandwidth < SLOW_FRACTION * median_bw:
+            reasons.append(f"{bandwidth:.1f} MB/s, {bandwidth / median_bw:.2f}x the median {median_bw:.1f} MB/s")
+        elif min_bandwidth_mb_s is not None and bandwidth < min_bandwidth_mb_s:
+            reasons.append(f"{bandwidth:.1f} MB/s, below --min-bandwidth {min_bandwidth_mb_s:g} MB/s")
+        if latency > max(median_lat / SLOW_FRACTION, LATENCY_FLOOR_US):
+            reasons.append(f"latency {latency:.0f} us, {latency / median_lat:.1f}x the median {median_lat:.0f} us")
         if reasons:
             slow.append((result, "; ".join(reasons)))
     return LinkVerdict(tuple(results), tuple(slow), _suspects([r for r, _ in slow]))
@@ -124,15 +129,16 @@ def format_links(plan: LinkPlan, verdict: LinkVerdict, elapsed_s: float) -> str:
     lines = [f"links: {plan.cost}; took {elapsed_s:.1f} s",
              f"{'from'.ljust(width)}  {'to'.ljust(width)}  {'MB/s':>9}  {'latency us':>10}"]
     for r in verdict.results:
-        lines.append(f"{r.src.ljust(width)}  {r.dst.ljust(width)}  {r.bandwidth_mb_s:9.1f}  {r.latency_us:10.0f}")
+        lines.append(f"{r.src.ljust(width)}  {r.dst.ljust(width)}  {r.bandwidth_mb_s:9.1f}  "
+                     f"{r.latency_us:10.0f}")
     if verdict.healthy:
         lines.append(f"links: OK: {len(verdict.results)} directed link(s) between {len(plan.hosts)} hosts, "
                      f"none slow")
         return "\n".join(lines)
     for result, why in verdict.slow:
         lines.append(f"links: SLOW: {result.src} -> {result.dst}: {why}")
-    lines.append(f"links: FAILED: suspect host(s): {', '.join(verdict.suspects)} (on every slow link"
-                 f"{'' if len(plan.hosts) > 2 else '; with 2 hosts the sender and the receiver cannot be told apart'})")
+    ambiguous = "" if len(plan.hosts) > 2 else "; with 2 hosts the sender and the receiver cannot be told apart"
+    lines.append(f"links: FAILED: suspect host(s): {', '.join(verdict.suspects)} (on every slow link{ambiguous})")
     return "\n".join(lines)
 
 
@@ -149,39 +155,53 @@ def host_leaders(hosts_by_rank: Sequence[str]) -> tuple[list[str], list[int]]:
     return hosts, leaders
 
 
-def _measure_direction(rank: int, src: int, dst: int, message_bytes: int) -> tuple[float, float]:
-    """(bandwidth MB/s, latency us) of src -> dst, as seen by src; (0, 0) on dst."""
+def _measure_pair(rank: int, a: int, b: int, message_bytes: int, device) -> dict[int, tuple[float, float]]:
+    """Both directions of the link between ranks ``a`` and ``b`` (this rank is one of them):
+    {receiver: (bandwidth MB/s, latency us)} for the direction this rank sends in.
+
+    One untimed message each way first (connections, allocations). The directions take
+    turns round by round, so both see the same load on the hosts, and each keeps its best
+    round: a rank descheduled for a moment slows one round, not the verdict. Tensors live
+    on the rank's device (nccl/xccl send only those); accelerators are synchronized before
+    a time is read, since their send/recv only enqueue work.
+    """
     import torch
     import torch.distributed as dist
 
-    token = torch.zeros(1)
-    payload = torch.ones(message_bytes // 4)
-    round_trips = []
-    for _ in range(LATENCY_ROUNDS):
-        if rank == src:
-            started = time.perf_counter()
-            dist.send(token, dst)
-            dist.recv(token, dst)
-            round_trips.append(time.perf_counter() - started)
-        else:
-            dist.recv(token, src)
-            dist.send(token, src)
-    best = 0.0
-    for _ in range(BANDWIDTH_ROUNDS):
-        if rank == src:
-            started = time.perf_counter()
-            dist.send(payload, dst)
-            dist.recv(token, dst)
-            best = max(best, message_bytes / (time.perf_counter() - started) / 1e6)
-        else:
-            dist.recv(payload, src)
-            dist.send(token, src)
-    if rank != src:
-        return 0.0, 0.0
-    return best, statistics.median(round_trips) / 2 * 1e6
+    peer = b if rank == a else a
+    accelerator = getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
+
+    def recv(tensor) -> None:
+        dist.recv(tensor, peer)
+        if accelerator is not None:
+            accelerator.synchronize()
+
+    token = torch.zeros(1, device=device)
+    payload = torch.ones(max(1, message_bytes // 4), device=device)
+
+    def timed(sender: int, tensor, rounds: int) -> list[float]:
+        """``rounds`` messages from ``sender``, each answered by a token; times on the sender."""
+        seconds = []
+        for _ in range(rounds):
+            if rank == sender:
+                started = time.perf_counter()
+                dist.send(tensor, peer)
+                recv(token)
+                seconds.append(time.perf_counter() - started)
+            else:
+                recv(tensor)
+                dist.send(token, peer)
+        return seconds
+
+    for sender in (a, b):
+        timed(sender, payload, 1)  # warm-up
+    round_trips = {sender: timed(sender, token, LATENCY_ROUNDS) for sender in (a, b)}[rank]
+    transfers = [t for _ in range(BANDWIDTH_ROUNDS) for sender in (a, b) for t in timed(sender, payload, 1)]
+    bandwidth = message_bytes / min(transfers) / 1e6
+    return {peer: (bandwidth, statistics.median(round_trips) / 2 * 1e6)}
 
 
-def measure_links(ctx, hosts_by_rank: Sequence[str], *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
+def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
                   min_bandwidth_mb_s: float | None = None) -> tuple[LinkPlan, LinkVerdict, float]:
     """Measure the plan's links (collective: every rank calls it); the verdict on every rank."""
     import torch.distributed as dist
@@ -191,11 +211,11 @@ def measure_links(ctx, hosts_by_rank: Sequence[str], *, message_bytes: int = DEF
     started = time.perf_counter()
     mine: list[LinkResult] = []
     for a, b in plan.pairs:
-        for src, dst in ((a, b), (b, a)):
-            if ctx.rank in (leaders[src], leaders[dst]):
-                bandwidth, latency = _measure_direction(ctx.rank, leaders[src], leaders[dst], message_bytes)
-                if ctx.rank == leaders[src]:
-                    mine.append(LinkResult(hosts[src], hosts[dst], bandwidth, latency))
+        if ctx.rank in (leaders[a], leaders[b]):
+            me, other = (a, b) if ctx.rank == leaders[a] else (b, a)
+            (bandwidth, latency), = _measure_pair(ctx.rank, leaders[a], leaders[b], message_bytes,
+                                                  ctx.torch_device).values()
+            mine.append(LinkResult(hosts[me], hosts[other], bandwidth, latency))
         if ctx.group_initialized:
             dist.barrier()  # one link at a time
     results = [r for per_rank in ctx.all_gather_object(mine) for r in per_rank]

@@ -66,7 +66,8 @@ class ConsoleFilter:
                     raise ValueError
                 ranks.update(range(low, high + 1))
         except ValueError:
-            raise UserError(f"{what} {text!r}: expected ranks like 0 or 0,3 or 0-3, 'all' or 'none'") from None
+            raise UserError(f"{what} {text!r}: expected ranks like 0 or 0,3 or 0-3, 'all' or 'none'") \
+                from None
         return cls(frozenset(ranks))
 
     @classmethod

@@ -10,8 +10,8 @@ from ddp_hpc.links import (ALL_PAIRS_MAX_HOSTS, LinkResult, format_links, host_l
 def test_every_pair_for_few_hosts_a_ring_above_with_the_cost_stated():
     few = plan_links([f"h{i}" for i in range(4)])
     assert few.pairs == ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
-    assert few.cost.startswith("every pair: 6 pair(s) of 4 hosts, one after another; each pair 20 round trips "
-                               "and 24 MiB (3 x 4 MiB each way)")
+    assert few.cost.startswith("every pair: 6 pair(s) of 4 hosts, one after another; each pair 40 round trips "
+                               "and 48 MiB (6 x 4 MiB each way)")
     many = plan_links([f"h{i}" for i in range(ALL_PAIRS_MAX_HOSTS + 2)], message_bytes=1 << 20)
     assert many.pairs == tuple((i, (i + 1) % 10) for i in range(10))
     assert many.cost.startswith("a ring (more than 8 hosts): 10 pair(s) of 10 hosts")

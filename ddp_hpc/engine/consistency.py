@@ -64,9 +64,9 @@ class Divergence:
     def describe(self) -> str:
         named = ", ".join(f"rank {r} (host {h})" for r, h in zip(self.odd_ranks, self.hosts))
         if self.majority:
-            return (f"silent data corruption: {named} hold(s) weights that differ from every other rank's at step "
-                    f"{self.step} (checked with distributed.weights_check_every); stop using that node and resume "
-                    f"from the last checkpoint")
+            return (f"silent data corruption: {named} hold(s) weights that differ from every other rank's at "
+                    f"step {self.step} (checked with distributed.weights_check_every); stop using that node and "
+                    f"resume from the last checkpoint")
         return (f"silent data corruption: the ranks' weights differ at step {self.step} and no copy has a "
                 f"majority: {named}; resume from the last checkpoint")
 

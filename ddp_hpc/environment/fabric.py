@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class HostFabric:
 
     interfaces: Collection[str]
     providers: Collection[str] | None
-    find_library: Callable[[str, Mapping[str, str]], bool]
+    find_library: Callable[[str, Mapping[str, str]], bool]  # (library name or path, environ) -> found
 
 
 def _listing(names: Iterable[str]) -> str:
@@ -91,8 +92,8 @@ def nccl_ifname_matches(value: str, interfaces: Collection[str]) -> list[str]:
 def nccl_ifname_problem(value: str, interfaces: Collection[str]) -> str | None:
     if nccl_ifname_matches(value, interfaces):
         return None
-    what = "leaves no interface of this host" if value.startswith("^") else "matches no interface of this host"
-    return f"{NCCL_IFNAME_VAR}={value} {what} (it has: {_listing(interfaces)})"
+    what = "leaves no interface" if value.startswith("^") else "matches no interface"
+    return f"{NCCL_IFNAME_VAR}={value} {what} of this host (it has: {_listing(interfaces)})"
 
 
 def ccl_iface_problem(value: str, interfaces: Collection[str]) -> str | None:
@@ -128,7 +129,10 @@ def nccl_plugin_library(environ: Mapping[str, str]) -> str:
     return f"libnccl-net-{plugin}.so"
 
 
-def nccl_net_problem(environ: Mapping[str, str], find_library: Callable[[str, Mapping[str, str]], bool]) -> str | None:
+LibraryFinder = Callable[[str, Mapping[str, str]], bool]
+
+
+def nccl_net_problem(environ: Mapping[str, str], find_library: LibraryFinder) -> str | None:
     net = environ.get(NCCL_NET_VAR, "").strip()
     plugin = environ.get(NCCL_NET_PLUGIN_VAR, "").strip()
     needs_plugin = (net and net.lower() not in NCCL_BUILTIN_NETS) or (plugin and plugin.lower() != "none")
@@ -137,8 +141,10 @@ def nccl_net_problem(environ: Mapping[str, str], find_library: Callable[[str, Ma
     library = nccl_plugin_library(environ)
     if find_library(library, environ):
         return None
-    named = f"{NCCL_NET_VAR}={net} is not built into NCCL (IB, Socket) and needs a network plugin" if net and \
-        net.lower() not in NCCL_BUILTIN_NETS else f"{NCCL_NET_PLUGIN_VAR}={plugin} names a network plugin"
+    if net and net.lower() not in NCCL_BUILTIN_NETS:
+        named = f"{NCCL_NET_VAR}={net} is not built into NCCL (IB, Socket) and needs a network plugin"
+    else:
+        named = f"{NCCL_NET_PLUGIN_VAR}={plugin} names a network plugin"
     return (f"{named}, but its library {library} is not found (searched LD_LIBRARY_PATH and the linker "
             f"cache): add its folder to LD_LIBRARY_PATH or fix {NCCL_NET_PLUGIN_VAR}")
 
@@ -173,8 +179,6 @@ def check_fabric(backend: str, environ: Mapping[str, str], host: HostFabric, *, 
 
 def interface_names() -> tuple[str, ...]:
     """The names of this host's network interfaces (of its network namespace)."""
-    import socket
-
     try:
         return tuple(name for _, name in socket.if_nameindex())
     except OSError:
@@ -217,8 +221,6 @@ def find_shared_library(library: str, environ: Mapping[str, str]) -> bool:
 
 def where_label(rank: int, world_size: int) -> str:
     """``rank 1 on host h2`` in a multi-rank job, ``host h2`` alone."""
-    import socket
-
     host = socket.gethostname()
     return f"rank {rank} on host {host}" if world_size > 1 else f"host {host}"
 
