@@ -12,16 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_hpc.contract import CONSOLE_RANKS_VAR, RANK_LOG_DIR
 from ddp_hpc.errors import UserError
 
 _FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
 _HANDLER_NAME = "ddp_hpc"
 _FILE_HANDLER_NAME = "ddp_hpc.rank_file"
-
-#: Which ranks show everything on the console (the others show warnings and errors only).
-CONSOLE_RANKS_VAR = "DDP_HPC_CONSOLE_RANKS"
-#: Each rank's log file, under the run folder.
-RANK_LOG_DIR = "logs"
 
 
 def rank_log_path(run_folder: Path, rank: int) -> Path:
