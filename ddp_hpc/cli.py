@@ -122,19 +122,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
     from ddp_hpc.api import command_environment
+    from ddp_hpc.python_command import runner_argv
 
     launch = command_environment(args.command, device=args.device, backend=args.backend,
                                  host_suffix=args.host_suffix)
+    # A Python command runs through script_runner.py, which ends the process group in
+    # order after the script (a group left to interpreter exit can abort it with 134).
+    argv = launch.argv if args.exec else runner_argv(launch.argv)
     log = logging.getLogger("ddp_hpc.run")
-    log.debug("exec %s with %s", shlex.join(launch.argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
+    log.debug("exec %s with %s", shlex.join(argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         # exec, not a child: signals from the launcher reach the command itself, and its
         # exit status is the rank's.
-        os.execvpe(launch.argv[0], list(launch.argv), launch.environment(os.environ))
+        os.execvpe(argv[0], list(argv), launch.environment(os.environ))
     except OSError as exc:
-        write_line(sys.stderr, f"ddp-hpc: error: cannot run {launch.argv[0]!r}: {exc.strerror}")
+        write_line(sys.stderr, f"ddp-hpc: error: cannot run {argv[0]!r}: {exc.strerror}")
         raise SystemExit(ExitStatus.NOT_FOUND if isinstance(exc, FileNotFoundError)
                          else ExitStatus.CANNOT_EXECUTE) from None
 
@@ -218,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run any command on this rank with the variables torchrun gives its workers "
                               "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)")
     _add_device_flags(run)
+    run.add_argument("--exec", action="store_true",
+                     help="exec a Python command as typed, without ddp_hpc's script runner (which ends "
+                          "the process group in order after the script)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_cmd_run)
 

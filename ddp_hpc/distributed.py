@@ -263,9 +263,22 @@ def process_group(options: DistributedOptions | None = None,
     try:
         yield DistContext(dist_env, choice, initialize)
     finally:
-        if initialize and dist.is_initialized():
-            # A DistributedDataParallel still alive (often in a reference cycle) when the
-            # group goes away aborts the process at exit ("terminate called without an
-            # active exception", ~1 run in 4 with gloo): finalize it while the group lives.
-            gc.collect()
-            dist.destroy_process_group()
+        if initialize:
+            end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if there is one, in an order that lets the
+    interpreter exit cleanly afterwards.
+
+    A DistributedDataParallel still alive (often in a reference cycle) when the group goes
+    away, or a group left to interpreter exit, aborts the process at exit ("terminate
+    called without an active exception", ~1 run in 4 with gloo): ``gc.collect()`` first
+    finalizes it while the group lives. After a failure a peer may still be inside a
+    collective with this rank, and destroying can then wait for it: ``ddp-hpc run`` ends
+    the group this way only after a script that finished (ddp_hpc/script_runner.py).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
