@@ -17,7 +17,8 @@ from ddp_hpc.logs import configure_logging
 from ddp_hpc.stop import PREEMPTED_EXIT, job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.training.callbacks import create_callbacks
-from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
+from ddp_hpc.engine.deadline import DeadlinePolicy
+from ddp_hpc.training.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer

@@ -23,20 +23,21 @@ from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.tracking import RunShape, Tracking
-from ddp_hpc.training import checkpoint as ckpt
-from ddp_hpc.training.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
+from ddp_hpc.engine import checkpoint_files as ckpt
+from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError
 from ddp_hpc.training.callbacks import Callback
-from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
+from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
 from ddp_hpc.training.job import Datasets, Job, StepOutput
-from ddp_hpc.training.liveness import watch_progress
+from ddp_hpc.engine.liveness import watch_progress
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
-from ddp_hpc.training.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
-from ddp_hpc.training.rng import capture_rng, restore_rng, seed_everything
+from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
+from ddp_hpc.engine.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
-from ddp_hpc.training.watchdog import Watchdog
+from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class Trainer:
         self.ema = (AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.training.ema_decay),
                                   use_buffers=True) if self.training.ema_decay else None)
 
-        self.sampler = ResumableDistributedSampler(datasets.train, self.ctx.world_size, self.ctx.rank,
+        self.sampler = ResumableSampler(datasets.train, self.ctx.world_size, self.ctx.rank,
                                                    shuffle=self.config.data.shuffle, seed=self.training.seed)
         pin = self.config.data.pin_memory
         self.pin_memory = self.ctx.device.device_type == "cuda" if pin == "auto" else bool(pin)
