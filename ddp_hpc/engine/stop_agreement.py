@@ -27,7 +27,8 @@ from typing import Literal
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
-from ddp_hpc.stop import PREEMPTED_EXIT, job_deadline
+from ddp_hpc.contract import ExitStatus
+from ddp_hpc.stop import job_deadline
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class StopAgreement:
                      self.policy.deadline - clock(), margin_s)
 
     @property
-    def exit_status(self) -> int:
+    def exit_status(self) -> ExitStatus:
         """75 (EX_TEMPFAIL: requeue me, as rendered scripts and submitit read it) after a stop, else 0."""
-        return PREEMPTED_EXIT if self.stopped else 0
+        return ExitStatus.REQUEUE if self.stopped else ExitStatus.OK
 
     def request(self) -> None:
         """Stop at the next agreed step (safe to call from a signal handler: sets a flag)."""
