@@ -92,30 +92,35 @@ class StopAgreement:
             return False
         return must_stop_now(self.policy, now, self.measured.timings(), self.check_every_n_steps, False)
 
+    def agreed(self, step: int) -> bool:
+        """Whether the ranks stop at ``step`` (every rank calls it at every step): at every
+        ``check_every_n_steps``-th step one all-reduce of the flags, rank 0's deadline
+        prediction included. ``now`` is this plus the measuring and the checkpoint."""
+        if step % self.check_every_n_steps:
+            return False
+        now = self.clock()
+        deadline_near = self._deadline_near(now)
+        if deadline_near and not self.requested:
+            log.warning("job deadline in %.1f s: checkpointing and stopping at step %d",
+                        self.policy.deadline - now, step)
+        wanted = self.requested or deadline_near
+        if self.group.group_initialized:
+            wanted = self.group.all_reduce([1.0 if wanted else 0.0], op="max")[0] > 0
+        self.stopped = self.stopped or wanted
+        return wanted
+
     def now(self) -> bool:
         """Call after every step on every rank. True (on every rank at the same step) when
         the ranks are to stop; the checkpointer's checkpoint of this step is then on disk."""
         self._steps += 1
-        now = self.clock()
         if self.checkpointer is not None and self.checkpointer.last_save_s != self._last_save_s:
             self._last_save_s = self.checkpointer.last_save_s
             self.measured.checkpoint_written(self._last_save_s)
-        self.measured.step_ended(now)
-        if self._step() % self.check_every_n_steps:
+        self.measured.step_ended(self.clock())
+        if not self.agreed(self._step()):
             return False
-        deadline_near = self._deadline_near(now)
-        if deadline_near and not self.requested:
-            log.warning("job deadline in %.1f s: checkpointing and stopping at step %d",
-                        self.policy.deadline - now, self._step())
-        wanted = self.requested or deadline_near
-        agreed = self.group.all_reduce([1.0 if wanted else 0.0], op="max")[0] > 0 \
-            if self.group.group_initialized else wanted
-        if not agreed:
-            return False
-        self.stopped = True
         if self.checkpointer is not None:
-            self.checkpointer.save()
-            self.checkpointer.wait()  # no rank exits before the checkpoint is whole on disk
+            self.checkpointer.save(wait=True)  # no rank exits before the checkpoint is whole on disk
         if self.group.is_rank_zero:
             log.warning("stopped on request at step %d%s: rerun or requeue to resume", self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")

@@ -27,6 +27,7 @@ from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
 from ddp_hpc.training.job import Datasets, Job, StepOutput
@@ -68,8 +69,10 @@ class Trainer:
         self.progress = Progress()
         self.early = EarlyStoppingState()
         self.history: list[dict[str, Any]] = []
-        #: Set (e.g. by a preemption signal handler) to checkpoint and stop at the next step.
-        self.stop_requested = False
+        #: The stop every rank agrees on (a signal handler calls ``request_stop``; the
+        #: deadline is the DeadlineStop callback's, which measures the Trainer's phases).
+        self.stop = StopAgreement(check_every_n_steps=config.checkpoint.preemption_check_every_n_steps,
+                                  deadline=None, group=ctx)
         self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
@@ -237,16 +240,15 @@ class Trainer:
 
     def request_stop(self) -> None:
         """Checkpoint and stop at the next agreed step (from a signal handler: just a flag)."""
-        self.stop_requested = True
+        self.stop.request()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop.requested
 
     def _agreed_stop(self) -> bool:
         """Whether any rank was asked to stop; all ranks answer at the same steps."""
-        every = self.config.checkpoint.preemption_check_every_n_steps
-        if self.progress.global_step % every:
-            return False
-        if not self.ctx.group_initialized:
-            return self.stop_requested
-        return self.ctx.all_reduce([1.0 if self.stop_requested else 0.0], op="max")[0] > 0
+        return self.stop.agreed(self.progress.global_step)
 
     def _train_epochs(self, datasets: Datasets) -> str:
         """Train from ``self.progress`` on: "completed", "early_stopped" or "preempted"."""
