@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RENDEZVOUS_TIMEOUT_VAR
 from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
+from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
 from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
@@ -238,6 +239,8 @@ def process_group(options: DistributedOptions | None = None,
     )
     choice.activate()
     # Checked on every rank, even alone, so a bad value shows up before it matters.
+    check_fabric(choice.backend, environ, this_host(environ),
+                 where=where_label(dist_env.rank, dist_env.world_size))
     rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_VAR), options.rendezvous_timeout_s)
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:

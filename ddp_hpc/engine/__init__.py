@@ -7,6 +7,7 @@
 - ``StopAgreement``: a stop every rank agrees on, after a signal or ahead of the job's
   deadline, then the requeue exit status.
 - ``watchdog``: a context manager that ends a rank making no progress, naming silent ranks.
+- ``consistency``: the bit-exact weights check across ranks.
 
 Import them from ``ddp_hpc`` (``ddp_hpc.Checkpointer``, ...); docs/api.md shows a loop.
 This package never imports ``ddp_hpc.training``.
