@@ -119,6 +119,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.scale:
+        from ddp_hpc.bench.scale import run_scale
+
+        run_scale(parse_sizes(args.scale, flag="--scale"), Path(args.output),
+                  check_size=int(args.scale_check) if args.scale_check else None)
+        return 0
     run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None,
               startup_sizes=parse_sizes(args.startup_sizes) if args.startup_sizes else None)
     return 0
@@ -232,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a small plan for smoke tests (2 rounds, start-up at 2 and 4 ranks)")
     bench.add_argument("--startup-sizes", metavar="N,N,...",
                        help="world sizes of the start-up figures (default: 2,4,8,16; --quick: 2,4)")
+    bench.add_argument("--scale", metavar="N,N,...",
+                       help="instead: N simulated ranks against one real rendezvous store (handshake, gate, "
+                            "heartbeat, diagnosis, bytes at rank 0), e.g. 256,1024,4096; merged into --output")
+    bench.add_argument("--scale-check", metavar="N", default="32",
+                       help="with --scale: also N ranks as separate processes vs threads ('' for none)")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
