@@ -119,6 +119,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.own_cpu:
+        from ddp_hpc.bench.runner import run_own_cpu
+
+        run_own_cpu(Path(args.output))
+        return 0
     if args.scale:
         from ddp_hpc.bench.scale import run_scale
 
@@ -243,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "heartbeat, diagnosis, bytes at rank 0), e.g. 256,1024,4096; merged into --output")
     bench.add_argument("--scale-check", metavar="N", default="32",
                        help="with --scale: also N ranks as separate processes vs threads ('' for none)")
+    bench.add_argument("--own-cpu", action="store_true",
+                       help="instead: ddp_hpc's own CPU per rank before the first step at 2 ranks (Trainer minus "
+                            "a hand-written loop); merged into --output")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
