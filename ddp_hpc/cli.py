@@ -127,8 +127,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.scale:
         from ddp_hpc.bench.scale import run_scale
 
-        run_scale(parse_sizes(args.scale, flag="--scale"), Path(args.output),
-                  check_size=int(args.scale_check) if args.scale_check else None)
+        check = parse_sizes(args.scale_check, flag="--scale-check") if args.scale_check else ()
+        if len(check) > 1:
+            raise UserError(f"--scale-check {args.scale_check!r}: one world size (e.g. 32), or '' for none")
+        run_scale(parse_sizes(args.scale, flag="--scale"), Path(args.output), check_size=check[0] if check else None)
         return 0
     run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None,
               startup_sizes=parse_sizes(args.startup_sizes) if args.startup_sizes else None)
