@@ -12,11 +12,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR
+from ddp_hpc.device import requested, select_device
 from ddp_hpc.distributed import DistContext, DistributedOptions
 from ddp_hpc.distributed import process_group as _process_group
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.environment import resolve_env as _resolve_env
+from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
 from ddp_hpc.environment.netcheck import check_network
 from ddp_hpc.torchrun_env import WorkerLaunch, worker_environment
 
@@ -52,10 +54,14 @@ def command_environment(command: Sequence[str], *, device: str | None = None, ba
     worker variables to export for it (nothing under torchrun itself)."""
     environ = os.environ if environ is None else environ
     dist_env = _resolve_env(environ, host_suffix=host_suffix)
-    choice = select_device(requested(device, environ, DEVICE_ENV_VAR),
-                           requested(backend, environ, BACKEND_ENV_VAR),
+    choice = select_device(requested(device, environ, DEVICE_VAR),
+                           requested(backend, environ, BACKEND_VAR),
                            local_rank=dist_env.local_rank, local_world_size=dist_env.local_world_size,
                            env=environ)
+    # Before the command starts: it would wait for the other ranks before failing on a bad
+    # interface or plugin name.
+    check_fabric(choice.backend, environ, this_host(environ),
+                 where=where_label(dist_env.rank, dist_env.world_size))
     launch = worker_environment(command, dist_env, choice, environ,
                                 launcher_key=detect_launcher(environ).job_key(environ))
     if dist_env.world_size > 1 and launch.exported:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ddp_hpc import __version__
+from ddp_hpc.contract import BACKEND_VAR, CONSOLE_RANKS_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 
@@ -29,25 +30,41 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line and exits 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(ExitStatus.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 def _add_device_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("device and backend")
-    group.add_argument("--device", help="auto, xpu, cuda or cpu (default: $DDP_HPC_DEVICE, else auto)")
-    group.add_argument("--backend", help="auto, nccl, xccl, ccl or gloo (default: $DDP_HPC_BACKEND, else auto)")
+    group.add_argument("--device", help=f"auto, xpu, cuda or cpu (default: ${DEVICE_VAR}, else auto)")
+    group.add_argument("--backend", help=f"auto, nccl, xccl, ccl or gloo (default: ${BACKEND_VAR}, else auto)")
     group.add_argument("--host-suffix", default=None,
                        help="suffix for rank 0's host name, e.g. a high-speed network's (default: "
-                            "$DDP_HPC_HOST_SUFFIX)")
+                            f"${HOST_SUFFIX_VAR})")
+
+
+def _add_console_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--console-ranks", default=None, metavar="RANKS",
+                        help="ranks whose INFO lines reach the console: 0 (default), 0,3, 0-3, all or none; "
+                             f"every rank's warnings and errors always do (default: ${CONSOLE_RANKS_VAR})")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
+    from ddp_hpc.device import requested, select_device
     from ddp_hpc.environment import resolve_env
 
     dist_env = resolve_env(host_suffix=args.host_suffix)
-    choice = select_device(requested(args.device, os.environ, DEVICE_ENV_VAR),
-                           requested(args.backend, os.environ, BACKEND_ENV_VAR),
+    choice = select_device(requested(args.device, os.environ, DEVICE_VAR),
+                           requested(args.backend, os.environ, BACKEND_VAR),
                            local_rank=dist_env.local_rank,
                            local_world_size=dist_env.local_world_size)
     report = {**dist_env.to_dict(), "host": socket.gethostname(),
@@ -67,41 +84,63 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ddp_hpc.distributed import DistributedOptions, process_group
     from ddp_hpc.doctor import run_doctor
 
+    from ddp_hpc.logs import ConsoleFilter
+
+    console = ConsoleFilter.from_environment(args.console_ranks, os.environ)
     options = DistributedOptions(device=args.device, backend=args.backend,
                                  timeout_s=args.timeout, host_suffix=args.host_suffix)
     with process_group(options) as ctx:
-        configure_logging(ctx.rank, verbose=args.verbose)
+        configure_logging(ctx.rank, verbose=args.verbose, console=console)
         healthy, report = run_doctor(ctx)
         if ctx.is_rank_zero:
             print(report, flush=True)
+        if args.links and healthy:
+            from ddp_hpc.links import format_links, measure_links
+
+            hosts = ctx.all_gather_object(socket.gethostname())
+            plan, verdict, elapsed = measure_links(ctx, hosts, message_bytes=int(args.link_mib * 2**20),
+                                                   min_bandwidth_mb_s=args.min_bandwidth)
+            if ctx.is_rank_zero:
+                print(format_links(plan, verdict, elapsed), flush=True)
+            healthy = verdict.healthy
     return 0 if healthy else 1
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
+    from ddp_hpc.train_job import TrainOptions, train
+
+    from ddp_hpc.logs import ConsoleFilter
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
-                           verbose=args.verbose, report=True)
-    raise_if_preempted(train(args.config, args.overrides, options=options))
-    return 0
+                           verbose=args.verbose, report=True,
+                           console=ConsoleFilter.from_environment(args.console_ranks, os.environ))
+    summary = train(args.config, args.overrides, options=options)
+    if summary.preempted:  # not an error: the run goes on when run again
+        write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, summary.stop_line())}")
+    return summary.exit_status
 
 
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
     from ddp_hpc.api import command_environment
+    from ddp_hpc.python_command import runner_argv
 
     launch = command_environment(args.command, device=args.device, backend=args.backend,
                                  host_suffix=args.host_suffix)
+    # A Python command runs through script_runner.py, which ends the process group in
+    # order after the script (a group left to interpreter exit can abort it with 134).
+    argv = launch.argv if args.exec else runner_argv(launch.argv)
     log = logging.getLogger("ddp_hpc.run")
-    log.debug("exec %s with %s", shlex.join(launch.argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
+    log.debug("exec %s with %s", shlex.join(argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         # exec, not a child: signals from the launcher reach the command itself, and its
         # exit status is the rank's.
-        os.execvpe(launch.argv[0], list(launch.argv), launch.environment(os.environ))
+        os.execvpe(argv[0], list(argv), launch.environment(os.environ))
     except OSError as exc:
-        write_line(sys.stderr, f"ddp-hpc: error: cannot run {launch.argv[0]!r}: {exc.strerror}")
-        raise SystemExit(127 if isinstance(exc, FileNotFoundError) else 126) from None
+        write_line(sys.stderr, f"ddp-hpc: error: cannot run {argv[0]!r}: {exc.strerror}")
+        raise SystemExit(ExitStatus.NOT_FOUND if isinstance(exc, FileNotFoundError)
+                         else ExitStatus.CANNOT_EXECUTE) from None
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -170,8 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", parents=[common],
                             help="start the group on every rank and check that it works")
     _add_device_flags(doctor)
+    _add_console_flag(doctor)
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
+    doctor.add_argument("--links", action="store_true",
+                        help="also measure bandwidth and latency between the hosts (every pair up to 8 hosts, "
+                             "a ring above); exit 1 when a link is slow")
+    doctor.add_argument("--link-mib", type=_positive_float, default=4.0, metavar="MIB",
+                        help="message size of the bandwidth rounds (default: 4)")
+    doctor.add_argument("--min-bandwidth", type=_positive_float, default=None, metavar="MB/S",
+                        help="also call a link slow below this bandwidth (default: only relative to the median)")
     doctor.set_defaults(func=_cmd_doctor, exit_without_teardown=True)
 
     train = sub.add_parser("train", parents=[common],
@@ -181,12 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. training.batch_size=64")
     _add_device_flags(train)
+    _add_console_flag(train)
     train.set_defaults(func=_cmd_train, exit_without_teardown=True)
 
     run = sub.add_parser("run", parents=[common],
                          help="run any command on this rank with the variables torchrun gives its workers "
                               "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)")
     _add_device_flags(run)
+    run.add_argument("--exec", action="store_true",
+                     help="exec a Python command as typed, without ddp_hpc's script runner (which ends "
+                          "the process group in order after the script)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_cmd_run)
 
@@ -315,12 +366,12 @@ def _run(args: argparse.Namespace) -> int:
         write_line(sys.stderr, f"ddp-hpc: error: {_with_rank(args, str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return ExitStatus.INTERRUPTED
     except Exception:
         if not getattr(args, "exit_without_teardown", False):
             raise
         traceback.print_exc()  # a rank's bug: its traceback, then end the job (main)
-        return 1
+        return ExitStatus.FAILED
 
 
 def _with_rank(args: argparse.Namespace, message: str) -> str:

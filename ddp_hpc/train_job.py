@@ -13,10 +13,10 @@ from pathlib import Path
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
-from ddp_hpc.logs import configure_logging
-from ddp_hpc.stop import PREEMPTED_EXIT, job_deadline, parse_stop_signal
+from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
+from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
-from ddp_hpc.training.callbacks import create_callbacks
+from ddp_hpc.training.callbacks import Callback, create_callbacks
 from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
@@ -39,17 +39,9 @@ class TrainOptions:
     verbose: bool = False
     #: Print the result and the run folder on rank 0.
     report: bool = False
-
-
-class Preempted(UserError):
-    """The run stopped on request (time limit, preemption) after writing a checkpoint."""
-
-    exit_code = PREEMPTED_EXIT
-
-    def __init__(self, message: str, signum: int | None = None) -> None:
-        super().__init__(message)
-        #: The signal this rank received, or None (the job's deadline, or another rank's signal).
-        self.signum = signum
+    #: With ``configure_logs``: the ranks whose INFO lines reach the console (every rank's
+    #: lines also go to RUN/logs/rank-NNNNN.log).
+    console: ConsoleFilter = ConsoleFilter()
 
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -79,13 +71,25 @@ def distributed_options(config: Config, device: str | None, backend: str | None)
                               host_suffix=dist.host_suffix or None)
 
 
+class RankLine(Callback):
+    """Each rank's first line in its log file: where it runs (written once set-up passed,
+    so a run refused for bad input leaves no file)."""
+
+    def on_fit_start(self, trainer) -> None:
+        ctx = trainer.ctx
+        log.info("rank %d of %d on host %s (pid %d, local rank %d, device %s), run folder %s", ctx.rank,
+                 ctx.world_size, socket.gethostname(), os.getpid(), ctx.local_rank, ctx.torch_device,
+                 trainer.run.path)
+
+
 def train(config: Config | str | Path | None = None, overrides: Sequence[str] = (), *,
           job: Job | None = None, options: TrainOptions = TrainOptions()) -> RunSummary:
     """Run one training job on this rank, under whatever launcher started the process.
 
     ``config`` is a ``Config``, a YAML path, or None for the defaults; ``overrides`` are
     ``key=value`` strings applied on top; ``job`` replaces the job the config names. Every
-    rank returns the run's ``RunSummary`` (``status`` says whether it was preempted).
+    rank returns the run's ``RunSummary`` (``status`` says whether it was preempted, and
+    ``exit_status`` what a process that owns the rank exits with).
     """
     # Everything that can be wrong with the input is checked before any rank starts
     # a process group or writes a file.
@@ -100,11 +104,17 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
     if deadline is not None and config.checkpoint.deadline_margin_s is not None:
         callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
                                                      config.checkpoint.deadline_margin_s)))
+    if config.distributed.weights_check_every:
+        from ddp_hpc.training.weights_check import WeightsCheckCallback
+
+        callbacks.append(WeightsCheckCallback(config.distributed.weights_check_every))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
     run.check_creatable()
     with process_group(distributed_options(config, options.device, options.backend)) as ctx:
         if options.configure_logs:
-            configure_logging(ctx.rank, verbose=options.verbose)
+            configure_logging(ctx.rank, verbose=options.verbose, console=options.console,
+                              log_file=rank_log_path(run.path, ctx.rank))
+            callbacks = [RankLine(), *callbacks]
         trainer = Trainer(job, config, ctx, run, callbacks)
         received: list[int] = []
         previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}
@@ -132,12 +142,3 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             print(f"run folder: {run.path}", flush=True)
         return summary
 
-
-def raise_if_preempted(summary: RunSummary) -> RunSummary:
-    """For process owners (the CLI, submitit tasks): a preempted run exits 75 so the
-    scheduler's requeue (or the next link of a chain) resumes it."""
-    if summary.preempted:
-        raise Preempted(f"stopped at step {summary.global_step} on request; the checkpoint is in "
-                        f"{summary.run_dir}/checkpoints: rerun or requeue to resume",
-                        signal.Signals[summary.stopped_by] if summary.stopped_by else None)
-    return summary

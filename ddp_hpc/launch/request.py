@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, HOST_SUFFIX_VAR
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
 from ddp_hpc.launch.sweep import Sweep, SweepElement
@@ -158,6 +159,8 @@ class JobRequest:
     max_restarts: int = 0
     #: SLURM: allocate this many extra nodes; a restart leaves out the node where a rank failed.
     spare_nodes: int = 0
+    #: Run ``ddp-hpc doctor --links`` (one rank per node) before the ranks; end the job if it fails.
+    preflight: bool = False
     #: Run the cartesian product of these overrides as one array job.
     sweep: Sweep | None = None
     #: Submit this many jobs, each starting when the previous one ended (``afterany``).
@@ -265,11 +268,11 @@ class JobRequest:
         """Variables every rank sees: profile presets, the device choice, user extras."""
         env = dict(self.profile.env)
         if self.profile.device != "auto":
-            env["DDP_HPC_DEVICE"] = self.profile.device
+            env[DEVICE_VAR] = self.profile.device
         if self.profile.backend != "auto":
-            env["DDP_HPC_BACKEND"] = self.profile.backend
+            env[BACKEND_VAR] = self.profile.backend
         if self.profile.host_suffix:
-            env["DDP_HPC_HOST_SUFFIX"] = self.profile.host_suffix
+            env[HOST_SUFFIX_VAR] = self.profile.host_suffix
         env.update(self.env)
         return env
 

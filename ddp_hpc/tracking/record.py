@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ddp_hpc.contract import RECORD_DIR, atomic_write
+
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 SCHEMA_VERSION = 1
 _TIMEOUT_S = 5.0
@@ -147,7 +149,7 @@ def record_stamp() -> str:
 
 def rank_files_folder(stamp: str, start_step: int) -> str:
     """Where each rank's facts go in a large world, relative to the run folder."""
-    return f"record/{stamp}-step{start_step}.ranks"
+    return f"{RECORD_DIR}/{stamp}-step{start_step}.ranks"
 
 
 def write_rank_facts(run_path: Path, folder: str, facts: dict[str, Any]) -> Path:
@@ -156,22 +158,14 @@ def write_rank_facts(run_path: Path, folder: str, facts: dict[str, Any]) -> Path
     target = run_path / folder
     target.mkdir(parents=True, exist_ok=True)
     path = target / f"rank-{facts['rank']}.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(facts, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(facts, indent=1, sort_keys=True, default=str) + "\n", durable=False)
     return path
 
 
 def write_record(run_path: Path, record: dict[str, Any], stamp: str | None = None) -> Path:
-    folder = run_path / "record"
+    folder = run_path / RECORD_DIR
     folder.mkdir(parents=True, exist_ok=True)
     stamp = stamp or record_stamp()
     path = folder / f"{stamp}-step{record['start_step']}.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True, default=str)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     return path
