@@ -40,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, _rank_env
+from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, rank_env
 from ddp_hpc.errors import UserError
 
 #: The heartbeat interval ``watch_progress`` picks for the default distributed.watchdog_s (300 s).
@@ -185,7 +185,7 @@ def rank0_bytes(world_size: int) -> dict[str, int]:
     def gathered(sizes: list[int]) -> int:
         return world_size * (max(sizes) + 8)
 
-    facts = [rank_facts(_rank_env(r, world_size, 8, ADDR, 29500).to_dict(), "cpu", "gloo",
+    facts = [rank_facts(rank_env(r, world_size, 8, ADDR, 29500).to_dict(), "cpu", "gloo",
                         _rank_environ(r, world_size)) for r in range(world_size)]
     sent = [startup_message(world_size, f) for f in facts]
     large = sent[0] is None
@@ -217,7 +217,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
 
         def serve() -> None:
             try:
-                outcome["store"] = create_store(_rank_env(0, world_size, 8, ADDR, port), timedelta(seconds=600),
+                outcome["store"] = create_store(rank_env(0, world_size, 8, ADDR, port), timedelta(seconds=600),
                                                 ENVIRON, RENDEZVOUS_TIMEOUT_S)
                 outcome["open_at"] = time.time()
             except Exception as exc:  # reported below

@@ -32,7 +32,7 @@ def _say(**message: Any) -> None:
     sys.stdout.flush()
 
 
-def _rank_env(rank: int, world_size: int, ranks_per_node: int, addr: str, port: int) -> DistEnv:
+def rank_env(rank: int, world_size: int, ranks_per_node: int, addr: str, port: int) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, local_rank=rank % ranks_per_node,
                    local_world_size=ranks_per_node, node_rank=rank // ranks_per_node,
                    num_nodes=-(-world_size // ranks_per_node), master_addr=addr, master_port=port,
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     def join(rank: int) -> None:
         began = time.perf_counter()
         try:
-            stores[rank] = create_store(_rank_env(rank, size, 8, addr, port_n), timedelta(seconds=600), environ,
+            stores[rank] = create_store(rank_env(rank, size, 8, addr, port_n), timedelta(seconds=600), environ,
                                         RENDEZVOUS_TIMEOUT_S)
             seconds[rank] = time.perf_counter() - began
         except Exception as exc:  # reported to the coordinator, which fails the run
