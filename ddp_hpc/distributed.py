@@ -196,6 +196,24 @@ def bind_listener(addr: str, port: int) -> socket.socket | None:
     return listener
 
 
+#: Store connections rank 0 serves per rank: the handshake's client (kept by the process
+#: group) and the heartbeat's own (liveness.Heartbeat); plus descriptors for everything else.
+STORE_CONNECTIONS_PER_RANK = 2
+OTHER_DESCRIPTORS = 256
+
+
+def descriptor_shortfall(world_size: int) -> str | None:
+    """Why rank 0 may run out of file descriptors serving ``world_size`` ranks, or None."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = STORE_CONNECTIONS_PER_RANK * world_size + OTHER_DESCRIPTORS
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    return (f"rank 0 serves the rendezvous store to {world_size} ranks ({STORE_CONNECTIONS_PER_RANK} connections "
+            f"each) but may open only {soft} files (ulimit -n): raise it to at least {needed} in the job script")
+
+
 def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, str],
                  rendezvous_timeout_s: float | None = None) -> dist.Store:
     """The rendezvous store: rank 0 serves it on the master address, the others connect;
@@ -208,6 +226,9 @@ def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, st
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     serve = dist_env.rank == 0 and not agent_store
     listener = bind_listener(dist_env.master_addr, dist_env.master_port) if serve else None
+    shortfall = descriptor_shortfall(dist_env.world_size) if serve else None
+    if shortfall:
+        log.warning("%s", shortfall)
     seconds = rendezvous_timeout_s or timeout.total_seconds()
 
     def connect() -> dist.Store:
@@ -263,9 +284,22 @@ def process_group(options: DistributedOptions | None = None,
     try:
         yield DistContext(dist_env, choice, initialize)
     finally:
-        if initialize and dist.is_initialized():
-            # A DistributedDataParallel still alive (often in a reference cycle) when the
-            # group goes away aborts the process at exit ("terminate called without an
-            # active exception", ~1 run in 4 with gloo): finalize it while the group lives.
-            gc.collect()
-            dist.destroy_process_group()
+        if initialize:
+            end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if there is one, in an order that lets the
+    interpreter exit cleanly afterwards.
+
+    A DistributedDataParallel still alive (often in a reference cycle) when the group goes
+    away, or a group left to interpreter exit, aborts the process at exit ("terminate
+    called without an active exception", ~1 run in 4 with gloo): ``gc.collect()`` first
+    finalizes it while the group lives. After a failure a peer may still be inside a
+    collective with this rank, and destroying can then wait for it: ``ddp-hpc run`` ends
+    the group this way only after a script that finished (ddp_hpc/script_runner.py).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
