@@ -180,7 +180,7 @@ def rank0_bytes(world_size: int) -> dict[str, int]:
     """
     from ddp_hpc.tracking.hub import startup_message
     from ddp_hpc.tracking.record import build_record, rank_facts
-    from ddp_hpc.training.rng import capture_rng
+    from ddp_hpc.engine.rng import capture_rng
 
     def gathered(sizes: list[int]) -> int:
         return world_size * (max(sizes) + 8)
@@ -206,7 +206,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
     import torch.distributed as dist
 
     from ddp_hpc.distributed import create_store
-    from ddp_hpc.training.liveness import Heartbeat
+    from ddp_hpc.engine.liveness import Heartbeat
 
     port = _free_port()
     silent = sorted({world_size // 2, world_size - 1})

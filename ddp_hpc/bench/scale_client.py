@@ -20,7 +20,7 @@ from typing import Any
 
 from ddp_hpc.distributed import create_store
 from ddp_hpc.environment import DistEnv
-from ddp_hpc.training.liveness import Heartbeat
+from ddp_hpc.engine.liveness import Heartbeat
 
 #: The handshake's deadline inside the harness (the default rendezvous_timeout_s).
 RENDEZVOUS_TIMEOUT_S = 180.0
