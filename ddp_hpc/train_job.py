@@ -12,12 +12,13 @@ from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.training.callbacks import Callback, create_callbacks
-from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
+from ddp_hpc.training.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
