@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ddp_hpc import __version__
+from ddp_hpc.bench.results_file import merge_into
 from ddp_hpc.contract import BENCH_STARTED_AT_VAR
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
@@ -296,12 +297,7 @@ def run_own_cpu(output: Path, rounds: int = 7) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
         section = measure_own_cpu(rounds, Path(tmp), lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
     section.update(command="ddp-hpc bench --own-cpu", machine=machine_info(), load_average_at_end=os.getloadavg())
-    merged = json.loads(output.read_text()) if output.exists() else {}
-    merged["own_cpu"] = section
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp_out.write_text(json.dumps(merged, indent=2) + "\n")
-    os.replace(tmp_out, output)
+    merge_into(output, {"own_cpu": section})
     print(f"ddp_hpc's own CPU per rank before the first step ({section['world_size']} ranks, median of "
           f"{rounds} pairs): {section['own_cpu_s']:.3f} s (target {OWN_CPU_TARGET_S} s); Trainer "
           f"{statistics.median(section['trainer_cpu_s']):.3f} s, hand-written {statistics.median(section['handwritten_cpu_s']):.3f} s")
@@ -556,8 +552,7 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None,
         results.machine["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(asdict(results), indent=2) + "\n")
+    merge_into(output, asdict(results))
     command = "ddp-hpc bench" + (" --quick" if quick else "") + (
         f" --startup-sizes {','.join(map(str, startup_sizes))}" if startup_sizes else "")
     output.with_suffix(".md").write_text(format_markdown(results, command))
