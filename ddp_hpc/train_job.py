@@ -76,7 +76,7 @@ class RankLine(Callback):
     """Each rank's first line in its log file: where it runs (written once set-up passed,
     so a run refused for bad input leaves no file)."""
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         ctx = trainer.ctx
         log.info("rank %d of %d on host %s (pid %d, local rank %d, device %s), run folder %s", ctx.rank,
                  ctx.world_size, socket.gethostname(), os.getpid(), ctx.local_rank, ctx.torch_device,

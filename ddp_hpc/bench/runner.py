@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 from ddp_hpc import __version__
 from ddp_hpc.bench.results_file import merge_into
 from ddp_hpc.contract import BENCH_STARTED_AT_VAR
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 
 LOOPS = ("trainer", "handwritten")
@@ -129,18 +129,12 @@ def launcher_available(launcher: str) -> bool:
         is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str = "torchrun",
            timeout: float = 600) -> dict[str, Any]:
     """One launch of the worker on ``nproc`` ranks; its rank-0 JSON result."""
     out = workdir / f"{mode}-{time.monotonic_ns()}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    port = ["--port", str(_free_port())] if mode == "bare" and launcher != "torchrun" else []
+    port = ["--port", str(free_port())] if mode == "bare" and launcher != "torchrun" else []
     argv = [*_launcher_argv(launcher, nproc), "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
             "--run-dir", str(workdir), *port, *extra]
     env[BENCH_STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
