@@ -151,6 +151,24 @@ def test_heartbeat_names_the_rank_that_stopped_and_finds_nobody_when_all_beat():
         del server
 
 
+def test_heartbeat_names_a_rank_that_never_beat_through_the_per_key_reads():
+    """Rank 2's counter does not exist, so the batched read cannot serve: the per-key path."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)
+    beats = [Heartbeat(rank, 3, f"host{rank}", "127.0.0.1", port, interval_s=0.1) for rank in range(2)]
+    for beat in beats:
+        beat.__enter__()
+    try:
+        time.sleep(0.5)
+        assert not server.check(["ddp_hpc/heartbeat/2"])
+        assert beats[0].explain().startswith("silent: rank 2 on host ? (no heartbeat")
+    finally:
+        for beat in beats:
+            beat.__exit__(None, None, None)
+        del server
+
+
 def test_heartbeat_without_the_store_says_this_rank_is_cut_off():
     beat = Heartbeat(1, 2, "h2", "127.0.0.1", free_port(), interval_s=0.1, store_timeout_s=1)
     assert beat.explain().startswith("this rank cannot reach the rendezvous store at 127.0.0.1:")

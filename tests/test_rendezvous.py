@@ -157,3 +157,15 @@ def test_error_lines_name_the_rank_and_host_once():
     assert fail_fast.with_rank("port taken", env) == f"rank 1 on host {HOST}: port taken"
     assert fail_fast.with_rank(f"rank 1 on host {HOST}: x", env) == f"rank 1 on host {HOST}: x"
     assert fail_fast.with_rank("bad config", {}) == "bad config"
+
+
+def test_rank_0_warns_when_ulimit_cannot_hold_two_store_connections_a_rank(monkeypatch):
+    import resource
+
+    from ddp_hpc.distributed import descriptor_shortfall
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    assert descriptor_shortfall(300) is None  # 2 * 300 + 256 = 856 fit
+    message = descriptor_shortfall(1000)
+    assert message is not None and "may open only 1024 files (ulimit -n)" in message
+    assert "raise it to at least 2256" in message

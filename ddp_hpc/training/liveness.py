@@ -40,6 +40,14 @@ def describe_ranks(ranks: Sequence[int], hosts: dict[int, str]) -> str:
     return "; ".join(parts)
 
 
+def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
+    """Every counter's value: one batched read when all exist (the usual case), else one
+    ``add(key, 0)`` a key (which also creates a missing one at 0, for the second read)."""
+    if store.check(list(keys)):
+        return [int(value) for value in store.multi_get(list(keys))]
+    return [store.add(key, 0) for key in keys]
+
+
 class Heartbeat:
     """A daemon thread that bumps this rank's counter; ``explain()`` names the silent ranks."""
 
@@ -104,9 +112,9 @@ class Heartbeat:
             return cut_off.format(reason)
         try:
             store = self._connect()
-            before = [store.add(key, 0) for key in keys]
+            before = read_counters(store, keys)
             time.sleep(self.settle_s)
-            after = [store.add(key, 0) for key in keys]
+            after = read_counters(store, keys)
             silent = [rank for rank in range(self.world_size) if before[rank] == after[rank]]
             hosts = {rank: store.get(HOST_KEY.format(rank=rank)).decode()
                      for rank in silent if store.check([HOST_KEY.format(rank=rank)])}
