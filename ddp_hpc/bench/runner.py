@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ddp_hpc import __version__
-from ddp_hpc.contract import BENCH_STARTED_AT_VAR
+from ddp_hpc.contract import BENCH_STARTED_AT_VAR, atomic_write
 from ddp_hpc.errors import UserError
 
 LOOPS = ("trainer", "handwritten")
@@ -305,9 +305,7 @@ def run_own_cpu(output: Path, rounds: int = 7) -> dict[str, Any]:
     merged = json.loads(output.read_text()) if output.exists() else {}
     merged["own_cpu"] = section
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp_out.write_text(json.dumps(merged, indent=2) + "\n")
-    os.replace(tmp_out, output)
+    atomic_write(output, json.dumps(merged, indent=2) + "\n", durable=False)  # a rerun rebuilds it
     print(f"ddp_hpc's own CPU per rank before the first step ({section['world_size']} ranks, median of "
           f"{rounds} pairs): {section['own_cpu_s']:.3f} s (target {OWN_CPU_TARGET_S} s); Trainer "
           f"{statistics.median(section['trainer_cpu_s']):.3f} s, hand-written {statistics.median(section['handwritten_cpu_s']):.3f} s")

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, rank_env
+from ddp_hpc.contract import BENCH_VAR, atomic_write
 from ddp_hpc.errors import UserError
 
 #: The heartbeat interval ``watch_progress`` picks for the default distributed.watchdog_s (300 s).
@@ -49,7 +50,7 @@ ADDR = "127.0.0.1"
 #: Simulated ranks per client process (memory: ~220 MB resident per process with torch).
 RANKS_PER_PROCESS = 128
 HAMMER_S = 5.0
-ENVIRON = {"DDP_HPC_BENCH": "scale"}
+ENVIRON = {BENCH_VAR: "scale"}
 
 
 @dataclass(frozen=True)
@@ -340,9 +341,7 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
     merged = json.loads(output.read_text()) if output.exists() else {}
     merged["scale"] = section
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp_out.write_text(json.dumps(merged, indent=2) + "\n")
-    os.replace(tmp_out, output)
+    atomic_write(output, json.dumps(merged, indent=2) + "\n", durable=False)  # a rerun rebuilds it
     print(format_scale(section))
     return section
 

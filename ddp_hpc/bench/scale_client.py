@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from ddp_hpc.contract import BENCH_VAR
 from ddp_hpc.distributed import create_store
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.training.liveness import Heartbeat
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     port_n, size, start, n = int(port), int(world_size), int(first), int(count)
     silent = {int(r) for r in silent_raw.split(",") if r}
     ranks = list(range(start, start + n))
-    environ = {"DDP_HPC_BENCH": "scale"}
+    environ = {BENCH_VAR: "scale"}
     stores: dict[int, Any] = {}
     seconds: dict[int, float] = {}
     errors: dict[int, str] = {}
