@@ -16,7 +16,7 @@ from typing import NoReturn
 from ddp_hpc import __version__
 from ddp_hpc.contract import BACKEND_VAR, CONSOLE_RANKS_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, ExitStatus
 from ddp_hpc.errors import UserError
-from ddp_hpc.logs import configure_logging
+from ddp_hpc.logs import ConsoleFilter, configure_logging
 
 
 def write_line(stream, text: str) -> None:
@@ -84,8 +84,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ddp_hpc.distributed import DistributedOptions, process_group
     from ddp_hpc.doctor import run_doctor
 
-    from ddp_hpc.logs import ConsoleFilter
-
     console = ConsoleFilter.from_environment(args.console_ranks, os.environ)
     options = DistributedOptions(device=args.device, backend=args.backend,
                                  timeout_s=args.timeout, host_suffix=args.host_suffix)
@@ -108,8 +106,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.train_job import TrainOptions, train
-
-    from ddp_hpc.logs import ConsoleFilter
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
                            verbose=args.verbose, report=True,

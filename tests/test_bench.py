@@ -69,3 +69,13 @@ def test_what_reaches_rank_0_at_start_up_and_in_the_record_does_not_grow_past_64
     assert abs(large["run_record"] - small["run_record"]) < 64
     assert gathered["startup_facts"] > 64 * 1000  # up to 64 ranks every rank's facts still travel
     assert large["per_checkpoint_rng"] == 8 * small["per_checkpoint_rng"]
+
+
+def test_each_bench_mode_replaces_its_own_keys_of_bench_json_and_keeps_the_others(tmp_path):
+    from ddp_hpc.bench.results_file import merge_into
+    output = tmp_path / "results" / "bench.json"
+    merge_into(output, {"overhead": [1], "machine": {"cpus": 2}})
+    merge_into(output, {"scale": {"rows": [256]}})
+    merge_into(output, {"overhead": [2]})
+    assert json.loads(output.read_text()) == {"overhead": [2], "machine": {"cpus": 2}, "scale": {"rows": [256]}}
+    assert [p.name for p in output.parent.iterdir()] == ["bench.json"]  # no temporary left

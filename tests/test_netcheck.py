@@ -1,5 +1,5 @@
 """Network checks before the rendezvous (ddp_hpc.environment.netcheck) and the heartbeat that
-names silent ranks (ddp_hpc.training.liveness): pure checks over injected names and
+names silent ranks (ddp_hpc.engine.liveness): pure checks over injected names and
 interfaces, and a real local TCPStore. The same checks across real hosts are in
 tests/test_multihost.py."""
 
@@ -18,7 +18,7 @@ from ddp_hpc.environment.netcheck import (GLOO_IFNAME_VAR, NetworkPlan, check_ne
                                           local_interfaces, resolve_addresses)
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.training.liveness import Heartbeat, describe_ranks
+from ddp_hpc.engine.liveness import Heartbeat, describe_ranks
 
 NAMES = {"h1": ["198.18.14.11"], "h2": ["198.18.14.12"], "h1-hsn": ["198.18.15.11"],
          "h2-hsn": ["198.18.15.12"], "localhost": ["127.0.0.1"]}

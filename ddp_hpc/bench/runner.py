@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,9 @@ from typing import Any
 import torch
 
 from ddp_hpc import __version__
-from ddp_hpc.contract import BENCH_STARTED_AT_VAR, atomic_write
+from ddp_hpc.bench.results_file import merge_into
+from ddp_hpc.contract import BENCH_STARTED_AT_VAR
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 
 LOOPS = ("trainer", "handwritten")
@@ -128,18 +129,12 @@ def launcher_available(launcher: str) -> bool:
         is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str = "torchrun",
            timeout: float = 600) -> dict[str, Any]:
     """One launch of the worker on ``nproc`` ranks; its rank-0 JSON result."""
     out = workdir / f"{mode}-{time.monotonic_ns()}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    port = ["--port", str(_free_port())] if mode == "bare" and launcher != "torchrun" else []
+    port = ["--port", str(free_port())] if mode == "bare" and launcher != "torchrun" else []
     argv = [*_launcher_argv(launcher, nproc), "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
             "--run-dir", str(workdir), *port, *extra]
     env[BENCH_STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
@@ -302,10 +297,7 @@ def run_own_cpu(output: Path, rounds: int = 7) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
         section = measure_own_cpu(rounds, Path(tmp), lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
     section.update(command="ddp-hpc bench --own-cpu", machine=machine_info(), load_average_at_end=os.getloadavg())
-    merged = json.loads(output.read_text()) if output.exists() else {}
-    merged["own_cpu"] = section
-    output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(output, json.dumps(merged, indent=2) + "\n", durable=False)  # a rerun rebuilds it
+    merge_into(output, {"own_cpu": section})
     print(f"ddp_hpc's own CPU per rank before the first step ({section['world_size']} ranks, median of "
           f"{rounds} pairs): {section['own_cpu_s']:.3f} s (target {OWN_CPU_TARGET_S} s); Trainer "
           f"{statistics.median(section['trainer_cpu_s']):.3f} s, hand-written {statistics.median(section['handwritten_cpu_s']):.3f} s")
@@ -560,8 +552,7 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None,
         results.machine["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(asdict(results), indent=2) + "\n")
+    merge_into(output, asdict(results))
     command = "ddp-hpc bench" + (" --quick" if quick else "") + (
         f" --startup-sizes {','.join(map(str, startup_sizes))}" if startup_sizes else "")
     output.with_suffix(".md").write_text(format_markdown(results, command))

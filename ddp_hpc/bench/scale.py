@@ -40,8 +40,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, rank_env
-from ddp_hpc.contract import BENCH_VAR, atomic_write
+from ddp_hpc.bench.results_file import merge_into
+from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, STORE_ENVIRON, rank_env
 from ddp_hpc.errors import UserError
 
 #: The heartbeat interval ``watch_progress`` picks for the default distributed.watchdog_s (300 s).
@@ -50,7 +50,6 @@ ADDR = "127.0.0.1"
 #: Simulated ranks per client process (memory: ~220 MB resident per process with torch).
 RANKS_PER_PROCESS = 128
 HAMMER_S = 5.0
-ENVIRON = {BENCH_VAR: "scale"}
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ def rank0_bytes(world_size: int) -> dict[str, int]:
     """
     from ddp_hpc.tracking.hub import startup_message
     from ddp_hpc.tracking.record import build_record, rank_facts
-    from ddp_hpc.training.rng import capture_rng
+    from ddp_hpc.engine.rng import capture_rng
 
     def gathered(sizes: list[int]) -> int:
         return world_size * (max(sizes) + 8)
@@ -207,7 +206,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
     import torch.distributed as dist
 
     from ddp_hpc.distributed import create_store
-    from ddp_hpc.training.liveness import Heartbeat
+    from ddp_hpc.engine.liveness import Heartbeat
 
     port = _free_port()
     silent = sorted({world_size // 2, world_size - 1})
@@ -219,7 +218,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
         def serve() -> None:
             try:
                 outcome["store"] = create_store(rank_env(0, world_size, 8, ADDR, port), timedelta(seconds=600),
-                                                ENVIRON, RENDEZVOUS_TIMEOUT_S)
+                                                STORE_ENVIRON, RENDEZVOUS_TIMEOUT_S)
                 outcome["open_at"] = time.time()
             except Exception as exc:  # reported below
                 outcome["error"] = exc
@@ -335,13 +334,9 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
                                  ("diagnosis_read_s", lambda r: max(r.diagnosis_s - r.diagnosis_settle_s, 1e-4)))}
     section = {"command": "ddp-hpc bench --scale " + ",".join(map(str, sizes)),
                "ranks_per_process": per_process, "load_average_at_end": load,
-               "note": "2-core VM shared with other helpers' jobs; client threads and the store share the cores",
                "rows": [asdict(r) for r in rows], "failed": failed, "check": check, "fits": fits,
                "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit}}
-    merged = json.loads(output.read_text()) if output.exists() else {}
-    merged["scale"] = section
-    output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(output, json.dumps(merged, indent=2) + "\n", durable=False)  # a rerun rebuilds it
+    merge_into(output, {"scale": section})
     print(format_scale(section))
     return section
 

@@ -18,13 +18,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ddp_hpc.contract import BENCH_VAR
 from ddp_hpc.distributed import create_store
 from ddp_hpc.environment import DistEnv
-from ddp_hpc.training.liveness import Heartbeat
+from ddp_hpc.engine.liveness import Heartbeat
 
 #: The handshake's deadline inside the harness (the default rendezvous_timeout_s).
 RENDEZVOUS_TIMEOUT_S = 180.0
+#: The variables the simulated ranks' store sees: none, as a rank launched without ddp_hpc's own.
+STORE_ENVIRON: dict[str, str] = {}
 OPS_KEY = "ddp_hpc_bench/ops"
 
 
@@ -45,7 +46,6 @@ def main(argv: list[str]) -> int:
     port_n, size, start, n = int(port), int(world_size), int(first), int(count)
     silent = {int(r) for r in silent_raw.split(",") if r}
     ranks = list(range(start, start + n))
-    environ = {BENCH_VAR: "scale"}
     stores: dict[int, Any] = {}
     seconds: dict[int, float] = {}
     errors: dict[int, str] = {}
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     def join(rank: int) -> None:
         began = time.perf_counter()
         try:
-            stores[rank] = create_store(rank_env(rank, size, 8, addr, port_n), timedelta(seconds=600), environ,
+            stores[rank] = create_store(rank_env(rank, size, 8, addr, port_n), timedelta(seconds=600), STORE_ENVIRON,
                                         RENDEZVOUS_TIMEOUT_S)
             seconds[rank] = time.perf_counter() - began
         except Exception as exc:  # reported to the coordinator, which fails the run
