@@ -17,6 +17,7 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
+from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, create_callbacks
 from ddp_hpc.training.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
@@ -99,6 +100,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         config = config.with_overrides(list(overrides))
     else:
         config = load_config(config_path, list(overrides))
+    check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
     job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
     deadline = job_deadline(os.environ)

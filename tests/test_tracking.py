@@ -64,8 +64,9 @@ def test_a_tracker_that_is_not_installed_is_one_line_and_exit_2(monkeypatch, cap
     real = registry.importlib.util.find_spec
     monkeypatch.setattr(registry.importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))
+    config = load_config(None, ["logging.trackers=[csv,wandb]"])  # loading a config checks no package
     with pytest.raises(UserError, match=r"'wandb' package is not installed: pip install 'ddp_hpc\[wandb\]'"):
-        load_config(None, ["logging.trackers=[csv,wandb]"])
+        registry.check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
     # From the command line: exit 2 with one line, before any process group or file.
     code = cli._run(cli.parse(["train", str(REPO / "configs" / "digits.yaml"), "logging.trackers=[wandb]"]))
     err = capsys.readouterr().err
@@ -344,5 +345,5 @@ def test_mlflow_local_store_needs_sqlalchemy_but_a_server_does_not(monkeypatch):
     monkeypatch.setattr(registry.importlib.util, "find_spec",
                         lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
     with pytest.raises(UserError, match="'sqlalchemy' package is not installed: pip install 'ddp_hpc\\[mlflow\\]'"):
-        load_config(None, ["logging.trackers=[mlflow]"])
-    load_config(None, ["logging.trackers=[mlflow]", "logging.mlflow.tracking_uri=http://127.0.0.1:5000"])
+        registry.check_installed(["mlflow"], None)
+    registry.check_installed(["mlflow"], "http://127.0.0.1:5000")
