@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +17,7 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 from ddp_hpc.stop import PREEMPTED_EXIT, job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
+from ddp_hpc.tracking.plot import CURVES_FILE
 from ddp_hpc.training.callbacks import create_callbacks
 from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
 from ddp_hpc.training.job import Job, create_job
@@ -108,6 +110,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         trainer = Trainer(job, config, ctx, run, callbacks)
         received: list[int] = []
         previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}
+        started = time.time()
         try:
             summary = trainer.fit()
         except UserError:
@@ -130,6 +133,9 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             print(f"done: {summary.epochs_completed} epochs, {summary.global_step} steps, "
                   f"{summary.wall_time_s:.1f}s  {result}".rstrip(), flush=True)
             print(f"run folder: {run.path}", flush=True)
+            curves = run.path / CURVES_FILE
+            if config.logging.plot and curves.exists() and curves.stat().st_mtime >= started:
+                print(f"training curves: {curves}", flush=True)
         return summary
 
 

@@ -21,6 +21,9 @@ class MatplotlibMissing(UserError):
     """matplotlib is an optional extra."""
 
 
+#: The training curves' file in a run folder (``logging.plot`` draws it at the end of a run).
+CURVES_FILE = "curves.png"
+
 def _epoch_rows(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
     if not path.exists():
@@ -108,7 +111,7 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     world, batch = _shape(run)
     figure.suptitle(f"{run.name}: world size {world if world else '?'}, effective batch {batch if batch else '?'}")
     figure.tight_layout()
-    output = output or run / "curves.png"
+    output = output or run / CURVES_FILE
     tmp = output.with_name(f".{output.stem}.tmp.png")
     figure.savefig(tmp, dpi=110)
     plt.close(figure)
