@@ -72,7 +72,9 @@ def _kill_while_the_temporary_is_partly_written(folder: Path, child_script: str)
 
     child = subprocess.Popen([sys.executable, "-c", child_script, str(folder)], stdout=subprocess.PIPE, text=True)
     try:
-        final = int(child.stdout.readline())
+        first = child.stdout.readline()
+        assert first.strip().isdigit(), f"the child did not write checkpoint 1 (exit status {child.wait(timeout=60)})"
+        final = int(first)
         temporary = folder / f".{ckpt.step_path(folder, 2).name}.tmp-{child.pid}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
