@@ -12,13 +12,14 @@ from ddp_hpc.training import Callback
 
 class EngineProbe(Callback):
     """Per rank: its share of the optimizer state (ZeRO), the EMA it predicts from the live
-    weights after every step against the trainer's, which model evaluation ran on, and the
-    communication hook DDP reports."""
+    weights after every step against the trainer's, which model evaluation ran on, the
+    communication hook DDP reports, and the dtype of the Linear layers' outputs in training."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.predicted: list[torch.Tensor] | None = None
         self.evaluated: list[str] = []
+        self.activations: set[str] = set()
 
     def on_fit_start(self, trainer) -> None:
         evaluate = trainer.job.eval_step
@@ -29,6 +30,14 @@ class EngineProbe(Callback):
             return evaluate(model, batch)
 
         trainer.job.eval_step = recording
+
+        def record_dtype(module, inputs, output) -> None:
+            if module.training:
+                self.activations.add(str(output.dtype))
+
+        for module in trainer.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(record_dtype)
 
     def on_step_end(self, trainer) -> None:
         live = [p.detach().float().clone() for p in trainer.model.parameters()]
@@ -55,5 +64,6 @@ class EngineProbe(Callback):
             "ema_minus_live": max((float((e - p).abs().max()) for e, p in zip(ema, live)), default=None),
             "evaluated": sorted(set(self.evaluated)),
             "comm_hook": str(logging_data.get("comm_hook", "")),
+            "training_activations": sorted(self.activations),
         }
         (trainer.run.path / f"probe-rank{trainer.ctx.rank}.json").write_text(json.dumps(facts))

@@ -75,18 +75,19 @@ def _kill_while_the_temporary_is_partly_written(folder: Path, child_script: str)
         first = child.stdout.readline()
         assert first.strip().isdigit(), f"the child did not write checkpoint 1 (exit status {child.wait(timeout=60)})"
         final = int(first)
-        temporary = folder / f".{ckpt.step_path(folder, 2).name}.tmp-{child.pid}"
+        pattern = f".{ckpt.step_path(folder, 2).name}.tmp-{child.pid}*"  # the child's temporary for checkpoint 2
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
+            temporary = next(folder.glob(pattern), None)
             try:
-                seen = temporary.stat().st_size
+                seen = temporary.stat().st_size if temporary else 0
             except FileNotFoundError:
                 continue
             if 0 < seen < final:
                 child.send_signal(signal.SIGKILL)
                 child.wait(timeout=30)
                 return temporary, seen, final
-        raise AssertionError(f"never saw {temporary.name} partly written (child exit status {child.poll()})")
+        raise AssertionError(f"never saw {pattern} partly written (child exit status {child.poll()})")
     finally:
         child.kill()
         child.wait(timeout=30)

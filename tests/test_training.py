@@ -201,6 +201,7 @@ def test_all_engine_options_together_each_take_effect(tmp_path):
         assert p["ema_minus_predicted"] < 1e-5 and p["ema_minus_live"] > 1e-3, p
         assert p["evaluated"] == ["ema"]
         assert p["comm_hook"] == "fp16_compress_hook"  # the hook DDP reports it runs
+        assert p["training_activations"] == ["torch.bfloat16"]  # bf16 autocast on CPU
 
 
 RESUME_CONFIG = [*SMALL_SYNTHETIC, "training.epochs=3", "training.batch_size=16", "training.grad_accum_steps=2",
