@@ -12,7 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR
+from ddp_hpc.device import requested, select_device
 from ddp_hpc.distributed import DistContext, DistributedOptions
 from ddp_hpc.distributed import process_group as _process_group
 from ddp_hpc.environment import DistEnv, detect_launcher
@@ -52,8 +53,8 @@ def command_environment(command: Sequence[str], *, device: str | None = None, ba
     worker variables to export for it (nothing under torchrun itself)."""
     environ = os.environ if environ is None else environ
     dist_env = _resolve_env(environ, host_suffix=host_suffix)
-    choice = select_device(requested(device, environ, DEVICE_ENV_VAR),
-                           requested(backend, environ, BACKEND_ENV_VAR),
+    choice = select_device(requested(device, environ, DEVICE_VAR),
+                           requested(backend, environ, BACKEND_VAR),
                            local_rank=dist_env.local_rank, local_world_size=dist_env.local_world_size,
                            env=environ)
     launch = worker_environment(command, dist_env, choice, environ,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ddp_hpc import __version__
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 
@@ -29,25 +30,25 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line and exits 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(ExitStatus.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_device_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("device and backend")
-    group.add_argument("--device", help="auto, xpu, cuda or cpu (default: $DDP_HPC_DEVICE, else auto)")
-    group.add_argument("--backend", help="auto, nccl, xccl, ccl or gloo (default: $DDP_HPC_BACKEND, else auto)")
+    group.add_argument("--device", help=f"auto, xpu, cuda or cpu (default: ${DEVICE_VAR}, else auto)")
+    group.add_argument("--backend", help=f"auto, nccl, xccl, ccl or gloo (default: ${BACKEND_VAR}, else auto)")
     group.add_argument("--host-suffix", default=None,
                        help="suffix for rank 0's host name, e.g. a high-speed network's (default: "
-                            "$DDP_HPC_HOST_SUFFIX)")
+                            f"${HOST_SUFFIX_VAR})")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, requested, select_device
+    from ddp_hpc.device import requested, select_device
     from ddp_hpc.environment import resolve_env
 
     dist_env = resolve_env(host_suffix=args.host_suffix)
-    choice = select_device(requested(args.device, os.environ, DEVICE_ENV_VAR),
-                           requested(args.backend, os.environ, BACKEND_ENV_VAR),
+    choice = select_device(requested(args.device, os.environ, DEVICE_VAR),
+                           requested(args.backend, os.environ, BACKEND_VAR),
                            local_rank=dist_env.local_rank,
                            local_world_size=dist_env.local_world_size)
     report = {**dist_env.to_dict(), "host": socket.gethostname(),
@@ -78,12 +79,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ddp_hpc.train_job import TrainOptions, raise_if_preempted, train
+    from ddp_hpc.train_job import TrainOptions, train
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
                            verbose=args.verbose, report=True)
-    raise_if_preempted(train(args.config, args.overrides, options=options))
-    return 0
+    summary = train(args.config, args.overrides, options=options)
+    if summary.preempted:  # not an error: the run goes on when run again
+        write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, summary.stop_line())}")
+    return summary.exit_status
 
 
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
@@ -101,7 +104,8 @@ def _cmd_run(args: argparse.Namespace) -> NoReturn:
         os.execvpe(launch.argv[0], list(launch.argv), launch.environment(os.environ))
     except OSError as exc:
         write_line(sys.stderr, f"ddp-hpc: error: cannot run {launch.argv[0]!r}: {exc.strerror}")
-        raise SystemExit(127 if isinstance(exc, FileNotFoundError) else 126) from None
+        raise SystemExit(ExitStatus.NOT_FOUND if isinstance(exc, FileNotFoundError)
+                         else ExitStatus.CANNOT_EXECUTE) from None
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -294,12 +298,12 @@ def _run(args: argparse.Namespace) -> int:
         write_line(sys.stderr, f"ddp-hpc: error: {_with_rank(args, str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return ExitStatus.INTERRUPTED
     except Exception:
         if not getattr(args, "exit_without_teardown", False):
             raise
         traceback.print_exc()  # a rank's bug: its traceback, then end the job (main)
-        return 1
+        return ExitStatus.FAILED
 
 
 def _with_rank(args: argparse.Namespace, message: str) -> str:

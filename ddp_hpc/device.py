@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 
 DEVICE_TYPES = ("auto", "xpu", "cuda", "cpu")
 BACKENDS = ("auto", "nccl", "xccl", "ccl", "gloo")
-DEVICE_ENV_VAR = "DDP_HPC_DEVICE"
-BACKEND_ENV_VAR = "DDP_HPC_BACKEND"
 
 #: Backends that can move tensors living on each device type, preferred first.
 COMPATIBLE_BACKENDS: dict[str, tuple[str, ...]] = {

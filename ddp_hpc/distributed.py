@@ -22,11 +22,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR, DeviceChoice, requested, select_device
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RENDEZVOUS_TIMEOUT_VAR
+from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
-from ddp_hpc.rendezvous import RENDEZVOUS_TIMEOUT_ENV_VAR, Rendezvous, handshake, job_identity, parse_timeout
+from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
 
 log = logging.getLogger(__name__)
 
@@ -229,15 +230,15 @@ def process_group(options: DistributedOptions | None = None,
     environ = os.environ if environ is None else environ
     dist_env = resolve_env(environ, host_suffix=options.host_suffix, port_range=options.port_range)
     choice = select_device(
-        requested(options.device, environ, DEVICE_ENV_VAR, options.config_device),
-        requested(options.backend, environ, BACKEND_ENV_VAR, options.config_backend),
+        requested(options.device, environ, DEVICE_VAR, options.config_device),
+        requested(options.backend, environ, BACKEND_VAR, options.config_backend),
         local_rank=dist_env.local_rank,
         local_world_size=dist_env.local_world_size,
         env=environ,
     )
     choice.activate()
     # Checked on every rank, even alone, so a bad value shows up before it matters.
-    rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_ENV_VAR), options.rendezvous_timeout_s)
+    rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_VAR), options.rendezvous_timeout_s)
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
         # Before anything connects: a loopback name across nodes would only hang.

@@ -7,11 +7,13 @@ its traceback.
 
 from __future__ import annotations
 
+from ddp_hpc.contract import ExitStatus
+
 
 class UserError(Exception):
     """Bad input, an impossible choice or a missing tool: one line, exit code 2."""
 
-    exit_code = 2
+    exit_code = ExitStatus.USAGE
 
 
 class EnvironmentConflictError(UserError):

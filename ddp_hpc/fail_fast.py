@@ -23,12 +23,11 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from ddp_hpc.contract import AGREED_EXIT_STATUSES
 from ddp_hpc.environment import detect_launcher
 
 log = logging.getLogger(__name__)
 
-#: Exit codes that every rank reaches together (stopped on request), which end nothing.
-AGREED_EXIT_CODES = (0, 75)
 #: Time for the launcher to pass on this rank's last output before the others are killed
 #: (Hydra drops what its proxy has not yet read once the job is aborted).
 OUTPUT_GRACE_S = 0.5
@@ -81,7 +80,7 @@ def end_job(exit_code: int, environ: Mapping[str, str] | None = None,
     ending anyway, and its own exit still reaches the launcher.
     """
     environ = os.environ if environ is None else environ
-    if exit_code in AGREED_EXIT_CODES:
+    if exit_code in AGREED_EXIT_STATUSES:  # every rank ends so: nothing to end
         return None
     request = abort_request(environ)
     if request is None:

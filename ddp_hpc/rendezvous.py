@@ -25,13 +25,12 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from ddp_hpc.contract import RENDEZVOUS_TIMEOUT_VAR
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.errors import UserError
 
 T = TypeVar("T")
 
-#: Seconds for connect and handshake, overriding ``distributed.rendezvous_timeout_s``.
-RENDEZVOUS_TIMEOUT_ENV_VAR = "DDP_HPC_RENDEZVOUS_TIMEOUT"
 MARKER_KEY = "ddp_hpc/job"
 JOINED_KEY = "ddp_hpc/joined"
 GATE_KEY = "ddp_hpc/all_joined"
@@ -68,9 +67,9 @@ def parse_timeout(raw: str | None, default: float) -> float:
     try:
         seconds = float(raw)
     except ValueError:
-        raise UserError(f"{RENDEZVOUS_TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds") from None
+        raise UserError(f"{RENDEZVOUS_TIMEOUT_VAR}={raw!r} is not a number of seconds") from None
     if not seconds > 0:
-        raise UserError(f"{RENDEZVOUS_TIMEOUT_ENV_VAR}={raw!r} must be > 0 seconds")
+        raise UserError(f"{RENDEZVOUS_TIMEOUT_VAR}={raw!r} must be > 0 seconds")
     return seconds
 
 

@@ -15,19 +15,9 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ddp_hpc.contract import DEADLINE_VAR, START_TIME_VAR, WALLTIME_VAR
 from ddp_hpc.errors import UserError
 
-#: What ranks exit with after checkpointing on a stop request (EX_TEMPFAIL: try again later).
-PREEMPTED_EXIT = 75
-#: The file rank 0 writes in the run folder after such a checkpoint: under
-#: ``srun --kill-on-bad-exit`` the ranks' 75 reaches the batch script as 143.
-PREEMPTED_MARKER = "preempted"
-
-#: The job's end (walltime limit) in seconds since the epoch, exported by the batch script.
-DEADLINE_ENV = "DDP_HPC_DEADLINE"
-#: Alternatively: when the job started (seconds since the epoch) and its walltime in seconds.
-START_TIME_ENV = "DDP_HPC_START_TIME"
-WALLTIME_ENV = "DDP_HPC_WALLTIME_S"
 #: Set by newer Slurm releases (not by 22.05) in the job's environment: the end time.
 SLURM_END_TIME_ENV = "SLURM_JOB_END_TIME"
 
@@ -119,13 +109,13 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
     Slurm's own ``SLURM_JOB_END_TIME`` where the Slurm release sets it. An empty value
     counts as unset (a script's lookup that found nothing); a malformed one is a UserError.
     """
-    deadline = _seconds(environ, DEADLINE_ENV)
+    deadline = _seconds(environ, DEADLINE_VAR)
     if deadline is not None:
         return deadline
-    start, walltime = _seconds(environ, START_TIME_ENV), _seconds(environ, WALLTIME_ENV)
+    start, walltime = _seconds(environ, START_TIME_VAR), _seconds(environ, WALLTIME_VAR)
     if (start is None) != (walltime is None):
-        given, missing = (START_TIME_ENV, WALLTIME_ENV) if start is not None else (WALLTIME_ENV, START_TIME_ENV)
-        raise UserError(f"{given} is set but {missing} is not: set both, or {DEADLINE_ENV} alone")
+        given, missing = (START_TIME_VAR, WALLTIME_VAR) if start is not None else (WALLTIME_VAR, START_TIME_VAR)
+        raise UserError(f"{given} is set but {missing} is not: set both, or {DEADLINE_VAR} alone")
     if start is not None and walltime is not None:
         return start + walltime
     return _seconds(environ, SLURM_END_TIME_ENV)
@@ -137,7 +127,7 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
 SLURM_DEADLINE_LINES = (
     'ddp_hpc_end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null || true)',
     'case "$ddp_hpc_end" in [0-9][0-9][0-9][0-9]-*) '
-    f'export {DEADLINE_ENV}=$(date -d "$ddp_hpc_end" +%s) ;; esac',
+    f'export {DEADLINE_VAR}=$(date -d "$ddp_hpc_end" +%s) ;; esac',
 )
 
 
@@ -145,4 +135,4 @@ def pbs_deadline_lines(walltime_s: int) -> tuple[str, ...]:
     """Lines for a PBS batch script: the job's end from its start and requested walltime
     (PBS sends no signal before the walltime). The script starts a moment after the job,
     so the deadline is late by that moment: ``checkpoint.deadline_margin_s`` covers it."""
-    return (f"export {START_TIME_ENV}=$(date +%s) {WALLTIME_ENV}={int(walltime_s)}",)
+    return (f"export {START_TIME_VAR}=$(date +%s) {WALLTIME_VAR}={int(walltime_s)}",)

@@ -9,6 +9,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ddp_hpc.contract import CHECKPOINTS_DIR, ExitStatus
+
 SCHEMA_VERSION = 1
 
 
@@ -47,6 +49,17 @@ class RunSummary:
     @property
     def preempted(self) -> bool:
         return self.status is RunStatus.PREEMPTED
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        """What a process that ran this rank exits with: ``ExitStatus.REQUEUE`` after a
+        stop on request, so that a requeue or the next link of a chain resumes the run."""
+        return ExitStatus.REQUEUE if self.preempted else ExitStatus.OK
+
+    def stop_line(self) -> str:
+        """One line for a run stopped on request: where it stopped and how it goes on."""
+        return (f"stopped at step {self.global_step} on request; the checkpoint is in "
+                f"{Path(self.run_dir) / CHECKPOINTS_DIR}: rerun or requeue to resume")
 
     @property
     def stopped_early(self) -> bool:

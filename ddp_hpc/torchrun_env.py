@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.errors import UserError
 
@@ -25,9 +26,6 @@ if TYPE_CHECKING:  # ddp_hpc.device imports torch; the job scripts' launch code 
 
 #: The role name torchrun gives workers when none is asked for (``--role``).
 ROLE_NAME = "default"
-#: A restart loop in a rendered script says which attempt this is; torchrun's workers see
-#: the same number as TORCHELASTIC_RESTART_COUNT.
-RESTART_COUNT_VAR = "DDP_HPC_RESTART_COUNT"
 
 
 @dataclass(frozen=True)
@@ -109,11 +107,10 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     restart = environ.get(RESTART_COUNT_VAR, "0").strip() or "0"
     if not restart.isdigit():
         raise UserError(f"environment variable {RESTART_COUNT_VAR}={restart!r} is not a whole number")
-    from ddp_hpc.device import BACKEND_ENV_VAR, DEVICE_ENV_VAR  # torch is loaded: ``choice`` exists
-
+    # torchrun's workers see the restart as TORCHELASTIC_RESTART_COUNT too.
     exported = torchrun_variables(dist_env, run_id_for(environ, dist_env, launcher_key), int(restart))
-    exported[DEVICE_ENV_VAR] = choice.device_type
-    exported[BACKEND_ENV_VAR] = choice.backend
+    exported[DEVICE_VAR] = choice.device_type
+    exported[BACKEND_VAR] = choice.backend
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environ:
         exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     if not environ.get("OMP_NUM_THREADS", "").strip():

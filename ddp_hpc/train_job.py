@@ -12,12 +12,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
+from ddp_hpc.contract import CURVES_FILE
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
-from ddp_hpc.stop import PREEMPTED_EXIT, job_deadline, parse_stop_signal
+from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
-from ddp_hpc.tracking.plot import CURVES_FILE
 from ddp_hpc.training.callbacks import create_callbacks
 from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
 from ddp_hpc.training.job import Job, create_job
@@ -41,17 +41,6 @@ class TrainOptions:
     verbose: bool = False
     #: Print the result and the run folder on rank 0.
     report: bool = False
-
-
-class Preempted(UserError):
-    """The run stopped on request (time limit, preemption) after writing a checkpoint."""
-
-    exit_code = PREEMPTED_EXIT
-
-    def __init__(self, message: str, signum: int | None = None) -> None:
-        super().__init__(message)
-        #: The signal this rank received, or None (the job's deadline, or another rank's signal).
-        self.signum = signum
 
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -87,7 +76,8 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
 
     ``config`` is a ``Config``, a YAML path, or None for the defaults; ``overrides`` are
     ``key=value`` strings applied on top; ``job`` replaces the job the config names. Every
-    rank returns the run's ``RunSummary`` (``status`` says whether it was preempted).
+    rank returns the run's ``RunSummary`` (``status`` says whether it was preempted, and
+    ``exit_status`` what a process that owns the rank exits with).
     """
     # Everything that can be wrong with the input is checked before any rank starts
     # a process group or writes a file.
@@ -138,12 +128,3 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
                 print(f"training curves: {curves}", flush=True)
         return summary
 
-
-def raise_if_preempted(summary: RunSummary) -> RunSummary:
-    """For process owners (the CLI, submitit tasks): a preempted run exits 75 so the
-    scheduler's requeue (or the next link of a chain) resumes it."""
-    if summary.preempted:
-        raise Preempted(f"stopped at step {summary.global_step} on request; the checkpoint is in "
-                        f"{summary.run_dir}/checkpoints: rerun or requeue to resume",
-                        signal.Signals[summary.stopped_by] if summary.stopped_by else None)
-    return summary

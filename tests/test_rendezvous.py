@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_hpc import fail_fast
+from ddp_hpc.contract import AGREED_EXIT_STATUSES
 from ddp_hpc.distributed import DistributedOptions, create_store, process_group
 from ddp_hpc.environment import resolve_env
 from ddp_hpc.environment.ports import free_port
@@ -146,7 +147,7 @@ def test_launchers_that_end_the_job_themselves_are_left_alone(env):
     assert fail_fast.abort_request(env) is None  # they kill the others on a non-zero exit
 
 
-@pytest.mark.parametrize("code", [0, 75])
+@pytest.mark.parametrize("code", sorted(AGREED_EXIT_STATUSES))
 def test_agreed_exits_end_nothing(code):
     assert fail_fast.end_job(code, {**MPICH_RANK1, "PMI_FD": "999"}) is None
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ddp_hpc import __version__
-from ddp_hpc.bench.worker import STARTED_AT_VAR
+from ddp_hpc.contract import BENCH_STARTED_AT_VAR
 from ddp_hpc.errors import UserError
 
 LOOPS = ("trainer", "handwritten")
@@ -142,7 +142,7 @@ def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str
     port = ["--port", str(_free_port())] if mode == "bare" and launcher != "torchrun" else []
     argv = [*_launcher_argv(launcher, nproc), "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
             "--run-dir", str(workdir), *port, *extra]
-    env[STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
+    env[BENCH_STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     if result.returncode != 0 or not out.exists():
         raise UserError(f"benchmark launch {launcher} {mode} x{nproc} failed: "

@@ -27,13 +27,14 @@ import statistics
 import time
 from pathlib import Path
 
-STARTED_AT_VAR = "DDP_HPC_BENCH_T0"
+from ddp_hpc.contract import BENCH_STARTED_AT_VAR, LAST_CHECKPOINT
+
 #: Variables that carry rank and world size under each MPI (for ``bare`` under mpiexec).
 MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
 
 
 def _since_launch() -> float:
-    return time.time() - float(os.environ[STARTED_AT_VAR])
+    return time.time() - float(os.environ[BENCH_STARTED_AT_VAR])
 
 
 IMPORTED_AFTER_LAUNCH = None  # set by main() once the heavy imports are done
@@ -258,7 +259,7 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
         rank = ctx.rank
         state_bytes = 0
         if rank == 0:
-            path = trainer.run.checkpoints / "last.pt"
+            path = trainer.run.checkpoints / LAST_CHECKPOINT
             state_bytes = path.stat().st_size
     periodic = [b for b in blocked if b["step"] % args.every == 0]
     return {"async": args.async_checkpoint, "checkpoint_bytes": state_bytes, "blocked": periodic,

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import DistEnv
 from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
-from ddp_hpc.environment.resolve import HOST_SUFFIX_VAR
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)

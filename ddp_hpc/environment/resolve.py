@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Sequence
 
+from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import ClusterEnvironment, DistEnv, Env, RankInfo, check_rank_info
 from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
 from ddp_hpc.environment.launchers import LAUNCHERS, MPI_LAUNCHERS
@@ -14,8 +15,6 @@ from ddp_hpc.environment.ports import PortRange, derive_port, free_port, parse_p
 from ddp_hpc.errors import EnvironmentConflictError, UserError
 
 log = logging.getLogger(__name__)
-
-HOST_SUFFIX_VAR = "DDP_HPC_HOST_SUFFIX"
 
 
 def detect_launcher(env: Env, launchers: Sequence[ClusterEnvironment] = LAUNCHERS) -> ClusterEnvironment:

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, SWEEP_INDEX_VAR, SWEEP_VAR_PREFIX
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch import schedulers
 from ddp_hpc.launch.profiles import load_profile
@@ -65,7 +66,7 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
                                  "rank failed (a batch script)")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="run every combination of these values as one array job (repeatable; command jobs "
-                             "get DDP_HPC_SWEEP_INDEX and DDP_HPC_SWEEP_<KEY>)")
+                             f"get {SWEEP_INDEX_VAR} and {SWEEP_VAR_PREFIX}<KEY>)")
     parser.add_argument("--sweep-limit", type=int, metavar="K", help="at most K sweep elements run at once")
     parser.add_argument("--chain", type=int, default=1, metavar="N",
                         help="submit N jobs, each after the previous one ended (afterany), each resuming the run")
@@ -183,8 +184,8 @@ def _find_submission(target: str) -> schedulers.Submission:
     path = Path(target)
     if path.exists():
         return schedulers.read_submission(path)
-    for record in sorted(Path.cwd().glob(f"*/*/{schedulers.SUBMISSION_FILE}")) + sorted(
-            Path.cwd().glob(f"*/*/{'submissions.jsonl'}")):
+    for record in sorted(Path.cwd().glob(f"*/*/{SUBMISSION_FILE}")) + sorted(
+            Path.cwd().glob(f"*/*/{SUBMISSIONS_LOG}")):
         lines = record.read_text().splitlines() if record.suffix == ".jsonl" else [record.read_text()]
         for text in lines:
             try:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,14 @@ def build_torchrun(nproc: int, command: Sequence[str], max_restarts: int = 0) ->
 
 
 def run_with_restarts(argv: Sequence[str], max_restarts: int) -> int:
-    """Run the launch; after a failure (not 0, not 75: stopped on request) run it again, at
-    most ``max_restarts`` times, with ``DDP_HPC_RESTART_COUNT`` set. The ranks resume from
-    the newest checkpoint. Returns the last exit status."""
+    """Run the launch; after a failure (not OK, not REQUEUE: stopped on request) run it again,
+    at most ``max_restarts`` times, with ``$DDP_HPC_RESTART_COUNT`` set. The ranks resume
+    from the newest checkpoint. Returns the last exit status."""
     for attempt in range(max_restarts + 1):
         env = {**os.environ, RESTART_COUNT_VAR: str(attempt)}
         status = subprocess.run(list(argv), env=env).returncode
-        if status in (0, 75) or attempt == max_restarts:
-            return status if status >= 0 else 128 - status
+        if status in AGREED_EXIT_STATUSES or attempt == max_restarts:
+            return ExitStatus.of_returncode(status)
         log.warning("the ranks failed (exit %d): restart %d of %d, resuming from the newest checkpoint",
                     status, attempt + 1, max_restarts)
     return status

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
 from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
@@ -63,8 +64,8 @@ def pbs_directives(request: JobRequest) -> list[str]:
 def mpiexec_argv(request: JobRequest) -> list[str]:
     profile = request.profile
     launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, rank_argv(request),
-                       hostfile=ShellVar("DDP_HPC_HOSTFILE"), cpu_bind=profile.cpu_bind, depth=profile.depth)
-    return build_mpiexec(launch, program=ShellVar("DDP_HPC_MPIEXEC"))
+                       hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind, depth=profile.depth)
+    return build_mpiexec(launch, program=ShellVar(MPIEXEC_VAR))
 
 
 def render_pbs(request: JobRequest) -> str:
@@ -80,15 +81,15 @@ def render_pbs(request: JobRequest) -> str:
         *environment_block(request),
         "",
         "# Nodes, rank 0's address and the rendezvous port",
-        "DDP_HPC_HOSTFILE=$(mktemp)",
-        "trap 'rm -f \"$DDP_HPC_HOSTFILE\"' EXIT",
-        "awk 'NF && !seen[$0]++' \"$PBS_NODEFILE\" >\"$DDP_HPC_HOSTFILE\"",
-        'nodes_found=$(wc -l <"$DDP_HPC_HOSTFILE")',
+        f"{HOSTFILE_VAR}=$(mktemp)",
+        f"trap 'rm -f \"${HOSTFILE_VAR}\"' EXIT",
+        f"awk 'NF && !seen[$0]++' \"$PBS_NODEFILE\" >\"${HOSTFILE_VAR}\"",
+        f'nodes_found=$(wc -l <"${HOSTFILE_VAR}")',
         f'if [ "$nodes_found" -lt {request.nodes} ]; then',
         f'  echo "ddp_hpc: PBS_NODEFILE lists $nodes_found node(s), this job needs {request.nodes}" >&2',
-        "  exit 1",
+        f"  exit {ExitStatus.FAILED:d}",
         "fi",
-        'first_host=$(head -n 1 "$DDP_HPC_HOSTFILE")',
+        f'first_host=$(head -n 1 "${HOSTFILE_VAR}")',
         f"export MASTER_ADDR={master}",
         'export MASTER_PORT="$(ddp-hpc port)"',
         mpiexec_lookup(request.profile.launcher),
@@ -99,7 +100,7 @@ def render_pbs(request: JobRequest) -> str:
           else run_folder_lines(request, "PBS_O_WORKDIR")),
         deadline_line(request),
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
-        # requeue a user may ask for: a run stopped with exit 75 continues when submitted again.
+        # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.
         *launch_lines(request, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
                       trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name)))),
         "",

@@ -17,8 +17,8 @@ from typing import Literal
 
 from ddp_hpc.config import read_yaml
 from ddp_hpc.config_loader import ConfigError, build, positive
+from ddp_hpc.contract import CLUSTERS_DIR_VAR
 
-PROFILE_DIR_VAR = "DDP_HPC_CLUSTERS_DIR"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 LAUNCHERS_BY_SCHEDULER = {
     "pbs": ("pals", "mpich", "openmpi"),
@@ -90,7 +90,7 @@ def profile_dirs() -> list[Path]:
     """Where profiles are looked up by name, first match wins: ``$DDP_HPC_CLUSTERS_DIR``,
     ``./configs/clusters``, then the profiles shipped inside the package (package data,
     so a non-editable install finds them too)."""
-    dirs = [Path(os.environ[PROFILE_DIR_VAR])] if os.environ.get(PROFILE_DIR_VAR) else []
+    dirs = [Path(os.environ[CLUSTERS_DIR_VAR])] if os.environ.get(CLUSTERS_DIR_VAR) else []
     dirs.append(Path.cwd() / "configs" / "clusters")
     dirs.append(Path(str(resources.files("ddp_hpc") / "clusters")))
     return dirs

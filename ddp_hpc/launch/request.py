@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, HOST_SUFFIX_VAR
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
 from ddp_hpc.launch.sweep import Sweep, SweepElement
@@ -265,11 +266,11 @@ class JobRequest:
         """Variables every rank sees: profile presets, the device choice, user extras."""
         env = dict(self.profile.env)
         if self.profile.device != "auto":
-            env["DDP_HPC_DEVICE"] = self.profile.device
+            env[DEVICE_VAR] = self.profile.device
         if self.profile.backend != "auto":
-            env["DDP_HPC_BACKEND"] = self.profile.backend
+            env[BACKEND_VAR] = self.profile.backend
         if self.profile.host_suffix:
-            env["DDP_HPC_HOST_SUFFIX"] = self.profile.host_suffix
+            env[HOST_SUFFIX_VAR] = self.profile.host_suffix
         env.update(self.env)
         return env
 

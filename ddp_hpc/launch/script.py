@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddp_hpc import __version__
+from ddp_hpc.contract import (
+    DEADLINE_VAR,
+    MPIEXEC_VAR,
+    PREEMPTED_MARKER,
+    RESTART_COUNT_VAR,
+    RUN_FOLDER_VAR,
+    ExitStatus,
+    exit_file_name,
+)
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.launch.request import JobRequest, TrainPayload, export_lines, shell_quote
-from ddp_hpc.stop import PREEMPTED_EXIT, PREEMPTED_MARKER
-from ddp_hpc.torchrun_env import RESTART_COUNT_VAR
-
-#: Where a rendered script keeps the run folder's path (also read by ``ddp-hpc status``).
-RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
-#: The job's end (epoch seconds), exported by every rendered script.
-DEADLINE_VAR = "DDP_HPC_DEADLINE"
 
 
 class ShellVar(str):
@@ -53,7 +55,7 @@ def sweep_block(request: JobRequest, index_var: str, workdir_var: str) -> list[s
         overrides = " ".join(shell_quote(o) for o in request.element_overrides(element))
         exports = "; ".join(f"export {k}={shell_quote(v)}" for k, v in element.environment().items())
         lines.append(f"  {element.index}) sweep_args=({overrides}); {exports}; export {RUN_FOLDER_VAR}={folder} ;;")
-    lines += [f'  *) echo "ddp_hpc: no sweep element ${{{index_var}}}" >&2; exit 2 ;;', "esac",
+    lines += [f'  *) echo "ddp_hpc: no sweep element ${{{index_var}}}" >&2; exit {ExitStatus.USAGE:d} ;;', "esac",
               f'mkdir -p "${RUN_FOLDER_VAR}"', f'echo "ddp_hpc: sweep element ${index_var}: ${{sweep_args[*]}}"',
               f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
     return lines
@@ -83,11 +85,12 @@ def environment_block(request: JobRequest) -> list[str]:
 def mpiexec_lookup(flavour: str) -> str:
     """Shell that finds the flavour's mpiexec at run time (names differ between sites)."""
     candidates = " || ".join(f"command -v {name}" for name in PROGRAMS[flavour])
-    return f'DDP_HPC_MPIEXEC=$({candidates}) || {{ echo "ddp_hpc: no {flavour} mpiexec on PATH" >&2; exit 1; }}'
+    return (f'{MPIEXEC_VAR}=$({candidates}) || {{ echo "ddp_hpc: no {flavour} mpiexec on PATH" >&2; '
+            f'exit {ExitStatus.FAILED:d}; }}')
 
 
 def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
-    """``DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
+    """``$DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
     the job's output."""
     value = _folder_value(request.run_folder, workdir_var)
     return [f"export {RUN_FOLDER_VAR}={value}", f'mkdir -p "${RUN_FOLDER_VAR}"',
@@ -110,8 +113,8 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
     A trapped signal ends ``wait`` early, so the loop waits until the step is really over.
-    Exit 75 means the ranks checkpointed and stopped on request: no restart; ``requeue``
-    (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
+    ``ExitStatus.REQUEUE`` means the ranks checkpointed and stopped on request: no restart;
+    ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
     With ``leave_out_failed_node`` (srun with spare nodes), the node where a rank failed is
     added to ``EXCLUDE_ARGS`` for the next attempt.
@@ -135,12 +138,12 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
         "  status=0",
         '  wait "$step_pid" || status=$?',
         '  while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done',
-        # srun --kill-on-bad-exit turns the ranks' 75 into 143: the marker rank 0 wrote says it.
+        # srun --kill-on-bad-exit turns the ranks' REQUEUE into SIGTERM: the marker rank 0 wrote says it.
         f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
         f'  if [ "$status" != 0 ] && [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
-        f'status={PREEMPTED_EXIT}; fi',
-        f'  if [ "$status" = 0 ] || [ "$status" = {PREEMPTED_EXIT} ] || [ "$stop_requested" = 1 ] || '
-        f'[ "$attempt" -ge {restarts} ]; then break; fi',
+        f'status={ExitStatus.REQUEUE:d}; fi',
+        f'  if [ "$status" = {ExitStatus.OK:d} ] || [ "$status" = {ExitStatus.REQUEUE:d} ] || '
+        f'[ "$stop_requested" = 1 ] || [ "$attempt" -ge {restarts} ]; then break; fi',
         "  attempt=$((attempt + 1))",
         *([_FAILED_NODE, '  if [ -n "$failed" ]; then',
            '    excluded="${excluded:+$excluded,}$failed"',
@@ -153,14 +156,14 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
     ]
     if requeue:
         lines += [
-            f'if [ "$stop_requested" = 1 ] || [ "$status" = {PREEMPTED_EXIT} ]; then',
+            f'if [ "$stop_requested" = 1 ] || [ "$status" = {ExitStatus.REQUEUE:d} ]; then',
             f'  echo "ddp_hpc: requeueing job {job_key}" >&2',
             f'  {requeue} || echo "ddp_hpc: requeue failed" >&2',
             '  exit "$status"',
             "fi",
         ]
     lines += [
-        f'printf \'%s\\n\' "$status" >"${RUN_FOLDER_VAR}/exit-{job_key}" || true',
+        f'printf \'%s\\n\' "$status" >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
         'exit "$status"',
     ]
     return lines

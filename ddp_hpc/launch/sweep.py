@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddp_hpc.config_loader import ConfigError
+from ddp_hpc.contract import SWEEP_INDEX_VAR, SWEEP_VAR_PREFIX
 
-INDEX_VAR = "DDP_HPC_SWEEP_INDEX"
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
@@ -34,9 +34,9 @@ class SweepElement:
         return tuple(f"{key}={value}" for key, value in self.assignments)
 
     def environment(self) -> dict[str, str]:
-        env = {INDEX_VAR: str(self.index)}
+        env = {SWEEP_INDEX_VAR: str(self.index)}
         for key, value in self.assignments:
-            env["DDP_HPC_SWEEP_" + re.sub(r"[^A-Za-z0-9]", "_", key).upper()] = value
+            env[SWEEP_VAR_PREFIX + re.sub(r"[^A-Za-z0-9]", "_", key).upper()] = value
         return env
 
     def describe(self) -> str:

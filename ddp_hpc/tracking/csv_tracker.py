@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from pathlib import Path
 
+from ddp_hpc.contract import CSV_METRICS_FILE, atomic_write
 from ddp_hpc.tracking.base import Held, Tracker, TrackerStart
 
 HEADER = ["step", "name", "value"]
@@ -35,7 +37,7 @@ class CsvTracker(Tracker):
 
     def start(self, start: TrackerStart) -> tuple[str, Held]:
         stored = Path(start.run_id) if start.run_id else None
-        self.path = stored if stored is not None and stored.is_file() else (start.folder / "metrics.csv").resolve()
+        self.path = stored if stored is not None and stored.is_file() else (start.folder / CSV_METRICS_FILE).resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         held: dict[str, int] = {}
         if start.run_id is None or not self.path.exists():
@@ -63,10 +65,9 @@ class CsvTracker(Tracker):
 
 
 def _rewrite(path: Path, points: list[tuple[int, str, float]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(HEADER)
-        for step, key, value in points:
-            writer.writerow([step, key, repr(value)])
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(HEADER)
+    for step, key, value in points:
+        writer.writerow([step, key, repr(value)])
+    atomic_write(path, text.getvalue(), durable=False)  # rebuilt from the lines at each start

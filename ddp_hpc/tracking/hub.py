@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddp_hpc.contract import TRACKING_DIR
 from ddp_hpc.errors import UserError
 from ddp_hpc.tracking import registry
 from ddp_hpc.tracking.base import Held, Tracker, TrackerStart
@@ -136,7 +137,7 @@ class Tracking:
         self._checkpoint_step = start_step
         for name in logging_config.trackers:
             tracker = registry.create(name, logging_config)
-            start = TrackerStart(run_name=self.run.path.name, folder=self.run.path / "tracking",
+            start = TrackerStart(run_name=self.run.path.name, folder=self.run.path / TRACKING_DIR,
                                  run_id=saved_runs.get(name), resume_step=start_step, params=params)
             try:
                 run_id, held = tracker.start(start)

@@ -13,6 +13,16 @@ from typing import Any
 
 import yaml
 
+from ddp_hpc.contract import (
+    CONFIG_FILE,
+    CSV_METRICS_FILE,
+    CURVES_FILE,
+    METRICS_FILE,
+    RECORD_DIR,
+    SUMMARY_FILE,
+    TRACKING_DIR,
+    atomic_write,
+)
 from ddp_hpc.errors import UserError
 from ddp_hpc.tracking.csv_tracker import read_points
 
@@ -21,11 +31,8 @@ class MatplotlibMissing(UserError):
     """matplotlib is an optional extra."""
 
 
-#: The training curves' file in a run folder (``logging.plot`` draws it at the end of a run).
-CURVES_FILE = "curves.png"
-
 def _epoch_rows(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
+    path = run / METRICS_FILE
     if not path.exists():
         return []
     rows = []
@@ -41,12 +48,12 @@ def _epoch_rows(run: Path) -> list[dict[str, Any]]:
 
 def _shape(run: Path) -> tuple[int | None, int | None]:
     """(world size, effective batch) from the summary, else the newest run record."""
-    summary = run / "summary.json"
+    summary = run / SUMMARY_FILE
     if summary.exists():
         data = json.loads(summary.read_text())
         return data.get("world_size"), data.get("effective_batch_size")
-    records = sorted((run / "record").glob("*.json"))
-    config_file = run / "config.yaml"
+    records = sorted((run / RECORD_DIR).glob("*.json"))
+    config_file = run / CONFIG_FILE
     if not records or not config_file.exists():
         return None, None
     world = len(json.loads(records[-1].read_text()).get("ranks", [])) or None
@@ -60,7 +67,7 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     if not run.is_dir():
         raise UserError(f"{run} is not a run folder")
     rows = _epoch_rows(run)
-    steps = [(s, k, v) for s, k, v in read_points(run / "tracking" / "metrics.csv") if k.startswith("train/")
+    steps = [(s, k, v) for s, k, v in read_points(run / TRACKING_DIR / CSV_METRICS_FILE) if k.startswith("train/")
              and not k.startswith("train/epoch_")]
     if not rows and not steps:
         raise UserError(f"{run} has no metrics yet (metrics.jsonl is empty or missing)")
@@ -112,8 +119,8 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     figure.suptitle(f"{run.name}: world size {world if world else '?'}, effective batch {batch if batch else '?'}")
     figure.tight_layout()
     output = output or run / CURVES_FILE
-    tmp = output.with_name(f".{output.stem}.tmp.png")
-    figure.savefig(tmp, dpi=110)
-    plt.close(figure)
-    tmp.replace(output)
+    try:
+        atomic_write(output, lambda handle: figure.savefig(handle, format="png", dpi=110), durable=False)
+    finally:
+        plt.close(figure)
     return output

@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ddp_hpc.contract import RECORD_DIR, atomic_write
+
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 SCHEMA_VERSION = 1
 _TIMEOUT_S = 5.0
@@ -128,15 +130,9 @@ def build_record(*, run_path: Path, argv: Sequence[str], config: dict[str, Any],
 
 
 def write_record(run_path: Path, record: dict[str, Any]) -> Path:
-    folder = run_path / "record"
+    folder = run_path / RECORD_DIR
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     path = folder / f"{stamp}-step{record['start_step']}.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True, default=str)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     return path

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_hpc.contract import BEST_CHECKPOINT, LAST_CHECKPOINT, TEMPORARY_GLOB, atomic_write, fsync_directory
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,6 @@ _STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used here (corrupt, other model, other world size)."""
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _os_error(exc: BaseException) -> OSError | None:
@@ -51,22 +44,14 @@ def _os_error(exc: BaseException) -> OSError | None:
 def save_atomic(state: Mapping[str, Any], path: Path) -> Path:
     """Write ``state`` to ``path`` so that ``path`` is either the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as handle:
-            torch.save(dict(state), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, lambda handle: torch.save(dict(state), handle), durable=True)
     except (OSError, RuntimeError) as exc:  # a full disk or quota: the previous checkpoint is still whole
         cause = _os_error(exc)
         if cause is None:
             raise
         raise CheckpointError(f"cannot write checkpoint {path}: {cause.strerror or cause}; the previous checkpoint "
                               f"is kept: free space in {path.parent} and rerun to resume") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
     return path
 
 
@@ -76,19 +61,18 @@ def link_atomic(target: Path, alias: Path) -> None:
     tmp.unlink(missing_ok=True)
     try:
         os.link(target, tmp)
-    except OSError:  # no hard links here (some network file systems): copy instead
-        tmp.write_bytes(target.read_bytes())
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
+    except OSError:  # no hard links here (some network file systems): a copy, written atomically
+        atomic_write(alias, target.read_bytes(), durable=True)
+        return
     os.replace(tmp, alias)
-    _fsync_dir(alias.parent)
+    fsync_directory(alias.parent)
 
 
 def remove_stale_temporaries(directory: Path) -> list[str]:
     """Delete temporary files of writes that a crash interrupted (they were never visible)."""
     removed = []
     if directory.is_dir():
-        for path in directory.glob(".*.tmp-*"):
+        for path in directory.glob(TEMPORARY_GLOB):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
@@ -126,9 +110,9 @@ def write_checkpoint(state: Mapping[str, Any], path: Path, *, best: bool, keep_l
     once it is complete, old periodic files pruned. Synchronous saves call it on the
     training thread, ``checkpoint.async`` saves from the background writer."""
     save_atomic(state, path)
-    link_atomic(path, path.parent / "last.pt")
+    link_atomic(path, path.parent / LAST_CHECKPOINT)
     if best:
-        link_atomic(path, path.parent / "best.pt")
+        link_atomic(path, path.parent / BEST_CHECKPOINT)
     prune(path.parent, keep_last)
     return path
 
@@ -163,7 +147,8 @@ def newest_loadable(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """
     skipped: list[CheckpointError] = []
     tried: list[str] = []
-    for path in [*reversed(periodic_checkpoints(directory)), directory / "last.pt", directory / "best.pt"]:
+    for path in [*reversed(periodic_checkpoints(directory)), directory / LAST_CHECKPOINT,
+                 directory / BEST_CHECKPOINT]:
         if not path.exists():
             continue
         try:

@@ -5,7 +5,8 @@ The ranks agree on a stop only every ``checkpoint.preemption_check_every_n_steps
 for the next interval (and the epoch end's validation and checkpoint, when the interval
 crosses one), then the stop's own checkpoint, with the margin to spare? If not, it
 requests the stop now, through the same agreement a SIGUSR2 uses: every rank checkpoints
-at this step and the job exits 75, to be requeued or continued by the next job of a chain.
+at this step and the job exits with ``ExitStatus.REQUEUE``, to be requeued or continued by
+the next job of a chain.
 
 Only rank 0 decides: it writes the checkpoints, so only it knows their cost, and the other
 ranks' step times include waiting for those writes.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ddp_hpc.contract import DEADLINE_VAR
 from ddp_hpc.training.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -92,8 +94,8 @@ class DeadlineStop(Callback):
         now = self.clock()
         self._mark = now
         if trainer.ctx.is_rank_zero and self.policy.deadline <= now:
-            log.warning("the job's deadline passed %.0f s ago (a stale DDP_HPC_DEADLINE?): training will "
-                        "checkpoint and stop at step %d", now - self.policy.deadline,
+            log.warning("the job's deadline passed %.0f s ago (a stale %s?): training will "
+                        "checkpoint and stop at step %d", now - self.policy.deadline, DEADLINE_VAR,
                         (trainer.progress.global_step // self.policy.check_every_n_steps + 1)
                         * self.policy.check_every_n_steps)
         elif trainer.ctx.is_rank_zero:

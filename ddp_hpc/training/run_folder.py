@@ -11,8 +11,15 @@ from typing import Any
 
 import yaml
 
+from ddp_hpc.contract import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    PREEMPTED_MARKER,
+    SUMMARY_FILE,
+    atomic_write,
+)
 from ddp_hpc.errors import UserError
-from ddp_hpc.stop import PREEMPTED_MARKER
 from ddp_hpc.summary import RunSummary
 
 
@@ -22,15 +29,15 @@ class RunFolder:
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS_DIR
 
     @property
     def metrics_file(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS_FILE
 
     @property
     def summary_file(self) -> Path:
-        return self.path / "summary.json"
+        return self.path / SUMMARY_FILE
 
     def check_creatable(self) -> None:
         """A ``UserError`` now, before any rank starts, if the folder could not be made later.
@@ -55,7 +62,7 @@ class RunFolder:
     def create(self, resolved_config: dict[str, Any]) -> None:
         """Rank 0 only: make the folders and write the resolved config."""
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.path / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+        atomic_write(self.path / CONFIG_FILE, yaml.safe_dump(resolved_config, sort_keys=False))
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_file, "a") as handle:
@@ -64,20 +71,13 @@ class RunFolder:
     @property
     def preempted_marker(self) -> Path:
         """Written when the ranks stopped on request after a checkpoint. A batch script reads
-        it: under ``srun --kill-on-bad-exit`` the ranks' exit 75 reaches it as 143."""
+        it: under ``srun --kill-on-bad-exit`` the ranks' ``ExitStatus.REQUEUE`` reaches it as
+        ``ExitStatus.SIGTERM``."""
         return self.path / PREEMPTED_MARKER
 
     def mark_preempted(self) -> None:
-        _write_atomic(self.preempted_marker, "")
+        atomic_write(self.preempted_marker, b"")
 
     def write_summary(self, summary: RunSummary) -> None:
-        _write_atomic(self.summary_file, summary.to_json())
+        atomic_write(self.summary_file, summary.to_json())
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

@@ -207,7 +207,7 @@ class Trainer:
         with watch_progress(self.ctx, limit) as self.watchdog, self._checkpoint_writes():
             status = self._train_epochs(datasets)
             if status == "preempted":
-                self.ctx.barrier()  # no rank exits (status 75) before rank 0's checkpoint is on disk
+                self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
                 if self.ctx.is_rank_zero:
                     log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
                                 "the job to resume", self.progress.epoch + 1, self.progress.global_step)

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_hpc.contract import SUBMISSION_FILE, SUMMARY_FILE
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import JobRequest
 from ddp_hpc.launch.schedulers.base import (
-    SUBMISSION_FILE,
     ElementRecord,
     DryRun,
     JobState,
@@ -159,7 +159,7 @@ def wait(submission: Submission, *, poll_s: float = 2.0, timeout_s: float | None
 
 def read_summary(run_folder: str | Path, since: float) -> RunSummary | None:
     """The run's summary, if written by this submission (not an earlier run's)."""
-    path = Path(run_folder) / "summary.json"
+    path = Path(run_folder) / SUMMARY_FILE
     if path.exists() and path.stat().st_mtime >= since - 1:
         return RunSummary.read(path)
     return None

@@ -17,12 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
+from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, atomic_write, exit_file_name
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import JobRequest, quote_command
-
-SUBMISSION_FILE = "submission.json"
 
 
 class JobState(str, Enum):
@@ -104,7 +103,7 @@ class ElementRecord:
 
     @property
     def exit_file(self) -> Path:
-        return Path(self.run_folder) / f"exit-{self.job_id}"
+        return Path(self.run_folder) / exit_file_name(self.job_id)
 
 
 @dataclass(frozen=True)
@@ -143,17 +142,15 @@ class Submission:
         folder = Path(self.run_folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / SUBMISSION_FILE
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
-        with open(folder / "submissions.jsonl", "a") as handle:
+        atomic_write(path, self.to_json(), durable=True)
+        with open(folder / SUBMISSIONS_LOG, "a") as handle:
             handle.write(json.dumps(asdict(self), sort_keys=True) + "\n")
         return path
 
     @property
     def exit_file(self) -> Path:
         """Written by the rendered script when the job ends (see ``script.launch_lines``)."""
-        return Path(self.run_folder) / f"exit-{self.job_id}"
+        return Path(self.run_folder) / exit_file_name(self.job_id)
 
 
 
@@ -204,10 +201,12 @@ def query_tool(argv: Sequence[str], timeout: float = 30) -> str | None:
 
 def write_script(text: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
+
+    def executable(handle: BinaryIO) -> None:
+        handle.write(text.encode())
+        os.fchmod(handle.fileno(), 0o755)
+
+    atomic_write(path, executable, durable=False)  # rendered again from the request at will
     return path
 
 

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from ddp_hpc.contract import ExitStatus, atomic_write, exit_file_name
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import CommandPayload, JobRequest, TrainPayload, export_lines, parse_walltime
 from ddp_hpc.launch.schedulers.base import (
@@ -26,7 +27,7 @@ from ddp_hpc.launch.schedulers.base import (
     run_tool,
 )
 from ddp_hpc.launch.schedulers.slurm_state import slurm_status
-from ddp_hpc.stop import PREEMPTED_EXIT, SLURM_DEADLINE_LINES
+from ddp_hpc.stop import SLURM_DEADLINE_LINES
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +52,16 @@ class SubmititTrainTask:
         self.requeue = requeue
 
     def __call__(self) -> dict[str, Any]:
-        from ddp_hpc.train_job import Preempted, TrainOptions, raise_if_preempted, train
+        from ddp_hpc.train_job import TrainOptions, train
 
         os.chdir(self.workdir)
         options = TrainOptions(configure_logs=True, handle_signals=True)
         summary = train(self.payload.config_path, self.payload.overrides, options=options)
-        try:
-            return raise_if_preempted(summary).to_dict()
-        except Preempted as stopped:
-            if not self.requeue:  # a chain's next link continues the run
-                raise SystemExit(PREEMPTED_EXIT) from None
-            hand_over_to_submitit(stopped.signum)
-            raise
+        if not summary.preempted:
+            return summary.to_dict()
+        if not self.requeue:  # a chain's next link continues the run
+            raise SystemExit(summary.exit_status)
+        hand_over_to_submitit(signal.Signals[summary.stopped_by] if summary.stopped_by else None)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit
@@ -75,7 +74,8 @@ class SubmititTrainTask:
 
 class SubmititCommandTask:
     """What each SLURM task runs for a command job: the command, as a child with torchrun's
-    variables. A child that exits 75 (checkpointed on request) gets the job requeued."""
+    variables. A child that exits with ``ExitStatus.REQUEUE`` (checkpointed on request) gets the
+    job requeued."""
 
     def __init__(self, payload: CommandPayload, workdir: str, run_folder: str,
                  extra_env: dict[str, str] | None = None) -> None:
@@ -93,10 +93,10 @@ class SubmititCommandTask:
         code = self._child.wait()
         rank = int(launch.environment(os.environ).get("RANK", "0"))
         job_id = _slurm_job_key()
-        if rank == 0 and job_id and code != PREEMPTED_EXIT:
+        if rank == 0 and job_id and code != ExitStatus.REQUEUE:
             Path(self.run_folder).mkdir(parents=True, exist_ok=True)
-            (Path(self.run_folder) / f"exit-{job_id}").write_text(f"{code}\n")
-        if code == PREEMPTED_EXIT:
+            atomic_write(Path(self.run_folder) / exit_file_name(job_id), f"{code}\n")
+        if code == ExitStatus.REQUEUE:
             requeue_from_rank_zero()  # the command checkpointed and asked to be run again
         if code != 0:
             raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
@@ -121,7 +121,7 @@ class SubmititCommandTask:
 REQUEUE_WAIT_S = 120.0
 
 
-def hand_over_to_submitit(signum: int | None) -> None:
+def hand_over_to_submitit(signum: int | None) -> NoReturn:
     """After the agreed-step checkpoint: let submitit do what its signal handler is for.
 
     Every rank calls submitit's handler for its preemption signal (now restored): rank 0's
@@ -135,7 +135,7 @@ def hand_over_to_submitit(signum: int | None) -> None:
     preemption = submitit.JobEnvironment._usr_sig()
     if signum not in (None, preemption):
         log.warning("stopped after %s: not requeueing (the scheduler decides)", signal.Signals(signum).name)
-        raise SystemExit(PREEMPTED_EXIT)
+        raise SystemExit(ExitStatus.REQUEUE)
     handler = signal.getsignal(preemption)
     if callable(handler):
         handler(preemption, None)  # rank 0: checkpoint(), scontrol requeue, sys.exit
@@ -143,7 +143,7 @@ def hand_over_to_submitit(signum: int | None) -> None:
     while time.monotonic() < deadline:
         time.sleep(1.0)
     log.error("the job was not requeued within %.0f s of the checkpoint; stopping", REQUEUE_WAIT_S)
-    raise SystemExit(PREEMPTED_EXIT)
+    raise SystemExit(ExitStatus.REQUEUE)
 
 
 def _slurm_job_key() -> str:
