@@ -42,7 +42,7 @@ def release_requeued(job_id: str) -> float:
     credential revoked").
     """
     requeued = time.time()
-    wait_for(nodes_idle, 60, "the nodes to finish cleaning up")
+    wait_for(nodes_idle, 180, "the nodes to finish cleaning up")
     time.sleep(max(0.0, requeued + 2.0 - time.time()))
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     return time.time()
@@ -165,6 +165,16 @@ def test_the_rendered_sbatch_script_stops_before_its_walltime_and_requeues(tmp_p
         cwd=tmp_path, env=clean_env({"PYTHONPATH": str(REPO / "tests")}), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     job_id = re.search(r"submitted job (\d+)", submit.stdout.readline()).group(1)
+    try:
+        _stop_requeue_and_resume(tmp_path, runs, job_id, submit)
+    finally:  # a failed test leaves no job behind (a requeued one would wait for ever)
+        subprocess.run(["scancel", job_id], capture_output=True)
+        if submit.poll() is None:
+            submit.kill()
+            submit.communicate()
+
+
+def _stop_requeue_and_resume(tmp_path: Path, runs: Path, job_id: str, submit: subprocess.Popen) -> None:
     script = next((runs / "deadline").glob("*.sbatch"), None) or next(tmp_path.rglob("*.sbatch"))
     assert "#SBATCH --time=00:01:00" in script.read_text() and "#SBATCH --signal=B:USR2@5" in script.read_text()
     deadline = wait_for(lambda: "RUNNING" in job_state(job_id) and job_end(job_id), 120, "the job to start")
