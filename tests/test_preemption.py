@@ -144,9 +144,9 @@ def job_end(job_id: str) -> float:
 @pytest.mark.timeout(600)
 def test_the_rendered_sbatch_script_stops_before_its_walltime_and_requeues(tmp_path, slurm_cluster):
     """``ddp-hpc submit slurm --sbatch --time 1``: the script ddp-hpc renders, on the test
-    cluster, a 1-minute job with its signal late (USR2@5): the ranks stop ahead of the job's
-    end with a checkpoint (deadline_margin_s, from the end the script exports), the script
-    requeues, and the requeued job finishes bit-identical to an uninterrupted run."""
+    cluster, a 1-minute job (signal USR2@5): the ranks stop ahead of the job's end with a
+    checkpoint (deadline_margin_s from the end the script exports, or the signal), the
+    script requeues, and the requeued job finishes bit-identical to an uninterrupted run."""
     # A small model, so that the uninterrupted reference is quick on a loaded machine.
     common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",
               "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=20",
@@ -186,9 +186,9 @@ def _stop_requeue_and_resume(tmp_path: Path, runs: Path, job_id: str, submit: su
     wait_for(lambda: "PENDING" in job_state(job_id) and "requeueing job" in log(), 240,
              "the job to stop itself and requeue")
     first = log()
-    # The ranks stop at the deadline the script exported; on a loaded machine whose ranks
-    # start late, SLURM's signal (5 s ahead) may come first: either way the script's own
-    # deadline handling stopped the job before its time limit.
+    # The ranks stop at the deadline the script exported, or at SLURM's signal: Slurm may
+    # send it up to a minute before the 5 s asked (its event resolution), which in a
+    # 1-minute job is any time. Either way the script's deadline handling stopped the job.
     stopped = re.search(r"stopped on request at epoch \d+, step (\d+)", first)
     assert stopped, first[-3000:]
     by = "signal" if "received SIGUSR2" in first else "deadline"
