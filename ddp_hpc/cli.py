@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ddp_hpc import __version__
-from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, ExitStatus
+from ddp_hpc.contract import BACKEND_VAR, CONSOLE_RANKS_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import configure_logging
 
@@ -33,6 +33,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitStatus.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def _add_device_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("device and backend")
     group.add_argument("--device", help=f"auto, xpu, cuda or cpu (default: ${DEVICE_VAR}, else auto)")
@@ -40,6 +50,12 @@ def _add_device_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-suffix", default=None,
                        help="suffix for rank 0's host name, e.g. a high-speed network's (default: "
                             f"${HOST_SUFFIX_VAR})")
+
+
+def _add_console_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--console-ranks", default=None, metavar="RANKS",
+                        help="ranks whose INFO lines reach the console: 0 (default), 0,3, 0-3, all or none; "
+                             f"every rank's warnings and errors always do (default: ${CONSOLE_RANKS_VAR})")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -68,21 +84,36 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ddp_hpc.distributed import DistributedOptions, process_group
     from ddp_hpc.doctor import run_doctor
 
+    from ddp_hpc.logs import ConsoleFilter
+
+    console = ConsoleFilter.from_environment(args.console_ranks, os.environ)
     options = DistributedOptions(device=args.device, backend=args.backend,
                                  timeout_s=args.timeout, host_suffix=args.host_suffix)
     with process_group(options) as ctx:
-        configure_logging(ctx.rank, verbose=args.verbose)
+        configure_logging(ctx.rank, verbose=args.verbose, console=console)
         healthy, report = run_doctor(ctx)
         if ctx.is_rank_zero:
             print(report, flush=True)
+        if args.links and healthy:
+            from ddp_hpc.links import format_links, measure_links
+
+            hosts = ctx.all_gather_object(socket.gethostname())
+            plan, verdict, elapsed = measure_links(ctx, hosts, message_bytes=int(args.link_mib * 2**20),
+                                                   min_bandwidth_mb_s=args.min_bandwidth)
+            if ctx.is_rank_zero:
+                print(format_links(plan, verdict, elapsed), flush=True)
+            healthy = verdict.healthy
     return 0 if healthy else 1
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.train_job import TrainOptions, train
 
+    from ddp_hpc.logs import ConsoleFilter
+
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
-                           verbose=args.verbose, report=True)
+                           verbose=args.verbose, report=True,
+                           console=ConsoleFilter.from_environment(args.console_ranks, os.environ))
     summary = train(args.config, args.overrides, options=options)
     if summary.preempted:  # not an error: the run goes on when run again
         write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, summary.stop_line())}")
@@ -91,19 +122,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
     from ddp_hpc.api import command_environment
+    from ddp_hpc.python_command import runner_argv
 
     launch = command_environment(args.command, device=args.device, backend=args.backend,
                                  host_suffix=args.host_suffix)
+    # A Python command runs through script_runner.py, which ends the process group in
+    # order after the script (a group left to interpreter exit can abort it with 134).
+    argv = launch.argv if args.exec else runner_argv(launch.argv)
     log = logging.getLogger("ddp_hpc.run")
-    log.debug("exec %s with %s", shlex.join(launch.argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
+    log.debug("exec %s with %s", shlex.join(argv), " ".join(f"{k}={v}" for k, v in launch.exported.items()))
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         # exec, not a child: signals from the launcher reach the command itself, and its
         # exit status is the rank's.
-        os.execvpe(launch.argv[0], list(launch.argv), launch.environment(os.environ))
+        os.execvpe(argv[0], list(argv), launch.environment(os.environ))
     except OSError as exc:
-        write_line(sys.stderr, f"ddp-hpc: error: cannot run {launch.argv[0]!r}: {exc.strerror}")
+        write_line(sys.stderr, f"ddp-hpc: error: cannot run {argv[0]!r}: {exc.strerror}")
         raise SystemExit(ExitStatus.NOT_FOUND if isinstance(exc, FileNotFoundError)
                          else ExitStatus.CANNOT_EXECUTE) from None
 
@@ -161,8 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", parents=[common],
                             help="start the group on every rank and check that it works")
     _add_device_flags(doctor)
+    _add_console_flag(doctor)
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
+    doctor.add_argument("--links", action="store_true",
+                        help="also measure bandwidth and latency between the hosts (every pair up to 8 hosts, "
+                             "a ring above); exit 1 when a link is slow")
+    doctor.add_argument("--link-mib", type=_positive_float, default=4.0, metavar="MIB",
+                        help="message size of the bandwidth rounds (default: 4)")
+    doctor.add_argument("--min-bandwidth", type=_positive_float, default=None, metavar="MB/S",
+                        help="also call a link slow below this bandwidth (default: only relative to the median)")
     doctor.set_defaults(func=_cmd_doctor, exit_without_teardown=True)
 
     train = sub.add_parser("train", parents=[common],
@@ -172,12 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. training.batch_size=64")
     _add_device_flags(train)
+    _add_console_flag(train)
     train.set_defaults(func=_cmd_train, exit_without_teardown=True)
 
     run = sub.add_parser("run", parents=[common],
                          help="run any command on this rank with the variables torchrun gives its workers "
                               "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)")
     _add_device_flags(run)
+    run.add_argument("--exec", action="store_true",
+                     help="exec a Python command as typed, without ddp_hpc's script runner (which ends "
+                          "the process group in order after the script)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_cmd_run)
 

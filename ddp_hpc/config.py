@@ -166,6 +166,8 @@ class DistributedConfig:
     host_suffix: str = ""
     #: End a rank that makes no progress (no step, batch or checkpoint) for this long.
     watchdog_s: float | None = 300.0
+    #: Every N optimizer steps, check that all ranks hold bit-identical weights (null: off).
+    weights_check_every: int | None = None
     #: Relaunch every rank after a failure, at most this often, when render/submit get no
     #: ``--max-restarts`` for this config.
     max_restarts: int = 0
@@ -175,6 +177,8 @@ class DistributedConfig:
         positive(self.rendezvous_timeout_s, "distributed.rendezvous_timeout_s")
         if self.watchdog_s is not None:
             positive(self.watchdog_s, "distributed.watchdog_s")
+        if self.weights_check_every is not None:
+            positive(self.weights_check_every, "distributed.weights_check_every")
         positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")
         non_negative(self.max_restarts, "distributed.max_restarts")
 

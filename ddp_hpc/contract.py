@@ -54,6 +54,8 @@ MPIEXEC_VAR = "DDP_HPC_MPIEXEC"
 CLUSTERS_DIR_VAR = "DDP_HPC_CLUSTERS_DIR"
 #: ``ddp-hpc bench``: when the runner started a worker (``time.time()``), for start-up figures.
 BENCH_STARTED_AT_VAR = "DDP_HPC_BENCH_T0"
+#: ``train``/``doctor``: the ranks whose INFO lines reach the console (``--console-ranks``).
+CONSOLE_RANKS_VAR = "DDP_HPC_CONSOLE_RANKS"
 
 
 # --- Exit statuses -----------------------------------------------------------------------
@@ -107,6 +109,8 @@ TRACKING_DIR = "tracking"
 CSV_METRICS_FILE = "metrics.csv"
 #: Training curves drawn from the metrics.
 CURVES_FILE = "curves.png"
+#: Each rank's log file (``rank-00003.log``), appended by every attempt.
+RANK_LOG_DIR = "logs"
 #: Written by rank 0 when the ranks stopped on request after a checkpoint: a batch script
 #: whose ranks' REQUEUE reached it as SIGTERM (``srun --kill-on-bad-exit``) reads it.
 PREEMPTED_MARKER = "preempted"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RENDEZVOUS_TIMEOUT_VAR
 from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
+from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
 from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
@@ -238,6 +239,8 @@ def process_group(options: DistributedOptions | None = None,
     )
     choice.activate()
     # Checked on every rank, even alone, so a bad value shows up before it matters.
+    check_fabric(choice.backend, environ, this_host(environ),
+                 where=where_label(dist_env.rank, dist_env.world_size))
     rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_VAR), options.rendezvous_timeout_s)
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
@@ -260,9 +263,22 @@ def process_group(options: DistributedOptions | None = None,
     try:
         yield DistContext(dist_env, choice, initialize)
     finally:
-        if initialize and dist.is_initialized():
-            # A DistributedDataParallel still alive (often in a reference cycle) when the
-            # group goes away aborts the process at exit ("terminate called without an
-            # active exception", ~1 run in 4 with gloo): finalize it while the group lives.
-            gc.collect()
-            dist.destroy_process_group()
+        if initialize:
+            end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if there is one, in an order that lets the
+    interpreter exit cleanly afterwards.
+
+    A DistributedDataParallel still alive (often in a reference cycle) when the group goes
+    away, or a group left to interpreter exit, aborts the process at exit ("terminate
+    called without an active exception", ~1 run in 4 with gloo): ``gc.collect()`` first
+    finalizes it while the group lives. After a failure a peer may still be inside a
+    collective with this rank, and destroying can then wait for it: ``ddp-hpc run`` ends
+    the group this way only after a script that finished (ddp_hpc/script_runner.py).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()

@@ -15,10 +15,10 @@ from ddp_hpc.config import Config, load_config
 from ddp_hpc.contract import CURVES_FILE
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
-from ddp_hpc.logs import configure_logging
+from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
-from ddp_hpc.training.callbacks import create_callbacks
+from ddp_hpc.training.callbacks import Callback, create_callbacks
 from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
@@ -41,6 +41,9 @@ class TrainOptions:
     verbose: bool = False
     #: Print the result and the run folder on rank 0.
     report: bool = False
+    #: With ``configure_logs``: the ranks whose INFO lines reach the console (every rank's
+    #: lines also go to RUN/logs/rank-NNNNN.log).
+    console: ConsoleFilter = ConsoleFilter()
 
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -70,6 +73,17 @@ def distributed_options(config: Config, device: str | None, backend: str | None)
                               host_suffix=dist.host_suffix or None)
 
 
+class RankLine(Callback):
+    """Each rank's first line in its log file: where it runs (written once set-up passed,
+    so a run refused for bad input leaves no file)."""
+
+    def on_fit_start(self, trainer) -> None:
+        ctx = trainer.ctx
+        log.info("rank %d of %d on host %s (pid %d, local rank %d, device %s), run folder %s", ctx.rank,
+                 ctx.world_size, socket.gethostname(), os.getpid(), ctx.local_rank, ctx.torch_device,
+                 trainer.run.path)
+
+
 def train(config: Config | str | Path | None = None, overrides: Sequence[str] = (), *,
           job: Job | None = None, options: TrainOptions = TrainOptions()) -> RunSummary:
     """Run one training job on this rank, under whatever launcher started the process.
@@ -92,11 +106,17 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
     if deadline is not None and config.checkpoint.deadline_margin_s is not None:
         callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
                                                      config.checkpoint.deadline_margin_s)))
+    if config.distributed.weights_check_every:
+        from ddp_hpc.training.weights_check import WeightsCheckCallback
+
+        callbacks.append(WeightsCheckCallback(config.distributed.weights_check_every))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
     run.check_creatable()
     with process_group(distributed_options(config, options.device, options.backend)) as ctx:
         if options.configure_logs:
-            configure_logging(ctx.rank, verbose=options.verbose)
+            configure_logging(ctx.rank, verbose=options.verbose, console=options.console,
+                              log_file=rank_log_path(run.path, ctx.rank))
+            callbacks = [RankLine(), *callbacks]
         trainer = Trainer(job, config, ctx, run, callbacks)
         received: list[int] = []
         previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}

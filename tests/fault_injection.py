@@ -96,6 +96,20 @@ class HangRankAtStep(_AtStep):
             time.sleep(3600)
 
 
+class FlipBitOnRankAtStep(_AtStep):
+    """Silent data corruption: one bit of one weight flips in one rank's memory after ``step``
+    (bit 12 of the first weight: a small change, so training goes on without an error)."""
+
+    def on_step_end(self, trainer) -> None:
+        if self.hit(trainer):
+            import torch
+
+            with torch.no_grad():
+                weight = next(trainer.model.parameters())
+                bits = weight.view(-1)[:1].view(torch.int32)
+                bits ^= 1 << 12
+
+
 class KillLaunchDuringCheckpointWrite(Callback):
     """SIGKILL the whole launch in the middle of rank 0's ``nth`` checkpoint write (counted
     in this launch): after the temporary file is written and fsync'd, just before it is

@@ -97,7 +97,7 @@ def test_train_single_process_prints_the_run_folder(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"run folder: {tmp_path}/digits" in result.stdout
     assert {p.name for p in (tmp_path / "digits").iterdir()} == {
-        "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "record", "curves.png"}
+        "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "record", "curves.png", "logs"}
 
 
 def test_scheduler_commands_never_import_torch(tmp_path):

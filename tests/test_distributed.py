@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue
 import time
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.distributed import DistributedOptions, bind_listener, process_group
+from ddp_hpc.distributed import DistributedOptions, bind_listener, end_process_group, process_group
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.doctor import RankReport, check_all_reduce, check_parameter_sync, find_problems, format_table
 from ddp_hpc.errors import UserError
@@ -96,6 +100,30 @@ def test_group_is_destroyed_when_the_body_raises():
         with process_group(DistributedOptions(init_single_process=True), environ={}):
             raise RuntimeError("boom")
     assert not dist.is_initialized()
+
+
+def test_end_process_group_frees_a_ddp_in_a_cycle_before_destroying_and_then_does_nothing(monkeypatch):
+    destroyed_after_ddp_freed = []
+    destroy = dist.destroy_process_group
+
+    def recording_destroy(*args, **kwargs):
+        destroyed_after_ddp_freed.append(ddp() is None)
+        return destroy(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "destroy_process_group", recording_destroy)
+    gc.disable()  # only end_process_group's own gc.collect() may free the cycle
+    try:
+        with process_group(DistributedOptions(init_single_process=True, timeout_s=30), environ={}):
+            model = DistributedDataParallel(torch.nn.Linear(2, 2))
+            model.cycle = model
+            ddp = weakref.ref(model)
+            del model
+            end_process_group()
+            assert not dist.is_initialized() and destroyed_after_ddp_freed == [True]
+            end_process_group()
+    finally:
+        gc.enable()
+    assert destroyed_after_ddp_freed == [True]  # process_group's exit found nothing left to end
 
 
 def test_one_process_needs_no_group():

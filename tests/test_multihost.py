@@ -340,3 +340,42 @@ def test_a_host_whose_link_goes_down_is_named_and_the_job_ends(world, tmp_path):
     assert re.search(r"\[rank [01]\] watchdog: silent: ranks 2, 3 on host h2 \(no heartbeat", output), output
     assert re.search(r"\[rank [23]\] watchdog: this rank cannot reach the rendezvous store at h1-hsn:\d+ "
                      r"either .*host h2 has likely lost the job's network", output), output
+
+
+@contextlib.contextmanager
+def rate_limited(host: str, interface: str, rate: str) -> Iterator[None]:
+    """A token bucket on ``host``'s ``interface`` (its sending side), always removed again:
+    other tests share the world."""
+    qdisc = ["ip", "netns", "exec", NAMESPACE.format(host=host), "tc", "qdisc"]
+    subprocess.run([*qdisc, "add", "dev", interface, "root", "tbf", "rate", rate, "burst", "64kb",
+                    "latency", "50ms"], check=True, timeout=30)
+    try:
+        yield
+    finally:
+        subprocess.run([*qdisc, "del", "dev", interface, "root"], check=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_doctor_links_passes_a_clean_world_and_names_a_rate_limited_host(world):
+    """``doctor --links`` over the high-speed network: clean, exit 0; with h2's hsn0 limited
+    to 100 Mbit/s (tc tbf), the h2 -> h1 link is slow, h2 is named, and the exit is non-zero."""
+    command = ["srun", "-N2", "-n2", "--ntasks-per-node=1", *ddp_hpc_command(), "doctor", "--links"]
+    env = slurm_env(DDP_HPC_HOST_SUFFIX="-hsn")
+    started = time.monotonic()
+    clean = run(command, env=env, timeout=TIMEOUT)
+    clean_s = time.monotonic() - started
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "links: every pair: 1 pair(s) of 2 hosts" in clean.stdout
+    assert re.search(r"^h1\s+h2\s+[\d.]+\s+\d+$", clean.stdout, re.MULTILINE), clean.stdout
+    assert "links: OK: 2 directed link(s) between 2 hosts, none slow" in clean.stdout, clean.stdout
+
+    with rate_limited("h2", "hsn0", "100mbit"):
+        limited = run(command, env=env, timeout=TIMEOUT)
+    assert limited.returncode != 0, limited.stdout + limited.stderr
+    assert re.search(r"^links: SLOW: h2 -> h1: [\d.]+ MB/s, 0\.\d\dx the median", limited.stdout, re.MULTILINE), \
+        limited.stdout
+    assert "h1 -> h2" not in limited.stdout.split("links: SLOW", 1)[1]
+    assert re.search(r"^links: FAILED: suspect host\(s\): h2\b", limited.stdout, re.MULTILINE), limited.stdout
+    took = re.search(r"took ([\d.]+) s", clean.stdout).group(1)
+    FIGURES.append(f"doctor --links, 2 hosts over hsn0 (srun, 1 rank per host): clean run {clean_s:.1f} s "
+                   f"end to end (measurement {took} s)")

@@ -291,3 +291,56 @@ def test_a_chain_does_not_requeue_and_a_single_job_does():
     chained = render_sbatch(request("slurm-cpu", nodes=1, chain=3))
     single = render_sbatch(request("slurm-cpu", nodes=1))
     assert 'scontrol requeue "$SLURM_JOB_ID"' in single and "scontrol requeue" not in chained
+
+
+PREFLIGHT_STUB = ("#!/bin/sh\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" >>\"$RECORD\"\n"
+                  "case \"$*\" in *--links*) exit \"${PREFLIGHT_EXIT:-0}\";; esac\n")
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "slurm"])
+def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no_rank(tmp_path, scheduler):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra", "srun", "scontrol"):
+        (folder / name).write_text(PREFLIGHT_STUB)
+        (folder / name).chmod(0o755)
+    (folder / "ddp-hpc").write_text(PORT_STUB)
+    (folder / "ddp-hpc").chmod(0o755)
+    req = request("pbs-generic" if scheduler == "pbs" else "slurm-cpu", nodes=2, ranks_per_node=2, preflight=True,
+                  overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
+    render = render_pbs if scheduler == "pbs" else render_sbatch
+    script = render(req)
+    assert "doctor --links" not in render(dataclasses.replace(req, preflight=False))
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("n1\nn2\n")
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
+
+    def launches(preflight_exit: int) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+        (tmp_path / "record").unlink(missing_ok=True)
+        result = subprocess.run(["bash", "-c", script], env={**env, "PREFLIGHT_EXIT": str(preflight_exit)},
+                                cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        words = (tmp_path / "record").read_bytes().decode().split("\0")[:-1]
+        calls, current = [], []
+        for word in words:  # each launcher call starts with its program's name
+            if word.startswith(("mpiexec", "srun")) and current:
+                calls.append(current)
+                current = []
+            current.append(word)
+        return result, [*calls, current] if current else calls
+
+    result, calls = launches(0)
+    assert result.returncode == 0, result.stderr
+    first, second = calls
+    assert first[-3:] == ["ddp-hpc", "doctor", "--links"]
+    assert ("-ppn" in first and first[first.index("-ppn") + 1] == "1") if scheduler == "pbs" else \
+        "--ntasks-per-node=1" in first and "--nodes=2" in first
+    assert "train" in second
+
+    result, calls = launches(1)
+    assert result.returncode == 1
+    assert len(calls) == 1 and calls[0][-1] == "--links"
+    assert "pre-flight link check failed" in result.stderr
+    exit_files = list((tmp_path / "runs").rglob("exit-*"))
+    assert [f.read_text() for f in exit_files] == ["1\n"]

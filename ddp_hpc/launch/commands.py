@@ -73,6 +73,9 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--signal", type=stop_signal_arg, default=None, metavar="SIG@SECONDS",
                         help="SLURM: the signal sent ahead of the time limit and how far ahead (default: USR2@90); "
                              "the script passes it to the ranks, which checkpoint and stop")
+    parser.add_argument("--preflight", action="store_true",
+                        help="before the ranks start, measure the links between the nodes (ddp-hpc doctor --links, "
+                             "one rank per node); a slow or broken link ends the job with exit 1")
     parser.add_argument("--no-venv", action="store_true",
                         help="do not activate the current Python environment in the job")
     parser.set_defaults(command=[])
@@ -101,7 +104,8 @@ def job_request(args: argparse.Namespace) -> JobRequest:
         python_env=None if args.no_venv else current_python_env(),
         torchrun_per_node=getattr(args, "torchrun", False), max_restarts=max_restarts,
         sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
-        stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0))
+        stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0),
+        preflight=args.preflight)
 
 
 def _scheduler(args: argparse.Namespace) -> str:

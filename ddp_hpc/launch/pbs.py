@@ -10,7 +10,9 @@ from ddp_hpc.launch.script import (
     deadline_line,
     environment_block,
     header_comment,
+    PREFLIGHT_ARGV,
     launch_lines,
+    preflight_lines,
     mpiexec_lookup,
     rank_argv,
     render_argv,
@@ -61,10 +63,13 @@ def pbs_directives(request: JobRequest) -> list[str]:
     return lines
 
 
-def mpiexec_argv(request: JobRequest) -> list[str]:
+def mpiexec_argv(request: JobRequest, *, preflight: bool = False) -> list[str]:
+    """The ranks' mpiexec line; with ``preflight``, the pre-flight check's (one rank per node)."""
     profile = request.profile
-    launch = MpiLaunch(profile.launcher, request.nodes, request.per_node, rank_argv(request),
-                       hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind, depth=profile.depth)
+    launch = MpiLaunch(profile.launcher, request.nodes, 1 if preflight else request.per_node,
+                       list(PREFLIGHT_ARGV) if preflight else rank_argv(request),
+                       hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind,
+                       depth=None if preflight else profile.depth)
     return build_mpiexec(launch, program=ShellVar(MPIEXEC_VAR))
 
 
@@ -98,6 +103,8 @@ def render_pbs(request: JobRequest) -> str:
         f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
         *(sweep_block(request, "PBS_ARRAY_INDEX", "PBS_O_WORKDIR") if request.sweep is not None
           else run_folder_lines(request, "PBS_O_WORKDIR")),
+        *(preflight_lines(render_argv(mpiexec_argv(request, preflight=True)), "${PBS_JOBID}")
+          if request.preflight else []),
         deadline_line(request),
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.

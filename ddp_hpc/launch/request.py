@@ -159,6 +159,8 @@ class JobRequest:
     max_restarts: int = 0
     #: SLURM: allocate this many extra nodes; a restart leaves out the node where a rank failed.
     spare_nodes: int = 0
+    #: Run ``ddp-hpc doctor --links`` (one rank per node) before the ranks; end the job if it fails.
+    preflight: bool = False
     #: Run the cartesian product of these overrides as one array job.
     sweep: Sweep | None = None
     #: Submit this many jobs, each starting when the previous one ended (``afterany``).

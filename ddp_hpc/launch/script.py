@@ -97,6 +97,22 @@ def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
             f'echo "ddp_hpc: run folder ${RUN_FOLDER_VAR}"']
 
 
+#: What a pre-flight step runs on one rank per node (``--preflight``).
+PREFLIGHT_ARGV = ("ddp-hpc", "doctor", "--links")
+
+
+def preflight_lines(command: str, job_key: str) -> list[str]:
+    """Run ``command`` (the pre-flight launch) and end the job, recording exit 1, if it fails."""
+    return [
+        "# Pre-flight (--preflight): bandwidth and latency between the nodes, before any rank starts",
+        f"if ! {command}; then",
+        '  echo "ddp_hpc: pre-flight link check failed (see above): the ranks were not started" >&2',
+        f'  printf \'%s\\n\' {ExitStatus.FAILED:d} >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
+        f"  exit {ExitStatus.FAILED:d}",
+        "fi",
+    ]
+
+
 def deadline_line(request: JobRequest) -> str:
     """The job's end as epoch seconds: the ranks stop and checkpoint before it (no signal needed)."""
     return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"

@@ -11,7 +11,9 @@ from ddp_hpc.launch.script import (
     deadline_line,
     environment_block,
     header_comment,
+    PREFLIGHT_ARGV,
     launch_lines,
+    preflight_lines,
     rank_argv,
     render_argv,
     run_folder_lines,
@@ -102,6 +104,9 @@ def render_sbatch(request: JobRequest) -> str:
         f'echo "ddp_hpc: job $SLURM_JOB_ID: {request.world_size} ranks on {request.nodes} node(s)"',
         *(sweep_block(request, "SLURM_ARRAY_TASK_ID", "PWD") if request.sweep is not None
           else run_folder_lines(request, "PWD")),
+        *(preflight_lines(render_argv(["srun", "--kill-on-bad-exit=1", f"--nodes={request.nodes}",
+                                       f"--ntasks={request.nodes}", "--ntasks-per-node=1", *PREFLIGHT_ARGV]),
+                          job_key(request)) if request.preflight else []),
         deadline_line(request),
         *SLURM_DEADLINE_LINES,
         # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not

@@ -191,6 +191,8 @@ class SubmititScheduler(Scheduler):
         if request.max_restarts or request.spare_nodes:
             raise UserError("--max-restarts and --spare-nodes relaunch ranks from a batch script: use them with "
                             "--sbatch")
+        if request.preflight:
+            raise UserError("--preflight runs a step before the ranks in a batch script: use it with --sbatch")
         if request.stop_signal.name != "USR2":
             raise UserError(f"--signal {request.stop_signal}: submitit's tasks take SIGUSR2 only; give USR2@SECONDS, "
                             "or use --sbatch")

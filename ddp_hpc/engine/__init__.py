@@ -1,0 +1,1 @@
+"""The public parts any training loop can use (checkpointing, data order, stop agreement, consistency checks)."""

@@ -1,0 +1,56 @@
+"""``doctor --links`` arithmetic (ddp_hpc.links): which pairs are measured, what is slow and
+which host is named. The measurement across real hosts: tests/test_multihost.py."""
+
+from __future__ import annotations
+
+from ddp_hpc.links import (ALL_PAIRS_MAX_HOSTS, LinkResult, format_links, host_leaders, judge_links,
+                           plan_links)
+
+
+def test_every_pair_for_few_hosts_a_ring_above_with_the_cost_stated():
+    few = plan_links([f"h{i}" for i in range(4)])
+    assert few.pairs == ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+    assert few.cost.startswith("every pair: 6 pair(s) of 4 hosts, one after another; each pair 40 round trips "
+                               "and 48 MiB (6 x 4 MiB each way)")
+    many = plan_links([f"h{i}" for i in range(ALL_PAIRS_MAX_HOSTS + 2)], message_bytes=1 << 20)
+    assert many.pairs == tuple((i, (i + 1) % 10) for i in range(10))
+    assert many.cost.startswith("a ring (more than 8 hosts): 10 pair(s) of 10 hosts")
+
+
+def test_one_leader_per_host_in_rank_order():
+    assert host_leaders(["a", "a", "b", "b", "c"]) == (["a", "b", "c"], [0, 2, 4])
+
+
+def link(src: str, dst: str, mb_s: float, us: float = 100.0) -> LinkResult:
+    return LinkResult(src, dst, mb_s, us)
+
+
+def test_the_host_on_every_slow_link_is_named():
+    results = [link("h1", "h2", 1000), link("h2", "h1", 990), link("h1", "h3", 1010), link("h3", "h1", 80),
+               link("h2", "h3", 1005), link("h3", "h2", 75)]
+    verdict = judge_links(results)
+    assert not verdict.healthy
+    assert [(r.src, r.dst) for r, _ in verdict.slow] == [("h3", "h1"), ("h3", "h2")]
+    assert verdict.suspects == ("h3",)
+    text = format_links(plan_links(["h1", "h2", "h3"]), verdict, 1.0)
+    assert "links: SLOW: h3 -> h1: 80.0 MB/s, 0.08x the median 995.0 MB/s" in text
+    assert text.splitlines()[-1] == "links: FAILED: suspect host(s): h3 (on every slow link)"
+
+
+def test_even_links_pass_and_latency_or_a_floor_can_fail_them():
+    even = [link("a", "b", 1000), link("b", "a", 900), link("a", "c", 950), link("c", "a", 980),
+            link("b", "c", 1000), link("c", "b", 1000)]
+    assert judge_links(even).healthy
+    assert "links: OK: 6 directed link(s) between 3 hosts, none slow" in format_links(plan_links("abc"),
+                                                                                      judge_links(even), 1.0)
+    assert not judge_links(even, min_bandwidth_mb_s=950).healthy
+    laggy = [*even[:-1], link("c", "b", 1000, us=5000)]
+    verdict = judge_links(laggy)
+    assert [why for _, why in verdict.slow] == ["latency 5000 us, 50.0x the median 100 us"]
+    # Small latency differences are noise between processes, not a slow link.
+    assert judge_links([*even[:-1], link("c", "b", 1000, us=400)]).healthy
+
+
+def test_one_host_has_nothing_to_measure():
+    assert format_links(plan_links(["vm"]), judge_links([]), 0.0) == \
+        "links: nothing to measure: every rank runs on vm"
