@@ -28,6 +28,11 @@ _EXPORTS = {
     "train": "ddp_hpc.train_job",
     "TrainOptions": "ddp_hpc.train_job",
     "RunSummary": "ddp_hpc.summary",
+    # Your own loop: resumable checkpoints, agreed stops, the watchdog
+    "Checkpointer": "ddp_hpc.engine.checkpointer",
+    "ResumableSampler": "ddp_hpc.engine.sampler",
+    "StopAgreement": "ddp_hpc.engine.stop_agreement",
+    "watchdog": "ddp_hpc.engine.liveness",
     # Submitting to a scheduler
     "JobRequest": "ddp_hpc.launch.request",
     "submit": "ddp_hpc.launch.schedulers",
@@ -55,6 +60,10 @@ if TYPE_CHECKING:
     from ddp_hpc.api import command_environment, process_group, resolve_env
     from ddp_hpc.config import Config, load_config
     from ddp_hpc.distributed import DistContext
+    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.liveness import watchdog
+    from ddp_hpc.engine.sampler import ResumableSampler
+    from ddp_hpc.engine.stop_agreement import StopAgreement
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
     from ddp_hpc.launch.request import JobRequest

@@ -16,7 +16,7 @@ from typing import NoReturn
 from ddp_hpc import __version__
 from ddp_hpc.contract import BACKEND_VAR, CONSOLE_RANKS_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, ExitStatus
 from ddp_hpc.errors import UserError
-from ddp_hpc.logs import configure_logging
+from ddp_hpc.logs import ConsoleFilter, configure_logging
 
 
 def write_line(stream, text: str) -> None:
@@ -84,8 +84,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ddp_hpc.distributed import DistributedOptions, process_group
     from ddp_hpc.doctor import run_doctor
 
-    from ddp_hpc.logs import ConsoleFilter
-
     console = ConsoleFilter.from_environment(args.console_ranks, os.environ)
     options = DistributedOptions(device=args.device, backend=args.backend,
                                  timeout_s=args.timeout, host_suffix=args.host_suffix)
@@ -108,8 +106,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.train_job import TrainOptions, train
-
-    from ddp_hpc.logs import ConsoleFilter
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
                            verbose=args.verbose, report=True,
@@ -158,6 +154,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.own_cpu:
+        from ddp_hpc.bench.runner import run_own_cpu
+
+        run_own_cpu(Path(args.output))
+        return 0
+    if args.scale:
+        from ddp_hpc.bench.scale import run_scale
+
+        check = parse_sizes(args.scale_check, flag="--scale-check") if args.scale_check else ()
+        if len(check) > 1:
+            raise UserError(f"--scale-check {args.scale_check!r}: one world size (e.g. 32), or '' for none")
+        run_scale(parse_sizes(args.scale, flag="--scale"), Path(args.output), check_size=check[0] if check else None)
+        return 0
     run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None,
               startup_sizes=parse_sizes(args.startup_sizes) if args.startup_sizes else None)
     return 0
@@ -283,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a small plan for smoke tests (2 rounds, start-up at 2 and 4 ranks)")
     bench.add_argument("--startup-sizes", metavar="N,N,...",
                        help="world sizes of the start-up figures (default: 2,4,8,16; --quick: 2,4)")
+    bench.add_argument("--scale", metavar="N,N,...",
+                       help="instead: N simulated ranks against one real rendezvous store (handshake, gate, "
+                            "heartbeat, diagnosis, bytes at rank 0), e.g. 256,1024,4096; merged into --output")
+    bench.add_argument("--scale-check", metavar="N", default="32",
+                       help="with --scale: also N ranks as separate processes vs threads ('' for none)")
+    bench.add_argument("--own-cpu", action="store_true",
+                       help="instead: ddp_hpc's own CPU per rank before the first step at 2 ranks (Trainer minus "
+                            "a hand-written loop); merged into --output")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)

@@ -196,6 +196,24 @@ def bind_listener(addr: str, port: int) -> socket.socket | None:
     return listener
 
 
+#: Store connections rank 0 serves per rank: the handshake's client (kept by the process
+#: group) and the heartbeat's own (liveness.Heartbeat); plus descriptors for everything else.
+STORE_CONNECTIONS_PER_RANK = 2
+OTHER_DESCRIPTORS = 256
+
+
+def descriptor_shortfall(world_size: int) -> str | None:
+    """Why rank 0 may run out of file descriptors serving ``world_size`` ranks, or None."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = STORE_CONNECTIONS_PER_RANK * world_size + OTHER_DESCRIPTORS
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    return (f"rank 0 serves the rendezvous store to {world_size} ranks ({STORE_CONNECTIONS_PER_RANK} connections "
+            f"each) but may open only {soft} files (ulimit -n): raise it to at least {needed} in the job script")
+
+
 def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, str],
                  rendezvous_timeout_s: float | None = None) -> dist.Store:
     """The rendezvous store: rank 0 serves it on the master address, the others connect;
@@ -208,6 +226,9 @@ def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, st
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     serve = dist_env.rank == 0 and not agent_store
     listener = bind_listener(dist_env.master_addr, dist_env.master_port) if serve else None
+    shortfall = descriptor_shortfall(dist_env.world_size) if serve else None
+    if shortfall:
+        log.warning("%s", shortfall)
     seconds = rendezvous_timeout_s or timeout.total_seconds()
 
     def connect() -> dist.Store:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from ddp_hpc.distributed import DistContext
 
 ALL_PAIRS_MAX_HOSTS = 8
@@ -155,9 +157,10 @@ def host_leaders(hosts_by_rank: Sequence[str]) -> tuple[list[str], list[int]]:
     return hosts, leaders
 
 
-def _measure_pair(rank: int, a: int, b: int, message_bytes: int, device) -> dict[int, tuple[float, float]]:
+def _measure_pair(rank: int, a: int, b: int, message_bytes: int,
+                  device: torch.device) -> tuple[float, float]:
     """Both directions of the link between ranks ``a`` and ``b`` (this rank is one of them):
-    {receiver: (bandwidth MB/s, latency us)} for the direction this rank sends in.
+    (bandwidth MB/s, latency us) for the direction this rank sends in.
 
     One untimed message each way first (connections, allocations). The directions take
     turns round by round, so both see the same load on the hosts, and each keeps its best
@@ -198,7 +201,7 @@ def _measure_pair(rank: int, a: int, b: int, message_bytes: int, device) -> dict
     round_trips = {sender: timed(sender, token, LATENCY_ROUNDS) for sender in (a, b)}[rank]
     transfers = [t for _ in range(BANDWIDTH_ROUNDS) for sender in (a, b) for t in timed(sender, payload, 1)]
     bandwidth = message_bytes / min(transfers) / 1e6
-    return {peer: (bandwidth, statistics.median(round_trips) / 2 * 1e6)}
+    return bandwidth, statistics.median(round_trips) / 2 * 1e6
 
 
 def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
@@ -213,8 +216,8 @@ def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_byt
     for a, b in plan.pairs:
         if ctx.rank in (leaders[a], leaders[b]):
             me, other = (a, b) if ctx.rank == leaders[a] else (b, a)
-            (bandwidth, latency), = _measure_pair(ctx.rank, leaders[a], leaders[b], message_bytes,
-                                                  ctx.torch_device).values()
+            bandwidth, latency = _measure_pair(ctx.rank, leaders[a], leaders[b], message_bytes,
+                                               ctx.torch_device)
             mine.append(LinkResult(hosts[me], hosts[other], bandwidth, latency))
         if ctx.group_initialized:
             dist.barrier()  # one link at a time

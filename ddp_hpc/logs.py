@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from ddp_hpc.contract import CONSOLE_RANKS_VAR, RANK_LOG_DIR
 from ddp_hpc.errors import UserError
@@ -32,7 +33,7 @@ class _RankFileHandler(logging.FileHandler):
     def __init__(self, path: Path) -> None:
         super().__init__(path, mode="a", encoding="utf-8", delay=True)
 
-    def _open(self):
+    def _open(self) -> TextIO:
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
 

@@ -14,12 +14,13 @@ from pathlib import Path
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.contract import CURVES_FILE
 from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.training.callbacks import Callback, create_callbacks
-from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop
+from ddp_hpc.training.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
@@ -77,7 +78,7 @@ class RankLine(Callback):
     """Each rank's first line in its log file: where it runs (written once set-up passed,
     so a run refused for bad input leaves no file)."""
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         ctx = trainer.ctx
         log.info("rank %d of %d on host %s (pid %d, local rank %d, device %s), run folder %s", ctx.rank,
                  ctx.world_size, socket.gethostname(), os.getpid(), ctx.local_rank, ctx.torch_device,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import FIGURES, REPO, assert_same_training_state, clean_env
-from ddp_hpc.training import checkpoint as ckpt
-from ddp_hpc.training.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, snapshot
+from ddp_hpc.engine import checkpoint_files as ckpt
+from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError, snapshot
 
 
 def _state(step: int, weights: torch.Tensor) -> dict:

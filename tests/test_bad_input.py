@@ -64,6 +64,9 @@ CORPUS = [
      "--startup-sizes '1,4': world sizes of at least 2"),
     ("bench start-up sizes not numbers", {}, ["bench", "--startup-sizes", "two"], {},
      "--startup-sizes 'two': give world sizes as N,N,..."),
+    ("bench scale sizes not numbers", {}, ["bench", "--scale", "256,lots"], {}, "--scale '256,lots': give world sizes"),
+    ("bench scale check of two sizes", {}, ["bench", "--scale", "256", "--scale-check", "8,16"], {},
+     "--scale-check '8,16': one world size"),
     # Configs that are not UTF-8 or not YAML at all.
     ("config not UTF-8", {"c.yaml": b"\xff\xfe\x00\x81training: 1\n"}, ["train", "{tmp}/c.yaml"], {},
      "c.yaml is not UTF-8 text (byte 0xff at offset 0)"),

@@ -53,3 +53,29 @@ def test_quick_bench_writes_json_table_and_plot(tmp_path):
         assert "ddp_hpc_own_share_in_process_s" in row
     assert {r["comm_hook"] for r in data["communication"]} == {"none", "fp16"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_what_reaches_rank_0_at_start_up_and_in_the_record_does_not_grow_past_64_ranks(monkeypatch):
+    """The harness's byte counts (from the real rank_facts/startup_message/build_record):
+    flat from 65 to 520 ranks, while the per-checkpoint RNG gather still grows (measured)."""
+    from ddp_hpc.bench.scale import rank0_bytes
+    from ddp_hpc.tracking import record
+
+    # Versions (mpiexec, sinfo, qstat) and packages: seconds here, the same at any N.
+    monkeypatch.setattr(record, "versions", lambda: {"python": "3", "torch": "2"})
+    monkeypatch.setattr(record, "packages", lambda: ["torch==2"])
+    small, large, gathered = rank0_bytes(65), rank0_bytes(520), rank0_bytes(64)
+    assert small["startup_facts"] == large["startup_facts"] == 8
+    assert abs(large["run_record"] - small["run_record"]) < 64
+    assert gathered["startup_facts"] > 64 * 1000  # up to 64 ranks every rank's facts still travel
+    assert large["per_checkpoint_rng"] == 8 * small["per_checkpoint_rng"]
+
+
+def test_each_bench_mode_replaces_its_own_keys_of_bench_json_and_keeps_the_others(tmp_path):
+    from ddp_hpc.bench.results_file import merge_into
+    output = tmp_path / "results" / "bench.json"
+    merge_into(output, {"overhead": [1], "machine": {"cpus": 2}})
+    merge_into(output, {"scale": {"rows": [256]}})
+    merge_into(output, {"overhead": [2]})
+    assert json.loads(output.read_text()) == {"overhead": [2], "machine": {"cpus": 2}, "scale": {"rows": [256]}}
+    assert [p.name for p in output.parent.iterdir()] == ["bench.json"]  # no temporary left

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_hpc.training import checkpoint as ckpt
+from ddp_hpc.engine import checkpoint_files as ckpt
 
 
 def _state(step: int) -> dict:

@@ -132,7 +132,7 @@ def test_files_are_replaced_only_through_atomic_write():
             if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename") and \
                     isinstance(node.value, ast.Name) and node.value.id == "os":
                 found.append(str(path.relative_to(REPO)))
-    assert found == ["ddp_hpc/training/checkpoint.py"]
+    assert found == ["ddp_hpc/engine/checkpoint_files.py"]
 
 
 def test_a_stop_on_request_is_a_status_not_an_error():

@@ -84,6 +84,11 @@ def test_nccl_net_needs_its_plugin_library():
                    host(libraries=frozenset({"libnccl-net-ofi.so"}))) is None
     assert "NCCL_NET_PLUGIN=spcx names a network plugin" in problem("nccl", {"NCCL_NET_PLUGIN": "spcx"})
     assert problem("nccl", {"NCCL_NET_PLUGIN": "none"}) is None
+    # One look-up reads both variables: with both set, the library is looked for once.
+    asked: list[str] = []
+    counting = HostFabric(INTERFACES, PROVIDERS, lambda name, environ: asked.append(name) is None)
+    assert problem("nccl", {"NCCL_NET": "OFI", "NCCL_NET_PLUGIN": "ofi"}, counting) is None
+    assert asked == ["libnccl-net-ofi.so"]
 
 
 def test_libraries_are_found_where_the_linker_looks(tmp_path):

@@ -20,7 +20,7 @@ from ddp_hpc.config import load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.training import Callback
-from ddp_hpc.training.checkpoint import load_checkpoint
+from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.training.job import create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer

@@ -1,5 +1,5 @@
 """Network checks before the rendezvous (ddp_hpc.environment.netcheck) and the heartbeat that
-names silent ranks (ddp_hpc.training.liveness): pure checks over injected names and
+names silent ranks (ddp_hpc.engine.liveness): pure checks over injected names and
 interfaces, and a real local TCPStore. The same checks across real hosts are in
 tests/test_multihost.py."""
 
@@ -18,7 +18,7 @@ from ddp_hpc.environment.netcheck import (GLOO_IFNAME_VAR, NetworkPlan, check_ne
                                           local_interfaces, resolve_addresses)
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.training.liveness import Heartbeat, describe_ranks
+from ddp_hpc.engine.liveness import Heartbeat, describe_ranks
 
 NAMES = {"h1": ["198.18.14.11"], "h2": ["198.18.14.12"], "h1-hsn": ["198.18.15.11"],
          "h2-hsn": ["198.18.15.12"], "localhost": ["127.0.0.1"]}
@@ -145,6 +145,24 @@ def test_heartbeat_names_the_rank_that_stopped_and_finds_nobody_when_all_beat():
         assert "every rank's heartbeat still moves" in beats[0].explain()
         beats[2].__exit__(None, None, None)  # rank 2 goes silent
         assert beats[0].explain().startswith("silent: rank 2 on host host2 (no heartbeat for 0s")
+    finally:
+        for beat in beats:
+            beat.__exit__(None, None, None)
+        del server
+
+
+def test_heartbeat_names_a_rank_that_never_beat_through_the_per_key_reads():
+    """Rank 2's counter does not exist, so the batched read cannot serve: the per-key path."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)
+    beats = [Heartbeat(rank, 3, f"host{rank}", "127.0.0.1", port, interval_s=0.1) for rank in range(2)]
+    for beat in beats:
+        beat.__enter__()
+    try:
+        time.sleep(0.5)
+        assert not server.check(["ddp_hpc/heartbeat/2"])
+        assert beats[0].explain().startswith("silent: rank 2 on host ? (no heartbeat")
     finally:
         for beat in beats:
             beat.__exit__(None, None, None)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ddp_hpc_command, run
+from ddp_hpc.contract import CONSOLE_RANKS_VAR
 from ddp_hpc.errors import UserError
-from ddp_hpc.logs import CONSOLE_RANKS_VAR, ConsoleFilter, configure_logging, rank_log_path
+from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 
 
 def test_console_filter_syntax():

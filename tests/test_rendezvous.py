@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_hpc import fail_fast
-from ddp_hpc.contract import AGREED_EXIT_STATUSES
+from ddp_hpc.contract import ExitStatus
 from ddp_hpc.distributed import DistributedOptions, create_store, process_group
 from ddp_hpc.environment import resolve_env
 from ddp_hpc.environment.ports import free_port
@@ -133,11 +133,16 @@ def test_hydra_gets_a_pmi_abort_with_the_exit_code(monkeypatch):
         os.close(write)
 
 
-def test_a_plain_srun_step_is_cancelled(monkeypatch):
+@pytest.fixture
+def srun_step(monkeypatch) -> tuple[dict[str, str], list[list[str]]]:
+    """Task 3 of srun step 17.2, with scancel on PATH: (its environment, the commands run)."""
     monkeypatch.setattr(fail_fast, "OUTPUT_GRACE_S", 0)
     monkeypatch.setattr(fail_fast.shutil, "which", lambda name: f"/usr/bin/{name}")
-    ran: list[list[str]] = []
-    env = {**SRUN_RANK3, "SLURM_JOB_ID": "17", "SLURM_STEP_ID": "2"}
+    return {**SRUN_RANK3, "SLURM_JOB_ID": "17", "SLURM_STEP_ID": "2"}, []
+
+
+def test_a_plain_srun_step_is_cancelled(srun_step):
+    env, ran = srun_step
     assert fail_fast.end_job(1, env, run=ran.append) == "scancel --quiet --signal=KILL 17.2"
     assert ran == [["scancel", "--quiet", "--signal=KILL", "17.2"]]
 
@@ -147,9 +152,13 @@ def test_launchers_that_end_the_job_themselves_are_left_alone(env):
     assert fail_fast.abort_request(env) is None  # they kill the others on a non-zero exit
 
 
-@pytest.mark.parametrize("code", sorted(AGREED_EXIT_STATUSES))
-def test_agreed_exits_end_nothing(code):
-    assert fail_fast.end_job(code, {**MPICH_RANK1, "PMI_FD": "999"}) is None
+# Named here, not read from AGREED_EXIT_STATUSES: a status dropped from that set must fail this.
+# The srun step would be cancelled for any other status (as above), so a wrongly ended job shows.
+@pytest.mark.parametrize("code", [ExitStatus.OK, ExitStatus.REQUEUE])
+def test_agreed_exits_end_nothing(code, srun_step):
+    env, ran = srun_step
+    assert fail_fast.end_job(code, env, run=ran.append) is None
+    assert ran == []
 
 
 def test_error_lines_name_the_rank_and_host_once():
@@ -157,3 +166,15 @@ def test_error_lines_name_the_rank_and_host_once():
     assert fail_fast.with_rank("port taken", env) == f"rank 1 on host {HOST}: port taken"
     assert fail_fast.with_rank(f"rank 1 on host {HOST}: x", env) == f"rank 1 on host {HOST}: x"
     assert fail_fast.with_rank("bad config", {}) == "bad config"
+
+
+def test_rank_0_warns_when_ulimit_cannot_hold_two_store_connections_a_rank(monkeypatch):
+    import resource
+
+    from ddp_hpc.distributed import descriptor_shortfall
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    assert descriptor_shortfall(300) is None  # 2 * 300 + 256 = 856 fit
+    message = descriptor_shortfall(1000)
+    assert message is not None and "may open only 1024 files (ulimit -n)" in message
+    assert "raise it to at least 2256" in message

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import FIGURES, REPO, assert_same_training_state, ddp_hpc_command, run
-from ddp_hpc.training.checkpoint import load_checkpoint
+from ddp_hpc.engine.checkpoint_files import load_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 CONFIG = str(REPO / "configs" / "synthetic.yaml")

@@ -5,13 +5,13 @@ interpreter exit is ended in order afterwards (issue 18: a finished script ends 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, ddp_hpc_command, run
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.python_command import RUNNER, PythonCommand, parse_python_command, runner_argv
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -97,14 +97,8 @@ def test_interpreter_options_still_apply_to_the_script():
 # ----- the process group left by the script -----------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _one_rank_env() -> dict[str, str]:
-    return {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    return {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
 
 
 @pytest.mark.parametrize("action,status", [(["exit", "3"], 3), (["raise"], 1)], ids=["exit-3", "raise"])

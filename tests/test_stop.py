@@ -28,10 +28,11 @@ from ddp_hpc.stop import (
     pbs_deadline_lines,
     stop_signal_arg,
 )
-from ddp_hpc.training.checkpoint import load_checkpoint
-from ddp_hpc.training.data import ResumableDistributedSampler
-from ddp_hpc.training.deadline import DeadlinePolicy, DeadlineStop, Timings, must_stop_now
-from ddp_hpc.training.reshard import epoch_order
+from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.engine.deadline import DeadlinePolicy, Timings, must_stop_now
+from ddp_hpc.training.deadline import DeadlineStop
+from ddp_hpc.engine.reshard import epoch_order
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
 from stop_helpers import RecordIds, RecordingJob, StopAtStep, count_ids
@@ -207,9 +208,9 @@ def test_epoch_order_is_distributed_samplers(shuffle):
     assert list(sampler) == epoch_order(37, seed=5, epoch=3, shuffle=shuffle)
 
 
-def _samplers(size: int, world: int) -> list[ResumableDistributedSampler]:
+def _samplers(size: int, world: int) -> list[ResumableSampler]:
     dataset = TensorDataset(torch.arange(size))
-    samplers = [ResumableDistributedSampler(dataset, world, rank, shuffle=True, seed=11) for rank in range(world)]
+    samplers = [ResumableSampler(dataset, world, rank, shuffle=True, seed=11) for rank in range(world)]
     for sampler in samplers:
         sampler.set_epoch(2)
     return samplers

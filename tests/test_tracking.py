@@ -21,7 +21,7 @@ from ddp_hpc.tracking.csv_tracker import read_points
 from ddp_hpc.tracking.hub import row_metrics
 from ddp_hpc.tracking.progress import ProgressLines, ProgressShape
 from ddp_hpc.tracking.record import without_secrets
-from ddp_hpc.training.checkpoint import load_checkpoint
+from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.training.job import create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
@@ -205,6 +205,33 @@ def test_run_record_holds_every_ranks_environment_and_no_secret(tmp_path):
     assert record["versions"]["torch"] and record["versions"]["python"] and record["versions"]["ddp_hpc"]
     assert any(p.startswith("torch==") for p in record["packages"])
     assert record["git"] is None  # tmp_path is not a repository
+
+
+def test_a_large_world_writes_one_facts_file_a_rank_and_rank_0_keeps_a_fixed_size_record(tmp_path):
+    """Beyond MAX_GATHERED_RANKS the facts do not travel to rank 0: rank 0's own file and the
+    record naming the folder, for a world of 4,096 (collectives local: one real process)."""
+    from dataclasses import replace
+
+    from ddp_hpc.tracking.hub import RunShape, Tracking
+    from ddp_hpc.tracking.record import MAX_GATHERED_RANKS
+
+    config = load_config(None, [f"logging.run_dir={tmp_path}", "logging.name=big", *SMALL])
+    with process_group(environ={}) as ctx:
+        big = replace(ctx, env=replace(ctx.env, world_size=4096, local_world_size=8, num_nodes=512))
+        assert big.world_size > MAX_GATHERED_RANKS
+        tracking = Tracking(config, big, RunFolder(tmp_path / "big"))
+        tracking.start(RunShape(4096, 16 * 4096, 1, 1, 1), 0, None, [], environ={"DDP_HPC_TEST_MARK": "x"},
+                       argv=["ddp-hpc", "train"])
+        tracking.wait_for_record()
+    (record_path,) = (tmp_path / "big" / "record").glob("*.json")
+    record = json.loads(record_path.read_text())
+    assert record["world_size"] == 4096 and record["nodes"] == 1  # local_rank 0 counted, alone here
+    assert record["ranks"] == [] and record["hosts"] == [] and record["environment_differences"] == {}
+    assert record["rank_files"] == f"record/{record_path.stem.rsplit('-step', 1)[0]}-step0.ranks"
+    (facts_path,) = (tmp_path / "big" / record["rank_files"]).glob("rank-*.json")
+    facts = json.loads(facts_path.read_text())
+    assert facts_path.name == "rank-0.json" and facts["world_size"] == 4096
+    assert facts["environment"] == {"DDP_HPC_TEST_MARK": "x"}
 
 
 # ----- every tracker through a kill and a resume ---------------------------------------------

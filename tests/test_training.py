@@ -19,8 +19,9 @@ from ddp_hpc.config import load_config
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.distributed import process_group
 from ddp_hpc.training import Datasets, Job, StepOutput
-from ddp_hpc.training.checkpoint import load_checkpoint
-from ddp_hpc.training.data import ResumableDistributedSampler, shard_padding_mask
+from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.training.data import shard_padding_mask
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
 
@@ -70,14 +71,14 @@ def test_every_epoch_has_a_new_order(tmp_path):
 
 def test_sampler_order_does_not_depend_on_world_size():
     data = TensorDataset(torch.arange(40))
-    single = list(ResumableDistributedSampler(data, 1, 0, shuffle=True, seed=3))
-    ranks = [list(ResumableDistributedSampler(data, 4, r, shuffle=True, seed=3)) for r in range(4)]
+    single = list(ResumableSampler(data, 1, 0, shuffle=True, seed=3))
+    ranks = [list(ResumableSampler(data, 4, r, shuffle=True, seed=3)) for r in range(4)]
     # The k-th group of 4 consecutive samples of one rank's order is spread over the 4 ranks.
     assert [sorted(r[k] for r in ranks) for k in range(10)] == [sorted(single[4 * k:4 * k + 4]) for k in range(10)]
 
 
 def test_resumable_sampler_skips_exactly():
-    sampler = ResumableDistributedSampler(TensorDataset(torch.arange(50)), 2, 1, shuffle=True, seed=0)
+    sampler = ResumableSampler(TensorDataset(torch.arange(50)), 2, 1, shuffle=True, seed=0)
     sampler.set_epoch(4)
     full = list(sampler)
     sampler.skip_next(7)

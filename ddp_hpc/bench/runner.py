@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,9 @@ from typing import Any
 import torch
 
 from ddp_hpc import __version__
+from ddp_hpc.bench.results_file import merge_into
 from ddp_hpc.contract import BENCH_STARTED_AT_VAR
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 
 LOOPS = ("trainer", "handwritten")
@@ -128,18 +129,12 @@ def launcher_available(launcher: str) -> bool:
         is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str = "torchrun",
            timeout: float = 600) -> dict[str, Any]:
     """One launch of the worker on ``nproc`` ranks; its rank-0 JSON result."""
     out = workdir / f"{mode}-{time.monotonic_ns()}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    port = ["--port", str(_free_port())] if mode == "bare" and launcher != "torchrun" else []
+    port = ["--port", str(free_port())] if mode == "bare" and launcher != "torchrun" else []
     argv = [*_launcher_argv(launcher, nproc), "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
             "--run-dir", str(workdir), *port, *extra]
     env[BENCH_STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
@@ -272,6 +267,41 @@ def measure_startup(plan: Plan, workdir: Path, progress) -> dict[str, Any]:
                 row[f"{launcher}_trainer_minus_bare_s"] = median[f"{launcher}_trainer_s"] - median[f"{launcher}_bare_s"]
         rows.append(row)
     return {"rows": rows, "launchers_missing": missing, "target_own_share_s": 0.2}
+
+
+#: ddp_hpc's own CPU per rank before the first step (issue 21).
+OWN_CPU_TARGET_S = 0.1
+
+
+def measure_own_cpu(rounds: int, workdir: Path, progress, world_size: int = 2) -> dict[str, Any]:
+    """ddp_hpc's own CPU per rank before the first step: rank 0's CPU seconds (every thread)
+    from torch imported to the first step, the Trainer minus the hand-written loop (the same
+    torch work: process group, DDP, an optimizer, one step), alternating launches."""
+    tiny = ModelSize(**{**asdict(TINY), "samples": TINY.batch * world_size * 2})
+    args = [*tiny.args(), "--epochs", "0", "--warmup-epochs", "1", "--checkpoint-every-epochs", "0"]
+    cpu: dict[str, list[float]] = {"trainer": [], "handwritten": []}
+    for round_index in range(rounds):
+        for mode in (("trainer", "handwritten") if round_index % 2 == 0 else ("handwritten", "trainer")):
+            result = launch(mode, world_size, args, workdir)
+            cpu[mode].append(result["phases_after_launch_s"]["first_step_cpu_s"])
+            progress(f"own CPU x{world_size} {mode}: {cpu[mode][-1]:.3f} s CPU after torch imported")
+    pairs = [t - h for t, h in zip(cpu["trainer"], cpu["handwritten"])]
+    own = statistics.median(pairs)
+    return {"world_size": world_size, "launcher": "torchrun", "rounds": rounds,
+            "trainer_cpu_s": cpu["trainer"], "handwritten_cpu_s": cpu["handwritten"], "paired_own_cpu_s": pairs,
+            "own_cpu_s": own, "target_s": OWN_CPU_TARGET_S, "meets_target": own <= OWN_CPU_TARGET_S}
+
+
+def run_own_cpu(output: Path, rounds: int = 7) -> dict[str, Any]:
+    """``ddp-hpc bench --own-cpu``: the figure alone, merged into ``output``'s "own_cpu" key."""
+    with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
+        section = measure_own_cpu(rounds, Path(tmp), lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
+    section.update(command="ddp-hpc bench --own-cpu", machine=machine_info(), load_average_at_end=os.getloadavg())
+    merge_into(output, {"own_cpu": section})
+    print(f"ddp_hpc's own CPU per rank before the first step ({section['world_size']} ranks, median of "
+          f"{rounds} pairs): {section['own_cpu_s']:.3f} s (target {OWN_CPU_TARGET_S} s); Trainer "
+          f"{statistics.median(section['trainer_cpu_s']):.3f} s, hand-written {statistics.median(section['handwritten_cpu_s']):.3f} s")
+    return section
 
 
 # ----- communication --------------------------------------------------------------------
@@ -482,14 +512,14 @@ def plot(results: Results, path: Path) -> bool:
     return True
 
 
-def parse_sizes(text: str) -> tuple[int, ...]:
+def parse_sizes(text: str, flag: str = "--startup-sizes") -> tuple[int, ...]:
     """``"2,4,8"`` -> (2, 4, 8): world sizes of at least 2, each once, ascending."""
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise UserError(f"--startup-sizes {text!r}: give world sizes as N,N,... (e.g. 2,4,8)") from None
+        raise UserError(f"{flag} {text!r}: give world sizes as N,N,... (e.g. 2,4,8)") from None
     if any(n < 2 for n in sizes) or list(sizes) != sorted(set(sizes)):
-        raise UserError(f"--startup-sizes {text!r}: world sizes of at least 2, ascending, each once")
+        raise UserError(f"{flag} {text!r}: world sizes of at least 2, ascending, each once")
     return sizes
 
 
@@ -522,8 +552,7 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None,
         results.machine["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(asdict(results), indent=2) + "\n")
+    merge_into(output, asdict(results))
     command = "ddp-hpc bench" + (" --quick" if quick else "") + (
         f" --startup-sizes {','.join(map(str, startup_sizes))}" if startup_sizes else "")
     output.with_suffix(".md").write_text(format_markdown(results, command))

@@ -154,6 +154,7 @@ def check_fabric(backend: str, environ: Mapping[str, str], host: HostFabric, *, 
     of ``backend`` that names something this host lacks."""
     variables = BACKEND_VARIABLES.get(backend, (GLOO_IFNAME_VAR,))
     problem = None
+    net_checked = False
     for variable in variables:
         value = environ.get(variable, "").strip()
         if not value:
@@ -169,7 +170,8 @@ def check_fabric(backend: str, environ: Mapping[str, str], host: HostFabric, *, 
                 log.debug("%s=%s not checked: fi_info is not on PATH", variable, value)
             else:
                 problem = fi_provider_problem(value, host.providers)
-        elif variable in (NCCL_NET_VAR, NCCL_NET_PLUGIN_VAR):
+        elif variable in (NCCL_NET_VAR, NCCL_NET_PLUGIN_VAR) and not net_checked:
+            net_checked = True  # one check reads both (and may ask ldconfig): not twice
             problem = nccl_net_problem(environ, host.find_library)
         if problem:
             raise UserError(f"{where}: {problem}")

@@ -28,7 +28,8 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.tracking import registry
 from ddp_hpc.tracking.base import Held, Tracker, TrackerStart
 from ddp_hpc.tracking.progress import ProgressLines, ProgressShape
-from ddp_hpc.tracking.record import build_record, rank_facts, write_record
+from ddp_hpc.tracking.record import (MAX_GATHERED_RANKS, build_record, rank_facts, rank_files_folder, record_stamp,
+                                     write_rank_facts, write_record)
 
 if TYPE_CHECKING:
     from ddp_hpc.config import Config
@@ -90,6 +91,22 @@ def merge_by_step(points: Sequence[Point]) -> list[Point]:
     return sorted(merged.items())
 
 
+def startup_message(world_size: int, facts: dict[str, Any]) -> dict[str, Any] | None:
+    """What this rank sends rank 0 at start-up: its facts in a small world, None in a large
+    one (then each rank writes its own file and rank 0 learns only the node count)."""
+    return facts if world_size <= MAX_GATHERED_RANKS else None
+
+
+@dataclass(frozen=True)
+class RecordShape:
+    """How this start's record is laid out: every rank's facts in it, or one file a rank."""
+
+    world_size: int
+    rank_files: str | None
+    nodes: int | None
+    stamp: str | None
+
+
 class Tracking:
     def __init__(self, config: Config, ctx: DistContext, run: RunFolder) -> None:
         self.config, self.ctx, self.run = config, ctx, run
@@ -113,18 +130,36 @@ class Tracking:
         ctx = self.ctx
         facts = rank_facts(ctx.env.to_dict(), str(ctx.device.torch_device), ctx.device.backend,
                            os.environ if environ is None else environ)
-        gathered = ctx.gather_object(facts)
+        sent = startup_message(ctx.world_size, facts)
+        rank_files, nodes, stamp = None, None, None
+        if sent is not None:
+            gathered = ctx.gather_object(sent)
+        else:
+            # A large world: each rank's facts go to its own file; rank 0 learns the node count.
+            stamp = ctx.broadcast_object(record_stamp() if ctx.is_rank_zero else "")
+            rank_files = rank_files_folder(stamp, start_step)
+            try:
+                write_rank_facts(self.run.path, rank_files, facts)
+            except OSError as exc:
+                log.warning("could not write this rank's facts to %s: %s", rank_files, exc)
+            nodes = round(ctx.all_reduce([1.0 if ctx.local_rank == 0 else 0.0])[0])
+            gathered = [facts]
         if not ctx.is_rank_zero:
             return
         # Launchers name a dead process by host and PID (MPICH) or by rank (torchrun, srun):
         # this line maps one to the other in the job log.
-        log.info("ranks (host:pid): %s",
-                 " ".join(f"{rank}={fact['host']}:{fact['pid']}" for rank, fact in enumerate(gathered)))
+        if rank_files is None:
+            log.info("ranks (host:pid): %s",
+                     " ".join(f"{rank}={fact['host']}:{fact['pid']}" for rank, fact in enumerate(gathered)))
+        else:
+            log.info("ranks (host:pid): %d ranks on %d nodes, one file a rank in %s", ctx.world_size, nodes,
+                     self.run.path / rank_files)
         # Versions, packages and git state take ~0.15 s (subprocesses, a scan of every
         # installed distribution): not worth delaying the first step for.
         self._record_writer = threading.Thread(
             target=self._write_record, name="ddp-hpc-run-record", daemon=True,
-            args=(sys.argv if argv is None else list(argv), gathered, start_step, Path.cwd()))
+            args=(sys.argv if argv is None else list(argv), gathered, start_step, Path.cwd(),
+                  RecordShape(ctx.world_size, rank_files, nodes, stamp)))
         self._record_writer.start()
 
         logging_config = self.config.logging
@@ -157,11 +192,12 @@ class Tracking:
                               shape.effective_batch_size), logging_config.progress_every_s, start_step)
 
     def _write_record(self, argv: Sequence[str], ranks: Sequence[dict[str, Any]], start_step: int,
-                      cwd: Path) -> None:
+                      cwd: Path, shape: RecordShape) -> None:
         try:
             record = build_record(run_path=self.run.path, argv=argv, config=self.config.to_dict(), ranks=ranks,
-                                  start_step=start_step, cwd=cwd)
-            log.info("run record: %s", write_record(self.run.path, record))
+                                  start_step=start_step, cwd=cwd, world_size=shape.world_size,
+                                  rank_files=shape.rank_files, nodes=shape.nodes)
+            log.info("run record: %s", write_record(self.run.path, record, shape.stamp))
         except Exception as exc:  # noqa: BLE001 - a record is worth a warning, not the run
             log.warning("could not write the run record: %s: %s", type(exc).__name__, exc)
 

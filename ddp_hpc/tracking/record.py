@@ -4,6 +4,11 @@
 rendered job script, every rank's resolved environment, the hosts, versions, installed
 packages and the git state of the working directory. Variables whose names mark a secret
 are never written.
+
+Up to ``MAX_GATHERED_RANKS`` ranks, every rank's facts reach rank 0 and the record lists
+them. Beyond, what reaches rank 0 would grow with the world size (about 1.9 KB a rank:
+7.6 MB at 4,096 ranks, a 2 MB record), so each rank writes its own facts to
+``record/<stamp>.ranks/rank-<N>.json`` and the record names that folder instead.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from ddp_hpc.contract import RECORD_DIR, atomic_write
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 SCHEMA_VERSION = 1
 _TIMEOUT_S = 5.0
+#: Worlds up to this size send every rank's facts to rank 0; larger ones write per-rank files.
+MAX_GATHERED_RANKS = 64
 
 
 def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
@@ -100,8 +107,10 @@ def job_scripts(run_path: Path) -> dict[str, str]:
 
 
 def build_record(*, run_path: Path, argv: Sequence[str], config: dict[str, Any],
-                 ranks: Sequence[dict[str, Any]], start_step: int, cwd: Path) -> dict[str, Any]:
-    """The record, from every rank's facts (rank 0's list from an all-gather)."""
+                 ranks: Sequence[dict[str, Any]], start_step: int, cwd: Path, world_size: int | None = None,
+                 rank_files: str | None = None, nodes: int | None = None) -> dict[str, Any]:
+    """The record, from every rank's facts (gathered to rank 0), or for a large world from
+    rank 0's alone, naming the folder of per-rank files (``rank_files``) and the node count."""
     base = ranks[0]["environment"] if ranks else {}
     rank_rows, differences = [], {}
     for facts in ranks:
@@ -118,8 +127,12 @@ def build_record(*, run_path: Path, argv: Sequence[str], config: dict[str, Any],
         "working_directory": str(cwd),
         "config": config,
         "job_scripts": job_scripts(run_path),
-        "hosts": sorted({row["host"] for row in rank_rows}),
-        "ranks": rank_rows,
+        "world_size": len(ranks) if world_size is None else world_size,
+        "hosts": sorted({row["host"] for row in rank_rows}) if rank_files is None else [],
+        "nodes": len({row["host"] for row in rank_rows}) if nodes is None else nodes,
+        "ranks": rank_rows if rank_files is None else [],
+        # Relative to the run folder: one JSON file a rank, the facts listed above otherwise.
+        "rank_files": rank_files,
         # Rank 0's variables; other ranks' only where they differ (null: not set there).
         "environment": base,
         "environment_differences": differences,
@@ -129,10 +142,30 @@ def build_record(*, run_path: Path, argv: Sequence[str], config: dict[str, Any],
     }
 
 
-def write_record(run_path: Path, record: dict[str, Any]) -> Path:
+def record_stamp() -> str:
+    """The UTC time that names one (re)start's record (and its per-rank folder)."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def rank_files_folder(stamp: str, start_step: int) -> str:
+    """Where each rank's facts go in a large world, relative to the run folder."""
+    return f"{RECORD_DIR}/{stamp}-step{start_step}.ranks"
+
+
+def write_rank_facts(run_path: Path, folder: str, facts: dict[str, Any]) -> Path:
+    """One rank's facts as ``<folder>/rank-<N>.json`` (atomic; not fsynced: thousands of ranks
+    write at once and a lost file is only a lost record)."""
+    target = run_path / folder
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / f"rank-{facts['rank']}.json"
+    atomic_write(path, json.dumps(facts, indent=1, sort_keys=True, default=str) + "\n", durable=False)
+    return path
+
+
+def write_record(run_path: Path, record: dict[str, Any], stamp: str | None = None) -> Path:
     folder = run_path / RECORD_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    stamp = stamp or record_stamp()
     path = folder / f"{stamp}-step{record['start_step']}.json"
     atomic_write(path, json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     return path

@@ -17,53 +17,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddp_hpc.contract import DEADLINE_VAR
+from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, Timings, must_stop_now, time_needed
 from ddp_hpc.training.callbacks import Callback
 
 if TYPE_CHECKING:
     from ddp_hpc.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeadlinePolicy:
-    """When to stop ahead of a known end time."""
-
-    #: The job's end, in seconds since the epoch (``time.time()``).
-    deadline: float
-    #: Steps between two chances to stop (``checkpoint.preemption_check_every_n_steps``).
-    check_every_n_steps: int
-    #: Kept free besides the predicted work: process exit, launcher teardown, clocks of
-    #: different nodes, and the first checkpoint before one has been measured.
-    margin_s: float
-    #: Step times remembered; the slowest of them is the prediction.
-    window: int = 20
-
-
-@dataclass(frozen=True)
-class Timings:
-    """What rank 0 measured so far (seconds); 0 until measured."""
-
-    step_s: float = 0.0
-    checkpoint_s: float = 0.0
-    epoch_end_s: float = 0.0
-
-
-def time_needed(policy: DeadlinePolicy, timings: Timings, steps_to_next_check: int, crosses_epoch_end: bool) -> float:
-    """Seconds that going on to the next check and stopping there would take."""
-    epoch_end = timings.epoch_end_s + timings.checkpoint_s if crosses_epoch_end else 0.0
-    return steps_to_next_check * timings.step_s + epoch_end + timings.checkpoint_s + policy.margin_s
-
-
-def must_stop_now(policy: DeadlinePolicy, now: float, timings: Timings, steps_to_next_check: int,
-                  crosses_epoch_end: bool) -> bool:
-    return policy.deadline - now < time_needed(policy, timings, steps_to_next_check, crosses_epoch_end)
 
 
 class DeadlineStop(Callback):
@@ -74,25 +38,23 @@ class DeadlineStop(Callback):
 
     def __init__(self, policy: DeadlinePolicy, clock: Callable[[], float] = time.time) -> None:
         self.policy, self.clock = policy, clock
-        self.steps: deque[float] = deque(maxlen=policy.window)
-        self.checkpoint_s = 0.0
-        self.epoch_end_s = 0.0
-        self._mark: float | None = None
-        self._saved_since_mark = 0.0
+        self.measured = StepClock(policy.window)
         self.stopped_at: int | None = None
 
-    def timings(self) -> Timings:
-        return Timings(max(self.steps, default=0.0), self.checkpoint_s, self.epoch_end_s)
+    @property
+    def checkpoint_s(self) -> float:
+        return self.measured.checkpoint_s
 
-    def _since_mark(self, now: float) -> float | None:
-        if self._mark is None:
-            return None
-        # A checkpoint written since the mark is measured on its own, not as step time.
-        return max(0.0, now - self._mark - self._saved_since_mark)
+    @property
+    def epoch_end_s(self) -> float:
+        return self.measured.epoch_end_s
+
+    def timings(self) -> Timings:
+        return self.measured.timings()
 
     def on_fit_start(self, trainer: Trainer) -> None:
         now = self.clock()
-        self._mark = now
+        self.measured.start(now)
         if trainer.ctx.is_rank_zero and self.policy.deadline <= now:
             log.warning("the job's deadline passed %.0f s ago (a stale %s?): training will "
                         "checkpoint and stop at step %d", now - self.policy.deadline, DEADLINE_VAR,
@@ -105,23 +67,14 @@ class DeadlineStop(Callback):
                      self.policy.margin_s)
 
     def on_checkpoint_saved(self, trainer: Trainer, path) -> None:
-        seconds = trainer.last_checkpoint_s
-        self.checkpoint_s = max(self.checkpoint_s, seconds)
-        self._saved_since_mark += seconds
+        self.measured.checkpoint_written(trainer.last_checkpoint_s)
 
     def on_epoch_end(self, trainer: Trainer, metrics) -> None:
-        now = self.clock()
-        elapsed = self._since_mark(now)
-        if elapsed is not None:
-            self.epoch_end_s = max(self.epoch_end_s, elapsed)
-        self._mark, self._saved_since_mark = now, 0.0
+        self.measured.epoch_ended(self.clock())
 
     def on_step_end(self, trainer: Trainer) -> None:
         now = self.clock()
-        elapsed = self._since_mark(now)
-        if elapsed is not None:
-            self.steps.append(elapsed)
-        self._mark, self._saved_since_mark = now, 0.0
+        self.measured.step_ended(now)
         every = self.policy.check_every_n_steps
         step = trainer.progress.global_step
         if not trainer.ctx.is_rank_zero or step % every or trainer.stop_requested:

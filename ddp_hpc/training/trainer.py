@@ -23,20 +23,22 @@ from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.tracking import RunShape, Tracking
-from ddp_hpc.training import checkpoint as ckpt
-from ddp_hpc.training.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
+from ddp_hpc.engine import checkpoint_files as ckpt
+from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError
 from ddp_hpc.training.callbacks import Callback
-from ddp_hpc.training.data import LoaderPlan, ResumableDistributedSampler, eval_loader, shard_padding_mask, train_loader
+from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.engine.stop_agreement import StopAgreement
+from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
 from ddp_hpc.training.job import Datasets, Job, StepOutput
-from ddp_hpc.training.liveness import watch_progress
+from ddp_hpc.engine.liveness import watch_progress
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
-from ddp_hpc.training.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
-from ddp_hpc.training.rng import capture_rng, restore_rng, seed_everything
+from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
+from ddp_hpc.engine.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
-from ddp_hpc.training.watchdog import Watchdog
+from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +69,10 @@ class Trainer:
         self.progress = Progress()
         self.early = EarlyStoppingState()
         self.history: list[dict[str, Any]] = []
-        #: Set (e.g. by a preemption signal handler) to checkpoint and stop at the next step.
-        self.stop_requested = False
+        #: The stop every rank agrees on (a signal handler calls ``request_stop``; the
+        #: deadline is the DeadlineStop callback's, which measures the Trainer's phases).
+        self.stop = StopAgreement(check_every_n_steps=config.checkpoint.preemption_check_every_n_steps,
+                                  deadline=None, group=ctx)
         self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
@@ -168,7 +172,7 @@ class Trainer:
         self.ema = (AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.training.ema_decay),
                                   use_buffers=True) if self.training.ema_decay else None)
 
-        self.sampler = ResumableDistributedSampler(datasets.train, self.ctx.world_size, self.ctx.rank,
+        self.sampler = ResumableSampler(datasets.train, self.ctx.world_size, self.ctx.rank,
                                                    shuffle=self.config.data.shuffle, seed=self.training.seed)
         pin = self.config.data.pin_memory
         self.pin_memory = self.ctx.device.device_type == "cuda" if pin == "auto" else bool(pin)
@@ -236,16 +240,15 @@ class Trainer:
 
     def request_stop(self) -> None:
         """Checkpoint and stop at the next agreed step (from a signal handler: just a flag)."""
-        self.stop_requested = True
+        self.stop.request()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop.requested
 
     def _agreed_stop(self) -> bool:
         """Whether any rank was asked to stop; all ranks answer at the same steps."""
-        every = self.config.checkpoint.preemption_check_every_n_steps
-        if self.progress.global_step % every:
-            return False
-        if not self.ctx.group_initialized:
-            return self.stop_requested
-        return self.ctx.all_reduce([1.0 if self.stop_requested else 0.0], op="max")[0] > 0
+        return self.stop.agreed(self.progress.global_step)
 
     def _train_epochs(self, datasets: Datasets) -> str:
         """Train from ``self.progress`` on: "completed", "early_stopped" or "preempted"."""

@@ -26,10 +26,12 @@ EXIT_CODE = 3
 
 class Watchdog:
     def __init__(self, timeout_s: float, rank: int, poll_s: float = 1.0,
-                 diagnose: Callable[[], str] | None = None) -> None:
+                 diagnose: Callable[[], str] | None = None, limit_name: str = "distributed.watchdog_s") -> None:
         self.timeout_s, self.rank, self.poll_s = timeout_s, rank, min(poll_s, timeout_s / 4)
         #: Says who is to blame when the watchdog fires (liveness.Heartbeat.explain).
         self._diagnose = diagnose
+        #: What the user set the limit with, named in the message.
+        self.limit_name = limit_name
         self._last = time.monotonic()
         self._phase = "start-up"
         self._step = 0
@@ -44,9 +46,9 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def beat(self, phase: str, step: int) -> None:
-        """Progress: cheap enough to call every step (two attribute stores)."""
-        self._phase, self._step = phase, step
+    def beat(self, phase: str = "training", step: int | None = None) -> None:
+        """Progress: cheap enough to call every step (a few attribute stores)."""
+        self._phase, self._step = phase, self._step + 1 if step is None else step
         self._last = time.monotonic()
 
     def _watch(self) -> None:
@@ -65,7 +67,7 @@ class Watchdog:
             log.error(line)
             print(line, file=sys.stderr, flush=True)
         message = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f}s on host {socket.gethostname()} "
-                   f"during {self._phase} after step {self._step} (limit distributed.watchdog_s="
+                   f"during {self._phase} after step {self._step} (limit {self.limit_name}="
                    f"{self.timeout_s:g}); a collective is likely waiting for a rank that is stuck or gone. "
                    f"Stacks of every thread follow; exiting with status {EXIT_CODE}.")
         log.error(message)

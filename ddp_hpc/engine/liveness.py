@@ -12,6 +12,7 @@ A rank that cannot reach the store itself is on the side that was cut off.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -22,7 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddp_hpc.distributed import DistContext
-from ddp_hpc.training.watchdog import Watchdog
+from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,14 @@ def describe_ranks(ranks: Sequence[int], hosts: dict[int, str]) -> str:
     parts = [f"rank{'s' if len(members) > 1 else ''} {', '.join(map(str, members))} on host {host}"
              for host, members in by_host.items()]
     return "; ".join(parts)
+
+
+def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
+    """Every counter's value: one batched read when all exist (the usual case), else one
+    ``add(key, 0)`` a key (which also creates a missing one at 0, for the second read)."""
+    if store.check(list(keys)):
+        return [int(value) for value in store.multi_get(list(keys))]
+    return [store.add(key, 0) for key in keys]
 
 
 class Heartbeat:
@@ -104,9 +113,9 @@ class Heartbeat:
             return cut_off.format(reason)
         try:
             store = self._connect()
-            before = [store.add(key, 0) for key in keys]
+            before = read_counters(store, keys)
             time.sleep(self.settle_s)
-            after = [store.add(key, 0) for key in keys]
+            after = read_counters(store, keys)
             silent = [rank for rank in range(self.world_size) if before[rank] == after[rank]]
             hosts = {rank: store.get(HOST_KEY.format(rank=rank)).decode()
                      for rank in silent if store.check([HOST_KEY.format(rank=rank)])}
@@ -123,16 +132,45 @@ class Heartbeat:
 
 @contextmanager
 def watch_progress(ctx: DistContext, limit_s: float | None) -> Iterator[Watchdog | None]:
-    """The training loop's watchdog (None when ``limit_s`` is unset), with a heartbeat that
-    lets it name the silent ranks when the group spans several processes."""
+    """The Trainer's watchdog (None when ``limit_s`` is unset), with a heartbeat that lets
+    it name the silent ranks when the group spans several processes."""
     if not limit_s:
         yield None
         return
+    env = ctx.env
+    spans = ctx.group_initialized and ctx.world_size > 1
+    with _watching(limit_s, env.rank, env.world_size, (env.master_addr, env.master_port) if spans else None) as dog:
+        yield dog
+
+
+@contextmanager
+def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None) -> Iterator[Watchdog]:
+    """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
+    makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
+    silent, every thread's stack, and exits (status 3) so the launcher ends the job.
+
+    The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
+    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group.
+    """
+    if limit_s <= 0:
+        raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
+    rank, world_size, store = 0, 1, heartbeat_store
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, "watchdog limit_s") as dog:
+        yield dog
+
+
+@contextmanager
+def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int] | None,
+              limit_name: str = "distributed.watchdog_s") -> Iterator[Watchdog]:
     heartbeat = None
-    if ctx.group_initialized and ctx.world_size > 1:
-        env = ctx.env
-        heartbeat = Heartbeat(env.rank, env.world_size, socket.gethostname(), env.master_addr,
-                              env.master_port, interval_s=min(max(limit_s / 10, 1.0), 10.0))
+    if store is not None:
+        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1],
+                              interval_s=min(max(limit_s / 10, 1.0), 10.0))
     with heartbeat or nullcontext(), \
-            Watchdog(limit_s, ctx.rank, diagnose=heartbeat.explain if heartbeat else None) as watchdog:
-        yield watchdog
+            Watchdog(limit_s, rank, diagnose=heartbeat.explain if heartbeat else None,
+                     limit_name=limit_name) as dog:
+        yield dog

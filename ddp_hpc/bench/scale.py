@@ -1,0 +1,357 @@
+"""``ddp-hpc bench --scale``: N simulated ranks against one real rendezvous store.
+
+This process is rank 0: it serves the store through ddp_hpc's own ``create_store`` and
+joins the gate like any rank. Ranks 1..N-1 are threads of a few client processes
+(``ddp_hpc.bench.scale_client``, started with ``python -m`` so that torch is imported after
+the exec, never through a fork), each running the real handshake and the real heartbeat.
+
+Measured per N: the time from the common start until the gate opens, the store's
+operations per second when every rank adds in a loop, the heartbeat's load at the default
+interval (beats per second and this process's CPU, the store's server runs here), the
+time of the silent-rank diagnosis (with two ranks made silent, checked to be named), and
+the bytes that reach rank 0 per quantity (start-up facts, per-checkpoint RNG states, run
+record), computed from the objects the real code builds for N ranks.
+
+Torch's store client looks up the store's address by name (``getnameinfo``) before each
+connect. Where that address is not in /etc/hosts the look-up goes to DNS, and a burst of
+them from one process loses replies here, each costing the resolver's 5 s timeout: the
+stalls seen with many clients in one process. When run as root with ``unshare``, the
+client processes get a private /etc/hosts that names the address, so the figures are the
+store's and ddp_hpc's, not this machine's DNS (``dns_isolated`` in the results).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+from ddp_hpc.bench.results_file import merge_into
+from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, STORE_ENVIRON, rank_env
+from ddp_hpc.errors import UserError
+
+#: The heartbeat interval ``watch_progress`` picks for the default distributed.watchdog_s (300 s).
+DEFAULT_INTERVAL_S = 10.0
+ADDR = "127.0.0.1"
+#: Simulated ranks per client process (memory: ~220 MB resident per process with torch).
+RANKS_PER_PROCESS = 128
+HAMMER_S = 5.0
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    world_size: int
+    processes: int
+    dns_isolated: bool
+    gate_open_s: float                 # common start -> rank 0 sees the gate open
+    handshake_s: dict[str, float]      # per simulated rank: median, p99, max
+    gate_server_cpu_s: float           # this process (the store's server) during the gate
+    store_ops_per_s: float             # every rank's add() in a loop, HAMMER_S seconds
+    heartbeat_interval_s: float
+    heartbeat_beats_per_s: float       # measured over two intervals
+    heartbeat_server_cpu_fraction: float  # of one core, this process
+    store_connections: int             # handshake + heartbeat clients, as served
+    diagnosis_s: float                 # Heartbeat.explain(), including its settle wait
+    diagnosis_settle_s: float
+    diagnosis_named_silent: bool
+    rank0_bytes: dict[str, int]
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def dns_isolation(workdir: Path) -> list[str] | None:
+    """A command prefix giving the clients a private /etc/hosts naming ADDR, or None."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    hosts = workdir / "hosts"
+    original = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
+    hosts.write_text(f"{original}\n{ADDR} localhost\n::ffff:{ADDR} localhost\n")
+    prefix = ["unshare", "-m", "sh", "-c", f'mount --bind "{hosts}" /etc/hosts && exec "$0" "$@"']
+    try:
+        subprocess.run([*prefix, "true"], check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return prefix
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((ADDR, 0))
+        return probe.getsockname()[1]
+
+
+class _Clients:
+    """The client processes and their line-per-message streams."""
+
+    def __init__(self, world_size: int, per_process: int, port: int, silent: list[int],
+                 prefix: list[str] | None) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        for first in range(1, world_size, per_process):
+            count = min(per_process, world_size - first)
+            argv = [sys.executable, "-m", "ddp_hpc.bench.scale_client", ADDR, str(port), str(world_size),
+                    str(first), str(count), str(DEFAULT_INTERVAL_S), ",".join(map(str, silent))]
+            self.procs.append(subprocess.Popen([*(prefix or []), *argv], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, text=True, env=env))
+
+    def read_all(self, event: str, timeout_s: float) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            while True:
+                if time.monotonic() > deadline:
+                    raise UserError(f"scale harness: no '{event}' from a client within {timeout_s:g}s")
+                line = _readline(proc.stdout, deadline - time.monotonic())
+                if not line:
+                    raise UserError(f"scale harness: a client process ended before '{event}' "
+                                    f"(status {proc.poll()})")
+                message = json.loads(line)
+                if message.get("event") == event:
+                    out.append(message)
+                    break
+        return out
+
+    def send(self, **command: Any) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                if proc.stdin:
+                    proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _readline(stream: IO[str] | None, timeout_s: float) -> str:
+    assert stream is not None
+    holder: list[str] = []
+    reader = threading.Thread(target=lambda: holder.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(max(timeout_s, 0.0))
+    return holder[0] if holder else ""
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"median": round(statistics.median(ordered), 4),
+            "p99": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 4),
+            "max": round(ordered[-1], 4)}
+
+
+def _rank_environ(rank: int, world_size: int) -> dict[str, str]:
+    """A plausible rank's variables: this process's, with the launcher's per-rank ones."""
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % 8), "WORLD_SIZE": str(world_size),
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 8), "SLURM_NODEID": str(rank // 8),
+            "SLURMD_NODENAME": f"node{rank // 8:05d}"}
+
+
+def rank0_bytes(world_size: int) -> dict[str, int]:
+    """Bytes reaching rank 0 per quantity at ``world_size``, from the objects the real code builds.
+
+    ``gather_object`` pads every rank's pickle to the largest and first all-gathers the
+    sizes (8 bytes a rank), so rank 0 receives ``N * (largest + 8)``.
+    """
+    from ddp_hpc.tracking.hub import startup_message
+    from ddp_hpc.tracking.record import build_record, rank_facts
+    from ddp_hpc.engine.rng import capture_rng
+
+    def gathered(sizes: list[int]) -> int:
+        return world_size * (max(sizes) + 8)
+
+    facts = [rank_facts(rank_env(r, world_size, 8, ADDR, 29500).to_dict(), "cpu", "gloo",
+                        _rank_environ(r, world_size)) for r in range(world_size)]
+    sent = [startup_message(world_size, f) for f in facts]
+    large = sent[0] is None
+    # A large world sends rank 0 one float64 (the node count's all-reduce) instead.
+    startup = 8 if large else gathered([len(pickle.dumps(m)) for m in sent])
+    rng = gathered([len(pickle.dumps(capture_rng()))])
+    with tempfile.TemporaryDirectory() as tmp:
+        record = build_record(run_path=Path(tmp), argv=["bench"], config={}, start_step=0, cwd=Path(tmp),
+                              ranks=facts[:1] if large else facts, world_size=world_size,
+                              rank_files="record/x.ranks" if large else None,
+                              nodes=-(-world_size // 8) if large else None)
+    return {"startup_facts": startup, "per_checkpoint_rng": rng,
+            "run_record": len(json.dumps(record, indent=1, sort_keys=True, default=str))}
+
+
+def measure(world_size: int, per_process: int, prefix: list[str] | None,
+            interval_s: float = DEFAULT_INTERVAL_S, with_bytes: bool = True) -> ScaleRow:
+    import torch.distributed as dist
+
+    from ddp_hpc.distributed import create_store
+    from ddp_hpc.engine.liveness import Heartbeat
+
+    port = _free_port()
+    silent = sorted({world_size // 2, world_size - 1})
+    clients = _Clients(world_size, per_process, port, silent, prefix)
+    try:
+        clients.read_all("ready", 900)
+        outcome: dict[str, Any] = {}
+
+        def serve() -> None:
+            try:
+                outcome["store"] = create_store(rank_env(0, world_size, 8, ADDR, port), timedelta(seconds=600),
+                                                STORE_ENVIRON, RENDEZVOUS_TIMEOUT_S)
+                outcome["open_at"] = time.time()
+            except Exception as exc:  # reported below
+                outcome["error"] = exc
+
+        gate_go = time.time() + 1.0 + 0.002 * world_size
+        cpu0 = _cpu_s()
+        rank0 = threading.Thread(target=serve, daemon=True)
+        rank0.start()
+        clients.send(go=gate_go)
+        joined = clients.read_all("joined", RENDEZVOUS_TIMEOUT_S + 30)
+        rank0.join(RENDEZVOUS_TIMEOUT_S + 30)
+        if "error" in outcome:
+            raise outcome["error"]
+        gate_cpu = _cpu_s() - cpu0
+        errors = [e for m in joined for e in m["errors"].values()]
+        if errors:
+            raise UserError(f"scale harness: {len(errors)} simulated ranks failed: {errors[0]}")
+        handshakes = [s for m in joined for s in m["seconds"].values()]
+        store: dist.Store = outcome["store"]
+
+        # Heartbeats: every client process started them when its ranks had joined.
+        keys = [f"ddp_hpc/heartbeat/{r}" for r in range(1, world_size) if r not in silent]
+        time.sleep(interval_s * 1.5)   # every beating rank has connected and beaten
+        before, cpu1, t1 = _beats(store, keys), _cpu_s(), time.monotonic()
+        time.sleep(interval_s * 2)
+        after, cpu2, t2 = _beats(store, keys), _cpu_s(), time.monotonic()
+        beats_per_s = (after - before) / (t2 - t1)
+        heartbeat_cpu = (cpu2 - cpu1) / (t2 - t1)
+        connections = _connections(port)
+
+        watcher = Heartbeat(0, world_size, socket.gethostname(), ADDR, port, interval_s=interval_s)
+        with watcher:
+            started = time.perf_counter()
+            verdict = watcher.explain()
+            diagnosis_s = time.perf_counter() - started
+        named = all(f" {r}" in verdict or f",{r}" in verdict for r in silent) and "silent" in verdict
+
+        clients.send(do="hammer", go=time.time() + 1.0, seconds=HAMMER_S)
+        ops = sum(m["ops"] for m in clients.read_all("hammered", HAMMER_S + 120))
+        clients.send(do="stop")
+    finally:
+        clients.close()
+    return ScaleRow(
+        world_size=world_size, processes=len(clients.procs), dns_isolated=prefix is not None,
+        gate_open_s=round(outcome["open_at"] - gate_go, 3),
+        handshake_s=_spread(handshakes), gate_server_cpu_s=round(gate_cpu, 3),
+        store_ops_per_s=round(ops / HAMMER_S), heartbeat_interval_s=interval_s,
+        heartbeat_beats_per_s=round(beats_per_s, 1), heartbeat_server_cpu_fraction=round(heartbeat_cpu, 4),
+        store_connections=connections, diagnosis_s=round(diagnosis_s, 2),
+        diagnosis_settle_s=watcher.settle_s, diagnosis_named_silent=named,
+        rank0_bytes=rank0_bytes(world_size) if with_bytes else {})
+
+
+def _beats(store: Any, keys: list[str]) -> int:
+    """The sum of the given heartbeat counters (one batched read)."""
+    return sum(int(value) for value in store.multi_get(keys))
+
+
+def _connections(port: int) -> int:
+    """Established connections the store's port holds (``ss``), or -1 when it cannot tell."""
+    if shutil.which("ss") is None:
+        return -1
+    result = subprocess.run(["ss", "-Htn", "state", "established", f"sport = :{port}"], capture_output=True,
+                            text=True, timeout=60)
+    return len(result.stdout.splitlines()) if result.returncode == 0 else -1
+
+
+def fit_power_law(sizes: list[int], values: list[float]) -> dict[str, float]:
+    """``value = a * N**b`` by least squares in log space."""
+    points = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v > 0]
+    if len(points) < 2:
+        return {}
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    return {"a": math.exp(mean_y - slope * mean_x), "b": slope}
+
+
+def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER_PROCESS,
+              check_size: int | None = 32) -> dict[str, Any]:
+    """Every size in turn, the separate-process check, fits; merged into ``output``'s "scale" key."""
+    def progress(message: str) -> None:
+        print(f"bench --scale: {message}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="ddp-hpc-scale-") as tmp:
+        prefix = dns_isolation(Path(tmp))
+        progress("client DNS isolated (private /etc/hosts)" if prefix else
+                 "client DNS NOT isolated (not root or no unshare): expect resolver stalls")
+        rows, failed = [], {}
+        for size in sizes:
+            progress(f"{size} ranks ({math.ceil((size - 1) / per_process)} client processes)")
+            try:
+                rows.append(measure(size, per_process, prefix))
+            except (UserError, OSError, RuntimeError) as exc:  # the machine's limit: keep what ran
+                failed = {"world_size": size, "error": str(exc).splitlines()[0][:300]}
+                progress(f"{size} ranks failed, larger sizes skipped: {failed['error']}")
+                break
+            progress(json.dumps(asdict(rows[-1])))
+        check: dict[str, Any] = {}
+        if check_size:
+            progress(f"check: {check_size} ranks as separate processes, then {per_process} per process")
+            separate = measure(check_size, 1, prefix, with_bytes=False)
+            shared = measure(check_size, per_process, prefix, with_bytes=False)
+            check = {"world_size": check_size, "separate_processes": asdict(separate),
+                     "threads_in_processes": asdict(shared)}
+    load = os.getloadavg()
+    grown = [r for r in rows if r.world_size >= 256] or rows
+    fits = {name: fit_power_law([r.world_size for r in grown], [getter(r) for r in grown])
+            for name, getter in (("gate_open_s", lambda r: r.gate_open_s),
+                                 ("gate_server_cpu_s", lambda r: r.gate_server_cpu_s),
+                                 ("heartbeat_server_cpu_fraction", lambda r: r.heartbeat_server_cpu_fraction),
+                                 ("diagnosis_read_s", lambda r: max(r.diagnosis_s - r.diagnosis_settle_s, 1e-4)))}
+    section = {"command": "ddp-hpc bench --scale " + ",".join(map(str, sizes)),
+               "ranks_per_process": per_process, "load_average_at_end": load,
+               "rows": [asdict(r) for r in rows], "failed": failed, "check": check, "fits": fits,
+               "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit}}
+    merge_into(output, {"scale": section})
+    print(format_scale(section))
+    return section
+
+
+def format_scale(section: dict[str, Any]) -> str:
+    lines = ["ranks  procs  gate-open s  handshake p99 s  ops/s  beats/s  hb cpu  conns  diagnosis s  named  "
+             "start-up B  rng B  record B"]
+    for row in section["rows"]:
+        b = row["rank0_bytes"]
+        lines.append(f"{row['world_size']:>5}  {row['processes']:>5}  {row['gate_open_s']:>11.3f}  "
+                     f"{row['handshake_s']['p99']:>15.3f}  {row['store_ops_per_s']:>5}  "
+                     f"{row['heartbeat_beats_per_s']:>7.1f}  {row['heartbeat_server_cpu_fraction']:>6.3f}  "
+                     f"{row['store_connections']:>5}  {row['diagnosis_s']:>11.2f}  "
+                     f"{str(row['diagnosis_named_silent']):>5}  {b.get('startup_facts', 0):>10}  "
+                     f"{b.get('per_checkpoint_rng', 0):>5}  {b.get('run_record', 0):>8}")
+    for name, value in section["extrapolated_50000"].items():
+        lines.append(f"extrapolated to 50,000 ranks (power law fitted to the rows): {name} = {value:.4g}")
+    return "\n".join(lines)

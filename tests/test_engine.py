@@ -1,0 +1,166 @@
+"""The public parts for a loop of one's own (ddp_hpc.engine), in one process: checkpoint
+round trips, refused files, the data order across world sizes, the stop agreement.
+Real launches of examples/resumable_loop.py are in test_own_loop.py."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ddp_hpc
+from ddp_hpc.engine import checkpoint_files as files
+
+
+def _setup(folder: Path, **kwargs):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    sampler = ddp_hpc.ResumableSampler(data, 1, 0, shuffle=True, seed=3, batch_size=8)
+    loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
+    checkpointer = ddp_hpc.Checkpointer(folder, {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                                                 "sampler": sampler}, extras={"seen": 0}, **kwargs)
+    return model, optimizer, scheduler, sampler, loader, checkpointer
+
+
+def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> tuple[dict, ddp_hpc.Checkpointer]:
+    """Train (resuming from ``folder``) until ``epochs`` or until step ``stop_at``."""
+    model, optimizer, scheduler, sampler, loader, checkpointer = _setup(folder, **kwargs)
+    checkpointer.restore()
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+            checkpointer.extras["seen"] += len(x)
+            checkpointer.step_done()
+            if checkpointer.step == stop_at:
+                checkpointer.save(wait=True)
+                return {}, checkpointer
+    checkpointer.save(wait=True)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+            "seen": checkpointer.extras["seen"], "step": checkpointer.step}, checkpointer
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_path, background):
+    whole, _ = _train(tmp_path / "whole", epochs=3, background=background)
+    _train(tmp_path / "cut", epochs=3, stop_at=7, background=background)  # 5 batches per epoch: mid-epoch 2
+    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, background=background)
+    assert resumed["step"] == whole["step"] == 15 and resumed["seen"] == whole["seen"] == 120
+    assert torch.equal(resumed["rng"], whole["rng"])  # dropout drew the same numbers
+    for key, value in whole["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    for index, state in whole["optimizer"]["state"].items():
+        assert torch.equal(resumed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
+    assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000007.pt",
+                                                                                    "step-00000015.pt"]
+
+
+def test_cadence_and_keep_last(tmp_path):
+    _, checkpointer = _train(tmp_path, epochs=2, every_n_steps=3, keep_last=2)
+    assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000009.pt",
+                                                                                    "step-00000010.pt"]
+    assert (checkpointer.directory / "last.pt").samefile(checkpointer.directory / "step-00000010.pt")
+
+
+def test_unreadable_newest_is_refused_in_one_line_and_kept(tmp_path, caplog):
+    _train(tmp_path, epochs=1, stop_at=3, every_n_steps=1)
+    newest = tmp_path / "checkpoints" / "step-00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    *_, checkpointer = _setup(tmp_path)
+    assert checkpointer.restore() == tmp_path / "checkpoints" / "step-00000002.pt"
+    assert checkpointer.step == 2 and checkpointer.extras["seen"] == 16
+    assert newest.exists(), "an unreadable checkpoint is kept"
+    warnings = [r.getMessage() for r in caplog.records if "step-00000003.pt" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "unreadable" in warnings[0]
+
+
+def test_checkpoint_of_other_objects_is_refused(tmp_path):
+    _train(tmp_path, epochs=1, stop_at=2)
+    other = ddp_hpc.Checkpointer(tmp_path, {"net": nn.Linear(4, 1)})
+    with pytest.raises(ddp_hpc.UserError, match="holds no net"):
+        other.restore()
+
+
+def test_sampler_reshards_the_rest_of_the_epoch_counting_every_sample_once():
+    data = TensorDataset(torch.arange(96))
+    old = [ddp_hpc.ResumableSampler(data, 2, rank, shuffle=True, seed=5, batch_size=4) for rank in range(2)]
+    trained = []
+    for sampler in old:
+        sampler.set_epoch(1)
+        trained += list(sampler)[:3 * 4]
+        sampler.advance(3)
+    new = [ddp_hpc.ResumableSampler(data, 3, rank, shuffle=True, seed=5, batch_size=4) for rank in range(3)]
+    for sampler in new:
+        sampler.load_state_dict(old[0].state_dict())
+        assert sampler.epoch == 1
+        sampler.set_epoch(1)
+        trained += list(sampler)
+    assert sorted(trained) == list(range(96))
+    for sampler in new:  # the next epoch is whole again
+        sampler.set_epoch(2)
+        assert len(sampler) == 32
+
+
+def test_sampler_saved_at_an_epoch_end_resumes_at_the_next_epoch():
+    data = TensorDataset(torch.arange(20))
+    sampler = ddp_hpc.ResumableSampler(data, 2, 0, shuffle=False, batch_size=4)
+    sampler.set_epoch(0)
+    sampler.advance(3)  # ceil(10 / 4) batches: the epoch is done
+    restored = ddp_hpc.ResumableSampler(data, 2, 0, shuffle=False, batch_size=4)
+    restored.load_state_dict(sampler.state_dict())
+    assert restored.epoch == 1 and len(restored) == 10
+
+
+def test_stop_agreement_signal_and_deadline(tmp_path):
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=1100.0, margin_s=30.0, clock=lambda: clock[0])
+    for _ in range(6):  # steps of 10 s: up to 1060, the next step and the margin (40 s) still fit
+        clock[0] += 10
+        assert not stop.now()
+    clock[0] += 10      # 1070: 30 s left < one step (10 s) + margin (30 s)
+    assert stop.now() and stop.stopped and stop.exit_status == 75
+
+    nodeadline = ddp_hpc.StopAgreement(deadline=None, check_every_n_steps=2)
+    previous = signal.getsignal(signal.SIGUSR2)
+    nodeadline.handle_signals()
+    try:
+        signal.raise_signal(signal.SIGUSR2)
+        assert nodeadline.requested and not nodeadline.stopped
+        assert not nodeadline.now(), "only every 2nd step is a chance to stop"
+        assert nodeadline.now() and nodeadline.exit_status == 75
+    finally:
+        nodeadline.restore_signals()
+    assert signal.getsignal(signal.SIGUSR2) is previous
+
+
+def test_stop_agreement_reads_the_deadline_the_scripts_export(monkeypatch):
+    monkeypatch.setenv("DDP_HPC_DEADLINE", "5000")
+    assert ddp_hpc.StopAgreement().policy.deadline == 5000.0
+    monkeypatch.delenv("DDP_HPC_DEADLINE")
+    assert ddp_hpc.StopAgreement().policy is None
+
+
+def test_stop_saves_through_the_checkpointer(tmp_path):
+    *_, checkpointer = _setup(tmp_path)
+    stop = ddp_hpc.StopAgreement(checkpointer, deadline=None)
+    checkpointer.step_done()
+    stop.request()
+    assert stop.now()
+    assert files.periodic_checkpoints(checkpointer.directory)[-1].name == "step-00000001.pt"
+
+
+def test_watchdog_context_manager_beats():
+    with ddp_hpc.watchdog(limit_s=30) as dog:
+        dog.beat()
+        dog.beat()
+        assert dog._step == 2 and dog._phase == "training"
