@@ -47,7 +47,7 @@ def test_an_exception_while_writing_leaves_the_old_file_whole_and_no_temporary(t
 _WRITER_CHILD = """
 import sys, torch
 from pathlib import Path
-from ddp_hpc.training import checkpoint as ckpt
+from ddp_hpc.engine import checkpoint_files as ckpt
 folder = Path(sys.argv[1])
 def state(step):
     return {"format": ckpt.FORMAT_VERSION, "model": {f"w{i}": torch.full((1 << 18,), float(step)) for i in range(32)},
