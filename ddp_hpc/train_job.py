@@ -6,11 +6,13 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
+from ddp_hpc.contract import CURVES_FILE
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
@@ -121,6 +123,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         trainer = Trainer(job, config, ctx, run, callbacks)
         received: list[int] = []
         previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}
+        started = time.time()
         try:
             summary = trainer.fit()
         except UserError:
@@ -143,5 +146,8 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             print(f"done: {summary.epochs_completed} epochs, {summary.global_step} steps, "
                   f"{summary.wall_time_s:.1f}s  {result}".rstrip(), flush=True)
             print(f"run folder: {run.path}", flush=True)
+            curves = run.path / CURVES_FILE
+            if config.logging.plot and curves.exists() and curves.stat().st_mtime >= started:
+                print(f"training curves: {curves}", flush=True)
         return summary
 

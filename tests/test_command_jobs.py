@@ -4,6 +4,7 @@ command jobs go through every scheduler path. The example scripts are the comman
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -54,8 +55,12 @@ def test_under_torchrun_nothing_changes():
     assert launch.exported == {}
 
 
-def test_omp_threads_respects_the_launchers_binding():
-    assert omp_threads(4, {}, cpus_visible=16) in (4, 16)  # 16 only if this host has fewer CPUs
+def test_omp_threads_respects_the_launchers_binding(monkeypatch):
+    cpus = os.cpu_count() or 1
+    assert omp_threads(4, {}, cpus_visible=cpus) == max(1, cpus // 4)  # this host, nothing bound: a fair share
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a 64-CPU node
+    assert omp_threads(4, {}, cpus_visible=64) == 16  # four ranks share all 64
+    assert omp_threads(4, {}, cpus_visible=6) == 6  # bound to 6 of the 64 by the launcher: all 6 are this rank's
     assert omp_threads(4, {"SLURM_CPUS_PER_TASK": "7"}, cpus_visible=64) == 7
     assert omp_threads(8, {}, cpus_visible=1) == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -159,7 +160,10 @@ class TestMasterPort:
             resolve_env({**rec.INTEL_MPI_RANK6, "MASTER_ADDR": "head"})
 
     def test_single_process_gets_a_free_port(self):
-        assert 1 <= resolve_env({}).master_port <= 65535
+        port = resolve_env({}).master_port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))  # OSError (address in use) if the port was taken
+            sock.listen()
 
     def test_port_range_outside_bounds_is_refused(self):
         with pytest.raises(UserError, match="port range"):

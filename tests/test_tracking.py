@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, ddp_hpc_command
+from conftest import REPO, clean_env, ddp_hpc_command, require_module
 from ddp_hpc.config import load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.distributed import process_group
@@ -139,7 +139,7 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
 
 
 def test_plot_draws_train_and_validation_of_every_metric(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib")
     from ddp_hpc.tracking import plot
 
     run = tmp_path / "r"
@@ -252,9 +252,8 @@ def wandb_history(run: Path) -> tuple[set[str], list[tuple[int, dict]]]:
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_every_tracker_keeps_one_run_through_a_kill_and_resume(tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("mlflow")
-    pytest.importorskip("wandb")
+    for tracker in ("tensorboard", "mlflow", "wandb"):
+        require_module(tracker)
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
