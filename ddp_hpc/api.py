@@ -16,7 +16,7 @@ from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR
 from ddp_hpc.device import requested, select_device
 from ddp_hpc.distributed import DistContext, DistributedOptions
 from ddp_hpc.distributed import process_group as _process_group
-from ddp_hpc.environment import DistEnv, detect_launcher
+from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment import resolve_env as _resolve_env
 from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
 from ddp_hpc.environment.netcheck import check_network
@@ -62,8 +62,7 @@ def command_environment(command: Sequence[str], *, device: str | None = None, ba
     # interface or plugin name.
     check_fabric(choice.backend, environ, this_host(environ),
                  where=where_label(dist_env.rank, dist_env.world_size))
-    launch = worker_environment(command, dist_env, choice, environ,
-                                launcher_key=detect_launcher(environ).job_key(environ))
+    launch = worker_environment(command, dist_env, choice, environ)
     if dist_env.world_size > 1 and launch.exported:
         # The same checks as before ddp_hpc's own rendezvous: a loopback host name across
         # machines is refused, and a host suffix picks gloo's interface for the command too.

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ddp_hpc.launch import commands
 
-    from ddp_hpc.launch.schedulers import FAMILIES
+    from ddp_hpc.launch.schedulers import FAMILIES, run_opts
 
     for verb, func, help_text in (
             ("render", commands.cmd_render, "write the batch script for a scheduler (nothing is submitted)"),
@@ -260,12 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                 sched.add_argument("--wait", action="store_true",
                                    help="wait for the job to end; print its state, exit status and result")
                 sched.add_argument("--poll", type=float, default=2.0, help="seconds between status checks")
-            if len(backends) > 1:
-                sched.add_argument("--sbatch", action="store_true",
-                                   help=f"submit a rendered batch script instead of using {backends[0]}")
-                sched.add_argument("--torchrun", action="store_true",
-                                   help="one torchrun per node with a c10d rendezvous, instead of one task per "
-                                        "rank (a batch script)")
+            for opt in run_opts(family, "backend"):  # each backend's own options (--sbatch)
+                opt.add_to(sched)
             sched.set_defaults(func=func)
 
     for verb, func, help_text in (

@@ -10,7 +10,9 @@ Plain ``srun`` waits too. So a failing rank asks the launcher, in its own terms:
   ``MPI_Abort`` sends it; ``mpiexec`` then kills every rank and exits with ``N``;
 - ``srun`` tasks: ``scancel --signal=KILL JOB.STEP`` for this job step only.
 
-The CLI calls :func:`end_job` after it has printed its error line and before it exits.
+Each launcher's environment class says how (``ClusterEnvironment.abort_request`` in
+``environment/launchers.py``). The CLI calls :func:`end_job` after it has printed its
+error line and before it exits.
 """
 
 from __future__ import annotations
@@ -63,13 +65,7 @@ def abort_request(environ: Mapping[str, str]) -> tuple[str, str | list[str]] | N
     found = _rank_and_size(environ)
     if found is None or found[1] <= 1:
         return None
-    name = detect_launcher(environ).name
-    if name == "mpich" and environ.get("PMI_FD", "").strip().isdigit():
-        return "pmi", environ["PMI_FD"].strip()
-    if name == "slurm" and environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_ID"):
-        return "command", ["scancel", "--quiet", "--signal=KILL",
-                           f"{environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}"]
-    return None
+    return detect_launcher(environ).abort_request(environ)
 
 
 def end_job(exit_code: int, environ: Mapping[str, str] | None = None,

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from ddp_hpc.contract import RENDEZVOUS_TIMEOUT_VAR
-from ddp_hpc.environment import DistEnv
+from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
 
 T = TypeVar("T")
@@ -74,12 +74,11 @@ def parse_timeout(raw: str | None, default: float) -> float:
 
 
 def job_identity(dist_env: DistEnv, environ: Mapping[str, str]) -> str:
-    """What every rank of this job knows alike: scheduler job id, launch id, world size."""
-    parts = [f"world_size={dist_env.world_size}", f"launcher={dist_env.source}"]
-    for name in ("SLURM_JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "PALS_APID"):
-        if environ.get(name, "").strip():
-            parts.append(f"{name}={environ[name].strip()}")
-    return " ".join(parts)
+    """What every rank of this job knows alike: world size, launcher, and the variables the
+    launcher says name its job and launch."""
+    identity = detect_launcher(environ).identity(environ)
+    return " ".join([f"world_size={dist_env.world_size}", f"launcher={dist_env.source}",
+                     *(f"{name}={value}" for name, value in identity.items())])
 
 
 def bounded(work: Callable[[], T], seconds: float, on_timeout: Callable[[], str]) -> T:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
-from ddp_hpc.environment import DistEnv
+from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
 
 if TYPE_CHECKING:  # ddp_hpc.device imports torch; the job scripts' launch code must not
@@ -86,16 +86,14 @@ def visible_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def run_id_for(environ: Mapping[str, str], dist_env: DistEnv, launcher_key: str | None) -> str:
-    """A string every rank of this launch shares (torchrun's ``--rdzv-id``)."""
-    job_id = (environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID") or "").strip()
-    parts = [part for part in (job_id, launcher_key) if part]
-    return "|".join(parts) if parts else f"{dist_env.master_addr}:{dist_env.master_port}"
+def run_id_for(dist_env: DistEnv, launch_id: str | None) -> str:
+    """A string every rank of this launch shares (torchrun's ``--rdzv-id``): the launcher's
+    ``launch_id``, else rank 0's address."""
+    return launch_id or f"{dist_env.master_addr}:{dist_env.master_port}"
 
 
 def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: DeviceChoice,
-                       environ: Mapping[str, str], *, launcher_key: str | None = None,
-                       cpus: int | None = None) -> WorkerLaunch:
+                       environ: Mapping[str, str], *, cpus: int | None = None) -> WorkerLaunch:
     """The command and what to export for it on this rank.
 
     Under torchrun nothing is changed: its workers already have every variable.
@@ -108,7 +106,8 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     if not restart.isdigit():
         raise UserError(f"environment variable {RESTART_COUNT_VAR}={restart!r} is not a whole number")
     # torchrun's workers see the restart as TORCHELASTIC_RESTART_COUNT too.
-    exported = torchrun_variables(dist_env, run_id_for(environ, dist_env, launcher_key), int(restart))
+    launch_id = detect_launcher(environ).launch_id(environ)
+    exported = torchrun_variables(dist_env, run_id_for(dist_env, launch_id), int(restart))
     exported[DEVICE_VAR] = choice.device_type
     exported[BACKEND_VAR] = choice.backend
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environ:

@@ -6,17 +6,20 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
+from ddp_hpc.contract import CURVES_FILE
 from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
+from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, create_callbacks
 from ddp_hpc.training.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
@@ -99,6 +102,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         config = config.with_overrides(list(overrides))
     else:
         config = load_config(config_path, list(overrides))
+    check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
     job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
     deadline = job_deadline(os.environ)
@@ -119,6 +123,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         trainer = Trainer(job, config, ctx, run, callbacks)
         received: list[int] = []
         previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}
+        started = time.time()
         try:
             summary = trainer.fit()
         except UserError:
@@ -141,5 +146,8 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             print(f"done: {summary.epochs_completed} epochs, {summary.global_step} steps, "
                   f"{summary.wall_time_s:.1f}s  {result}".rstrip(), flush=True)
             print(f"run folder: {run.path}", flush=True)
+            curves = run.path / CURVES_FILE
+            if config.logging.plot and curves.exists() and curves.stat().st_mtime >= started:
+                print(f"training curves: {curves}", flush=True)
         return summary
 

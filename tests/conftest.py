@@ -30,6 +30,17 @@ def need(condition: bool, reason: str) -> None:
     pytest.skip(reason)
 
 
+def require_module(name: str, extra: str = "test"):
+    """Import ``name``; where it is missing, skip (or, under DDP_HPC_REQUIRE_ALL=1, fail) naming
+    the extra that installs it. pytest.importorskip would skip even where CI requires it."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        need(False, f"{name} is not installed ({error}): pip install -e '.[{extra}]'")
+
+
 def ddp_hpc_command() -> list[str]:
     """The ``ddp-hpc`` console script of the interpreter running the tests."""
     script = Path(sys.executable).parent / "ddp-hpc"

@@ -85,3 +85,12 @@ class SlowSteps(Callback):
 
     def on_step_end(self, trainer) -> None:
         time.sleep(self.seconds)
+
+
+class SlowFirstAttempt(SlowSteps):
+    """``SlowSteps`` in a job's first run only: a requeued SLURM job (SLURM_RESTART_COUNT > 0)
+    runs at full speed, so the same rendered script can overrun its time limit once."""
+
+    def on_step_end(self, trainer) -> None:
+        if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+            super().on_step_end(trainer)

@@ -19,23 +19,28 @@ TRAIN = ["train", DIGITS]
 
 # (name, files to write {name: text}, argv with {tmp}, extra environment, expected fragment)
 CORPUS = [
-    ("malformed YAML", {"c.yaml": "training:\n  epochs: [1,\n"}, ["train", "{tmp}/c.yaml"], {}, "c.yaml at line"),
-    ("top level not a mapping", {"c.yaml": "- a\n- b\n"}, ["train", "{tmp}/c.yaml"], {}, "must be a mapping"),
+    ("malformed YAML", {"c.yaml": "training:\n  epochs: [1,\n"}, ["train", "{tmp}/c.yaml"], {},
+     "c.yaml at line 3, column 1: expected the node content, but found '<stream end>'"),
+    ("top level not a mapping", {"c.yaml": "- a\n- b\n"}, ["train", "{tmp}/c.yaml"], {}, "c.yaml: the top level must be a mapping of sections"),
     ("YAML that builds objects", {"c.yaml": "job: !!python/object/apply:os.system [id]\n"},
-     ["train", "{tmp}/c.yaml"], {}, "c.yaml"),
-    ("config file missing", {}, ["train", "{tmp}/missing.yaml"], {}, "cannot read config"),
+     ["train", "{tmp}/c.yaml"], {},
+     "c.yaml at line 1, column 6: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object"),
+    ("config file missing", {}, ["train", "{tmp}/missing.yaml"], {}, "cannot read config {tmp}/missing.yaml: No such file or directory"),
     ("unknown key", {}, [*TRAIN, "training.batchsize=4"], {}, "unknown key 'training.batchsize'"),
     ("unknown section", {}, [*TRAIN, "optimiser.lr=1"], {}, "unknown key 'optimiser'"),
     ("wrong type", {}, [*TRAIN, "training.epochs=ten"], {}, "training.epochs: expected int, got 'ten'"),
     ("negative batch size", {}, [*TRAIN, "training.batch_size=-8"], {}, "training.batch_size must be > 0"),
     ("zero epochs", {}, [*TRAIN, "training.epochs=0"], {}, "training.epochs must be > 0"),
     ("grad accumulation 0", {}, [*TRAIN, "training.grad_accum_steps=0"], {}, "training.grad_accum_steps must be > 0"),
-    ("unknown precision", {}, [*TRAIN, "training.precision=fp8"], {}, "training.precision: expected one of"),
+    ("unknown precision", {}, [*TRAIN, "training.precision=fp8"], {},
+     "training.precision: expected one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'"),
     ("override without value", {}, [*TRAIN, "training.lr"], {}, "is not KEY=VALUE"),
     ("run name with a slash", {}, [*TRAIN, "logging.name=a/b"], {}, "logging.name 'a/b' must be a plain folder name"),
     ("missing job module", {}, [*TRAIN, "job.name=nosuchpkg.jobs:Job"], {}, "cannot import module 'nosuchpkg.jobs'"),
-    ("unknown job parameter", {}, [*TRAIN, "job.params.layers=3"], {}, "job.params for 'digits'"),
-    ("unreadable data path", {}, [*TRAIN, "job.params.data_path={tmp}/none.npz"], {}, "job.params.data_path"),
+    ("unknown job parameter", {}, [*TRAIN, "job.params.layers=3"], {},
+     "job.params for 'digits': DigitsJob.__init__() got an unexpected keyword argument 'layers'"),
+    ("unreadable data path", {}, [*TRAIN, "job.params.data_path={tmp}/none.npz"], {},
+     "job.params.data_path '{tmp}/none.npz' cannot be read as an .npz with 'images' and 'target': [Errno 2] No such file"),
     ("data file without the arrays", {"bad.npz": None}, [*TRAIN, "job.params.data_path={tmp}/bad.npz"], {},
      "cannot be read as an .npz with 'images' and 'target'"),
     ("nccl for CPU tensors", {}, [*TRAIN, "distributed.backend=nccl", "--device", "cpu"], {},
@@ -53,10 +58,12 @@ CORPUS = [
     ("unknown cluster profile", {}, ["render", "pbs", DIGITS, "--cluster", "auroa"], {}, "unknown cluster profile"),
     ("ranks per node above devices per node", {}, ["render", "pbs", DIGITS, "--cluster", "polaris",
                                                    "--ranks-per-node", "8"], {}, "8 ranks per node"),
-    ("walltime nonsense", {}, ["render", "slurm", DIGITS, "--walltime", "1:99:00"], {}, "--walltime"),
+    ("walltime nonsense", {}, ["render", "slurm", DIGITS, "--walltime", "1:99:00"], {},
+     "--walltime '1:99:00': minutes and seconds must be below 60"),
     ("bench start-up size of one rank", {}, ["bench", "--quick", "--startup-sizes", "1,4"], {},
      "--startup-sizes '1,4': world sizes of at least 2"),
-    ("bench start-up sizes not numbers", {}, ["bench", "--startup-sizes", "two"], {}, "--startup-sizes 'two'"),
+    ("bench start-up sizes not numbers", {}, ["bench", "--startup-sizes", "two"], {},
+     "--startup-sizes 'two': give world sizes as N,N,..."),
     ("bench scale sizes not numbers", {}, ["bench", "--scale", "256,lots"], {}, "--scale '256,lots': give world sizes"),
     ("bench scale check of two sizes", {}, ["bench", "--scale", "256", "--scale-check", "8,16"], {},
      "--scale-check '8,16': one world size"),
@@ -68,7 +75,7 @@ CORPUS = [
      "c.yaml at line 1, column 1: found character '\\t' that cannot start any token"),
     ("config in prose", {"c.yaml": "this is: not: yaml\n"}, ["train", "{tmp}/c.yaml"], {},
      "c.yaml at line 1, column 13: mapping values are not allowed here"),
-    ("config is a folder", {}, ["train", "{tmp}"], {}, "Is a directory"),
+    ("config is a folder", {}, ["train", "{tmp}"], {}, "cannot read config {tmp}: Is a directory"),
     ("section that is a list", {"c.yaml": "training: [1, 2]\n"}, ["train", "{tmp}/c.yaml"], {},
      "training: expected a mapping of keys, got [1, 2]"),
     # Values of the wrong type or out of range.
@@ -92,7 +99,7 @@ CORPUS = [
      [*TRAIN, "checkpoint.resume={tmp}/other.pt"], {}, "other.pt was written by job 'synthetic', this run's job is "
      "'digits'"),
     ("checkpoint that is a text file", {"notes.pt": "hello\n"}, [*TRAIN, "checkpoint.resume={tmp}/notes.pt"], {},
-     "notes.pt is unreadable"),
+     "checkpoint {tmp}/notes.pt is unreadable (truncated or corrupt"),
     ("checkpoint missing", {}, [*TRAIN, "checkpoint.resume={tmp}/none.pt"], {}, "none.pt does not exist"),
     # Environment variables that disagree or make no sense.
     ("rank beyond the world size", {}, TRAIN, {"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 outside [0, 2)"),
@@ -102,7 +109,8 @@ CORPUS = [
     ("unknown backend variable", {}, TRAIN, {"DDP_HPC_BACKEND": "mpi"}, "unknown backend 'mpi'"),
     ("console ranks variable nonsense", {}, TRAIN, {"DDP_HPC_CONSOLE_RANKS": "rank0"},
      "DDP_HPC_CONSOLE_RANKS 'rank0': expected ranks like 0 or 0,3 or 0-3, 'all' or 'none'"),
-    ("--console-ranks backwards", {}, [*TRAIN, "--console-ranks", "3-1"], {}, "--console-ranks '3-1'"),
+    ("--console-ranks backwards", {}, [*TRAIN, "--console-ranks", "3-1"], {},
+     "--console-ranks '3-1': expected ranks like 0 or 0,3 or 0-3"),
     ("rendezvous timeout not a number", {}, TRAIN, {"DDP_HPC_RENDEZVOUS_TIMEOUT": "soon"},
      "DDP_HPC_RENDEZVOUS_TIMEOUT='soon' is not a number of seconds"),
     ("gloo interface this host lacks", {}, TRAIN, {"GLOO_SOCKET_IFNAME": "nope0"},
@@ -122,7 +130,8 @@ CORPUS = [
     ("--backend unknown", {}, [*TRAIN, "--backend", "mpi"], {}, "unknown backend 'mpi'"),
     ("--nodes zero", {}, ["render", "slurm", DIGITS, "--nodes", "0"], {}, "--nodes 0 must be >= 1"),
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
-    ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {}, "--walltime 'soon'"),
+    ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
+     "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;
@@ -199,8 +208,14 @@ def test_bad_flag(tmp_path, name, argv, fragment):
     assert not any(tmp_path.rglob("*")), "nothing may be written"
 
 
-def test_corpus_size():
-    assert len(CORPUS) + len(FLAG_CORPUS) + 2 >= 40  # plus the two below
+def test_every_case_is_distinct_and_its_fragment_says_what_is_wrong():
+    """A fragment that is only a file or key name matches any message about that file."""
+    names = [case_name(case) for case in CORPUS] + [case[0] for case in FLAG_CORPUS]
+    assert len(names) == len(set(names))
+    for case in CORPUS:
+        name, fragment = case_name(case), (case.values if hasattr(case, "values") else case)[4]
+        words = re.sub(r"\{tmp\}\S*|\S+\.(yaml|npz|pt)\b", "", fragment).split()
+        assert len(words) >= 3, f"{name}: {fragment!r} does not say what is wrong"
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):

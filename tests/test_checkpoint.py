@@ -27,20 +27,92 @@ def test_save_then_load(tmp_path):
 
 
 @pytest.mark.reliability
-def test_a_crash_while_writing_leaves_the_old_file_whole(tmp_path, monkeypatch):
+def test_an_exception_while_writing_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     ckpt.save_atomic(_state(1), path)
 
     def crash(obj, handle):
         handle.write(b"PK\x03\x04half a zip")
-        raise KeyboardInterrupt("killed mid-write")
+        raise KeyboardInterrupt("interrupted mid-write")
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_atomic(_state(2), path)
     monkeypatch.undo()
     assert ckpt.load_checkpoint(path)["progress"]["global_step"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # an exception runs the clean-up
+
+
+# A child writes checkpoint 1, prints its size, then writes checkpoint 2 of the same size.
+_WRITER_CHILD = """
+import sys, torch
+from pathlib import Path
+from ddp_hpc.engine import checkpoint_files as ckpt
+folder = Path(sys.argv[1])
+def state(step):
+    return {"format": ckpt.FORMAT_VERSION, "model": {f"w{i}": torch.full((1 << 18,), float(step)) for i in range(32)},
+            "progress": {"epoch": 0, "batches_done": step, "global_step": step}}
+first = ckpt.write_checkpoint(state(1), ckpt.step_path(folder, 1), best=False, keep_last=3)
+print(first.stat().st_size, flush=True)
+ckpt.write_checkpoint(state(2), ckpt.step_path(folder, 2), best=False, keep_last=3)
+print("finished", flush=True)
+"""
+
+#: How each checkpoint format is written by a child that the test kills mid-write. Sharded
+#: checkpoints (one file per rank) join here once they exist, with their own child script.
+WRITERS = {"single file": _WRITER_CHILD}
+
+
+def _kill_while_the_temporary_is_partly_written(folder: Path, child_script: str) -> tuple[Path, int, int]:
+    """Start the child, SIGKILL it as soon as checkpoint 2's temporary holds some but not all
+    of its bytes; the temporary, the size seen before the kill and checkpoint 1's size."""
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", child_script, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        first = child.stdout.readline()
+        assert first.strip().isdigit(), f"the child did not write checkpoint 1 (exit status {child.wait(timeout=60)})"
+        final = int(first)
+        pattern = f".{ckpt.step_path(folder, 2).name}.tmp-{child.pid}*"  # the child's temporary for checkpoint 2
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            temporary = next(folder.glob(pattern), None)
+            try:
+                seen = temporary.stat().st_size if temporary else 0
+            except FileNotFoundError:
+                continue
+            if 0 < seen < final:
+                child.send_signal(signal.SIGKILL)
+                child.wait(timeout=30)
+                return temporary, seen, final
+        raise AssertionError(f"never saw {pattern} partly written (child exit status {child.poll()})")
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        child.stdout.close()
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_sigkill_while_the_temporary_is_half_written_resumes_from_the_previous_checkpoint(tmp_path, writer):
+    temporary, seen, final = None, 0, 0
+    for attempt in range(3):  # the kill lands a moment after the size was read: rarely, the write has ended
+        folder = tmp_path / f"attempt-{attempt}"
+        folder.mkdir()
+        temporary, seen, final = _kill_while_the_temporary_is_partly_written(folder, WRITERS[writer])
+        if temporary.exists() and temporary.stat().st_size < final:
+            break
+    assert 0 < seen < final
+    left = temporary.stat().st_size  # a SIGKILL runs no clean-up: the partial temporary stays
+    assert 0 < left < final, (left, final)
+    assert not ckpt.step_path(folder, 2).exists()
+    path, state = ckpt.newest_loadable(folder)  # what a resume loads
+    assert path == ckpt.step_path(folder, 1) and state["progress"]["global_step"] == 1
+    assert ckpt.load_checkpoint(folder / "last.pt")["progress"]["global_step"] == 1
+    assert temporary.exists()  # ignored by the loader; the next run removes it before training
+    assert ckpt.remove_stale_temporaries(folder) == [temporary.name]
 
 
 @pytest.mark.reliability

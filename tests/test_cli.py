@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -117,3 +118,21 @@ def test_scheduler_commands_never_import_torch(tmp_path):
     assert status.returncode == 2 and "neither a run folder nor a job id" in status.stderr, status.stderr
     # The poison works: what needs torch says so.
     assert "torch was imported" in run([*ddp_hpc_command(), "env"], env=env, cwd=tmp_path).stderr
+
+
+def test_submitting_a_config_with_trackers_needs_no_tracker_package(tmp_path):
+    """A login node submits a config naming mlflow without mlflow installed: loading the
+    config checks no tracker package (train() does, where the trackers start)."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    # As if mlflow were not installed: its import fails and find_spec finds nothing.
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None\n")
+    env = {"PYTHONPATH": str(hidden)}
+    digits = str(REPO / "configs" / "digits.yaml")
+    result = run([*ddp_hpc_command(), "submit", "pbs", "--cluster", "pbs-generic", "--dry-run", digits,
+                  "logging.trackers=[mlflow]"], env=env, cwd=tmp_path)
+    assert result.returncode == 0 and "#!/bin/bash" in result.stdout, result.stderr[-2000:]
+    assert "logging.trackers=[mlflow]" in result.stdout
+    probe = run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('mlflow'))"],
+                env=env, cwd=tmp_path)
+    assert probe.stdout.strip() == "None", probe.stderr

@@ -4,6 +4,7 @@ command jobs go through every scheduler path. The example scripts are the comman
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -30,7 +31,7 @@ MPICH_RANK_3 = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_L
 
 def test_mpich_rank_gets_every_torchrun_worker_variable():
     dist_env = resolve_env(MPICH_RANK_3)
-    launch = worker_environment(["python", "train.py"], dist_env, CPU, MPICH_RANK_3, launcher_key="k", cpus=8)
+    launch = worker_environment(["python", "train.py"], dist_env, CPU, MPICH_RANK_3, cpus=8)
     assert launch.argv == ("python", "train.py")
     assert {k: launch.exported[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
@@ -38,7 +39,7 @@ def test_mpich_rank_gets_every_torchrun_worker_variable():
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default",
         "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
-    assert launch.exported["TORCHELASTIC_RUN_ID"] == "77.pbs|k"
+    assert launch.exported["TORCHELASTIC_RUN_ID"] == "77.pbs"  # Hydra names no launch of its own
     assert launch.exported["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 of the command serves
     assert launch.exported["DDP_HPC_DEVICE"] == "cpu" and launch.exported["DDP_HPC_BACKEND"] == "gloo"
     assert launch.exported["OMP_NUM_THREADS"] == "4"  # 8 CPUs shared by 2 ranks on the node
@@ -54,8 +55,12 @@ def test_under_torchrun_nothing_changes():
     assert launch.exported == {}
 
 
-def test_omp_threads_respects_the_launchers_binding():
-    assert omp_threads(4, {}, cpus_visible=16) in (4, 16)  # 16 only if this host has fewer CPUs
+def test_omp_threads_respects_the_launchers_binding(monkeypatch):
+    cpus = os.cpu_count() or 1
+    assert omp_threads(4, {}, cpus_visible=cpus) == max(1, cpus // 4)  # this host, nothing bound: a fair share
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a 64-CPU node
+    assert omp_threads(4, {}, cpus_visible=64) == 16  # four ranks share all 64
+    assert omp_threads(4, {}, cpus_visible=6) == 6  # bound to 6 of the 64 by the launcher: all 6 are this rank's
     assert omp_threads(4, {"SLURM_CPUS_PER_TASK": "7"}, cpus_visible=64) == 7
     assert omp_threads(8, {}, cpus_visible=1) == 1
 

@@ -1,9 +1,13 @@
-"""The process-group context and its collectives, in a real one-rank gloo group."""
+"""The process-group context and its collectives, in real gloo groups of one and two ranks."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import queue
+import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,22 +15,84 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_hpc.distributed import DistributedOptions, bind_listener, end_process_group, process_group
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.doctor import RankReport, check_all_reduce, check_parameter_sync, find_problems, format_table
 from ddp_hpc.errors import UserError
 
 
-def test_group_is_created_used_and_destroyed():
+def test_one_rank_group_is_created_used_and_destroyed():
     options = DistributedOptions(init_single_process=True, timeout_s=30)
     with process_group(options, environ={}) as ctx:
-        assert dist.is_initialized() and ctx.group_initialized
-        assert ctx.all_reduce([1.0, 2.5]) == [1.0, 2.5]
-        assert ctx.all_reduce([4.0], op="mean") == [4.0]
-        assert ctx.broadcast_object({"a": 1}) == {"a": 1}
-        assert ctx.all_gather_object("x") == ["x"]
-        assert ctx.gather_object("y") == ["y"]
+        assert dist.is_initialized() and ctx.group_initialized and ctx.world_size == 1
+        assert ctx.all_reduce([1.0, 2.5]) == [1.0, 2.5]  # identities on one rank: the two-rank test checks values
         assert check_all_reduce(ctx) is None
         assert check_parameter_sync(ctx) is None
     assert not dist.is_initialized()
+
+
+def _two_rank_worker(rank: int, port: int, folder: str, results) -> None:
+    environ = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    marker = Path(folder) / "written-by-rank-0"
+    seen: dict = {}
+    # A short collective timeout: a rank left waiting in a barrier fails in seconds, not minutes.
+    with process_group(DistributedOptions(device="cpu", backend="gloo", timeout_s=20), environ=environ) as ctx:
+        seen["world_size"] = ctx.world_size
+        seen["sum"] = ctx.all_reduce([rank + 1.0, 10.0 * rank])
+        seen["mean"] = ctx.all_reduce([rank + 1.0], op="mean")
+        seen["max"] = ctx.all_reduce([float(rank)], op="max")
+        seen["min"] = ctx.all_reduce([float(rank)], op="min")
+        seen["broadcast"] = ctx.broadcast_object({"from": rank})
+        seen["broadcast_from_1"] = ctx.broadcast_object(rank * 7, src=1)
+        seen["all_gather"] = ctx.all_gather_object(f"r{rank}")
+        seen["gather"] = ctx.gather_object(rank * 3)
+        seen["doctor_all_reduce"] = check_all_reduce(ctx)
+        seen["doctor_parameter_sync"] = check_parameter_sync(ctx)
+        with ctx.rank_zero_first():
+            if rank == 0:
+                time.sleep(0.5)  # rank 1, if it did not wait, would look before the file exists
+                marker.write_text("0")
+            else:
+                seen["marker_on_entry"] = marker.exists()
+        results.put((rank, seen))  # before the group's teardown, which a stuck peer would hold up
+
+
+def test_collectives_and_rank_zero_first_on_two_real_ranks(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_two_rank_worker, args=(rank, port, str(tmp_path), results))
+             for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    seen: dict[int, dict] = {}
+    deadline = time.monotonic() + 120
+    try:
+        while len(seen) < 2 and time.monotonic() < deadline:
+            try:
+                rank, facts = results.get(timeout=1)
+                seen[rank] = facts
+            except queue.Empty:
+                if any(process.exitcode not in (None, 0) for process in ranks):
+                    break  # a rank failed: what the others saw says why
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert 1 in seen, "rank 1 never finished"
+    assert seen[1]["marker_on_entry"], "rank 1 entered rank_zero_first's block before rank 0 had finished it"
+    assert [process.exitcode for process in ranks] == [0, 0]
+    for rank in (0, 1):
+        assert seen[rank]["world_size"] == 2
+        assert seen[rank]["sum"] == [3.0, 10.0]
+        assert seen[rank]["mean"] == [1.5]
+        assert seen[rank]["max"] == [1.0] and seen[rank]["min"] == [0.0]
+        assert seen[rank]["broadcast"] == {"from": 0}
+        assert seen[rank]["broadcast_from_1"] == 7
+        assert seen[rank]["all_gather"] == ["r0", "r1"]
+        assert seen[rank]["doctor_all_reduce"] is None and seen[rank]["doctor_parameter_sync"] is None
+    assert seen[0]["gather"] == [0, 3] and seen[1]["gather"] is None
 
 
 def test_group_is_destroyed_when_the_body_raises():
@@ -64,8 +130,12 @@ def test_one_process_needs_no_group():
     with process_group(environ={}) as ctx:
         assert not ctx.group_initialized and not dist.is_initialized()
         assert ctx.all_reduce([3.0], op="max") == [3.0]
-        with ctx.rank_zero_first():
-            pass
+        assert ctx.broadcast_object({"a": 1}) == {"a": 1}
+        assert ctx.all_gather_object("x") == ["x"] and ctx.gather_object("y") == ["y"]
+        entered = []
+        with ctx.rank_zero_first():  # no group to wait on: the body runs at once
+            entered.append(True)
+        assert entered == [True]
 
 
 def test_bad_choice_fails_before_any_group():

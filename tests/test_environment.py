@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -159,7 +160,10 @@ class TestMasterPort:
             resolve_env({**rec.INTEL_MPI_RANK6, "MASTER_ADDR": "head"})
 
     def test_single_process_gets_a_free_port(self):
-        assert 1 <= resolve_env({}).master_port <= 65535
+        port = resolve_env({}).master_port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))  # OSError (address in use) if the port was taken
+            sock.listen()
 
     def test_port_range_outside_bounds_is_refused(self):
         with pytest.raises(UserError, match="port range"):
@@ -174,3 +178,43 @@ def test_resolve_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_env().source == "env"
+
+
+def test_the_job_is_named_once_by_the_launcher_class(capsys):
+    """Port, torchrun's run id, the rendezvous marker and ``ddp-hpc port`` all ask the
+    launcher class: with Slurm's PBS wrappers both job ids are set, and SLURM_JOB_ID wins
+    everywhere (``ddp-hpc port`` read PBS_JOBID first before)."""
+    import argparse
+
+    from ddp_hpc.device import DeviceChoice
+    from ddp_hpc.environment import derive_port, detect_launcher
+    from ddp_hpc.launch.commands import cmd_port
+    from ddp_hpc.rendezvous import job_identity
+    from ddp_hpc.torchrun_env import worker_environment
+
+    env = {**rec.OPENMPI_IN_SBATCH_RANK1, "SLURM_JOB_ID": "41", "PBS_JOBID": "41.pbs", "MASTER_ADDR": "n1"}
+    launcher = detect_launcher(env)
+    assert (launcher.name, launcher.job_id(env), launcher.launch_id(env)) == ("openmpi", "41", "41|3287547905")
+    dist_env = resolve_env(env)
+    assert dist_env.master_port == derive_port("41|3287547905", PortRange())
+    exported = worker_environment(["x"], dist_env, DeviceChoice("cpu", "gloo", None), env, cpus=2).exported
+    assert exported["TORCHELASTIC_RUN_ID"] == "41|3287547905"
+    assert job_identity(dist_env, env) == "world_size=2 launcher=openmpi SLURM_JOB_ID=41 PMIX_NAMESPACE=3287547905"
+    os_environ = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "PBS_JOBID")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "environ", {**os_environ, "SLURM_JOB_ID": "41", "PBS_JOBID": "41.pbs"})
+        cmd_port(argparse.Namespace(job_id=None))
+    assert capsys.readouterr().out.strip() == str(derive_port("41", PortRange()))
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({**rec.MPICH_RANK1, "PMI_FD": "7"}, ("pmi", "7")),
+    ({**rec.SRUN_RANK3, "SLURM_JOB_ID": "17", "SLURM_STEP_ID": "2"},
+     ("command", ["scancel", "--quiet", "--signal=KILL", "17.2"])),
+    (rec.TORCHRUN_RANK1, None),
+    (rec.OPENMPI_RANK1, None),
+])
+def test_each_launcher_class_says_how_to_end_every_rank(env, expected):
+    from ddp_hpc.environment import detect_launcher
+
+    assert detect_launcher(env).abort_request(env) == expected

@@ -1,12 +1,15 @@
-"""The GPU paths, run for real where there is a CUDA device (``pytest -m gpu``).
+"""The GPU paths, run for real where there is a CUDA device (``pytest -m "gpu or gpu2"``).
 
-On a host without one every test here skips with that reason; ``pytest -m gpu
---collect-only`` lists them anywhere. Nothing here fakes a device.
+On a host without one every test here skips with that reason (.ci/run deselects them);
+``pytest -m "gpu or gpu2" --collect-only`` lists them anywhere. Nothing here fakes a device.
+On a one-GPU host every test runs except the ``gpu2`` ones (NCCL between two GPUs); two
+ranks share the one GPU through gloo instead. docs/test-world.md lists them.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 from conftest import REPO, assert_same_training_state, ddp_hpc_command, run
 from ddp_hpc.config import load_config
 from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.training import Callback
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.training.job import create_job
@@ -26,6 +30,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device: torch.cuda.is_available() is False "
                                                       f"here (torch {torch.__version__})")]
 DIGITS = str(REPO / "configs" / "digits.yaml")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason=f"needs two CUDA devices, this host has {torch.cuda.device_count()}")
 
 
 def _train(tmp_path: Path, name: str, *overrides: str):
@@ -45,21 +51,45 @@ def test_doctor_on_cuda_and_nccl():
     assert "cuda:0" in result.stdout
 
 
-def test_digits_on_cuda_with_bf16_autocast(tmp_path):
+class _ActivationDtypes(Callback):
+    """Records the dtype of every Linear and Conv2d output during training steps, and the
+    parameters' dtype (autocast leaves them in float32)."""
+
+    def __init__(self) -> None:
+        self.activations: set[torch.dtype] = set()
+        self.parameters: set[torch.dtype] = set()
+
+    def on_fit_start(self, trainer) -> None:
+        def record(module, inputs, output) -> None:
+            if module.training:
+                self.activations.add(output.dtype)
+
+        for module in trainer.model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                module.register_forward_hook(record)
+        self.parameters = {p.dtype for p in trainer.model.parameters()}
+
+
+def test_bf16_autocast_runs_the_activations_in_bf16(tmp_path):
     if not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16 support")
-    summary, result = _train(tmp_path, "bf16", "training.precision=bf16")
-    assert summary["device"] == "cuda:0" and summary["backend"] == "nccl"
-    assert "precision bf16" in result.stderr
-    assert summary["final"]["val_accuracy"] > 0.5
+    probe = _ActivationDtypes()
+    summary = _fit_on_one_gpu(tmp_path, ["training.precision=bf16"], [probe])
+    assert probe.activations == {torch.bfloat16} and probe.parameters == {torch.float32}
+    assert summary.final["val_accuracy"] > 0.5
 
 
-def test_digits_on_cuda_with_fp16_and_a_gradient_scaler(tmp_path):
-    summary, result = _train(tmp_path, "fp16", "training.precision=fp16")
-    assert summary["device"] == "cuda:0" and "precision fp16" in result.stderr
-    scaler = load_checkpoint(tmp_path / "fp16" / "checkpoints" / "last.pt")["scaler"]
-    assert scaler and scaler["scale"] > 0  # an enabled scaler saved its state
-    assert summary["final"]["val_accuracy"] > 0.5
+def test_fp16_autocast_runs_the_activations_in_fp16_and_the_scaler_works(tmp_path):
+    probe, inspect = _ActivationDtypes(), _Inspect()
+    summary = _fit_on_one_gpu(tmp_path, ["training.precision=fp16"], [probe, inspect])
+    assert probe.activations == {torch.float16} and probe.parameters == {torch.float32}
+    scaler = inspect.scaler
+    assert scaler["enabled"] and scaler["steps"] > 0
+    # Every step either grew the scaler's run of finite steps or halved its scale.
+    assert scaler["state"]["_growth_tracker"] > 0 or scaler["state"]["scale"] < 2.0 ** 16, scaler
+    saved = load_checkpoint(tmp_path / "gpu" / "checkpoints" / "last.pt")["scaler"]
+    assert saved == scaler["state"]  # the checkpoint carries the scaler's state for a resume
+    assert summary.final["val_accuracy"] > 0.5
 
 
 class _Inspect(Callback):
@@ -67,6 +97,11 @@ class _Inspect(Callback):
 
     def __init__(self) -> None:
         self.seen: dict = {}
+        self.scaler: dict = {}
+
+    def on_fit_end(self, trainer, summary) -> None:
+        self.scaler = {"enabled": trainer.scaler.is_enabled(), "state": trainer.scaler.state_dict(),
+                       "steps": trainer.progress.global_step}
 
     def on_step_end(self, trainer) -> None:
         if self.seen:
@@ -100,6 +135,118 @@ def test_device_id_pinned_memory_and_the_bf16_comm_hook(tmp_path):
     assert seen["bound_device_id"] == torch.device("cuda", 0)  # device_id reached init_process_group
     assert seen["pin_memory"] and seen["loader_pins"] and seen["batch_pinned"]
     assert "bf16_compress_hook" in str(seen["comm_hook"])  # the bf16 hook was accepted on nccl and registered
+
+
+def test_a_one_rank_nccl_group_runs_a_real_all_reduce():
+    import torch.distributed as dist
+
+    options = DistributedOptions(device="cuda", backend="nccl", init_single_process=True, timeout_s=120)
+    with process_group(options, environ={}) as ctx:
+        assert dist.get_backend() == "nccl" and ctx.group_initialized
+        values = torch.arange(1.0, 5.0, device="cuda")
+        dist.all_reduce(values)  # a sum over one rank: the values come back, through an NCCL kernel
+        assert values.tolist() == [1.0, 2.0, 3.0, 4.0]
+        # Pre-multiplied sum: NCCL scales each rank's input before summing, so one rank
+        # sees its values doubled; no identity could give this.
+        dist.all_reduce(values, op=dist._make_nccl_premul_sum(2.0))
+        assert values.tolist() == [2.0, 4.0, 6.0, 8.0]
+        gathered = torch.empty(4, device="cuda")
+        dist.all_gather_into_tensor(gathered, values)
+        assert gathered.tolist() == [2.0, 4.0, 6.0, 8.0]
+        assert ctx.all_reduce([1.5, 2.5], op="max") == [1.5, 2.5]
+
+
+def _ddp_rank(rank: int, port: int, backend: str, device_index: int, results) -> None:
+    """One of two ranks: an all-reduce of CUDA tensors, then one DDP step whose averaged
+    gradient is checked against each rank's own gradient."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            **({"device_id": device} if backend == "nccl" else {}))
+    try:
+        seen: dict = {"backend": dist.get_backend()}
+        summed = torch.tensor([rank + 1.0, 10.0 * rank], device=device)
+        dist.all_reduce(summed)
+        seen["all_reduce"] = summed.tolist()
+        seen["all_reduce_device"] = str(summed.device)
+
+        torch.manual_seed(100 + rank)  # each rank builds different weights: DDP must broadcast rank 0's
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).to(device)
+        ddp = DistributedDataParallel(model, device_ids=[device_index])
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        everyone = [torch.empty_like(weights) for _ in range(2)]
+        dist.all_gather(everyone, weights)
+        seen["weights_equal_after_wrap"] = bool(torch.equal(everyone[0], everyone[1]))
+
+        batch = torch.randn(32, 8, generator=torch.Generator().manual_seed(rank)).to(device)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).to(device)
+        plain.load_state_dict(model.state_dict())
+        plain(batch).pow(2).mean().backward()
+        own = torch.cat([p.grad.flatten() for p in plain.parameters()])
+        ddp(batch).pow(2).mean().backward()
+        averaged = torch.cat([p.grad.flatten() for p in model.parameters()])
+        owns = [torch.empty_like(own) for _ in range(2)]
+        dist.all_gather(owns, own)
+        seen["own_gradients_differ"] = not torch.allclose(owns[0], owns[1])
+        seen["gradient_error"] = float((averaged - (owns[0] + owns[1]) / 2).abs().max())
+        results.put((rank, seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(backend: str, device_indices: tuple[int, int]) -> dict[int, dict]:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_ddp_rank, args=(rank, port, backend, device_indices[rank], results))
+             for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        seen = dict(results.get(timeout=240) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]
+    return seen
+
+
+def _assert_a_real_two_rank_ddp(seen: dict[int, dict], backend: str, devices: tuple[str, str]) -> None:
+    for rank in (0, 1):
+        assert seen[rank]["backend"] == backend
+        assert seen[rank]["all_reduce"] == [3.0, 10.0] and seen[rank]["all_reduce_device"] == devices[rank]
+        assert seen[rank]["weights_equal_after_wrap"]
+        assert seen[rank]["own_gradients_differ"]  # so the average below is a real one
+        assert seen[rank]["gradient_error"] < 1e-6, seen[rank]
+
+
+def test_two_ranks_share_one_gpu_through_gloo_and_plain_ddp():
+    _assert_a_real_two_rank_ddp(_two_ranks("gloo", (0, 0)), "gloo", ("cuda:0", "cuda:0"))
+
+
+def test_two_ranks_share_one_gpu_through_gloo_and_the_trainer(tmp_path):
+    # One visible device per rank's view (CUDA_VISIBLE_DEVICES) is how two ranks may share it.
+    result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", "ddp-hpc", "train", DIGITS,
+                  "training.epochs=1", "distributed.device=cuda", "distributed.backend=gloo",
+                  f"logging.run_dir={tmp_path}", "logging.name=shared", "logging.progress=never"],
+                 env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "shared" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["device"] == "cuda:0" and summary["backend"] == "gloo"
+    checksums = summary["parameter_checksums_per_rank"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]  # gloo averaged the CUDA gradients
+    assert summary["final"]["val_accuracy"] > 0.5
+
+
+@pytest.mark.gpu2
+@TWO_GPUS
+def test_nccl_between_two_gpus_all_reduce_and_a_ddp_step():
+    _assert_a_real_two_rank_ddp(_two_ranks("nccl", (0, 1)), "nccl", ("cuda:0", "cuda:1"))
 
 
 def _launch_train(tmp_path: Path, name: str, config: list[str], env: dict[str, str]):

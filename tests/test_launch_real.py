@@ -96,6 +96,9 @@ def test_main_job_command_trains_digits_to_95_percent(tmp_path):
                  env={"DDP_HPC_VENV": str(sys.prefix)}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run folder: {tmp_path}/digits" in result.stdout
+    # The last line names the training curves it drew (matplotlib comes with the examples extra).
+    assert result.stdout.splitlines()[-1] == f"training curves: {tmp_path}/digits/curves.png"
+    assert (tmp_path / "digits" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert summary["test"]["accuracy"] >= 0.95

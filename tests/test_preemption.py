@@ -42,7 +42,7 @@ def release_requeued(job_id: str) -> float:
     credential revoked").
     """
     requeued = time.time()
-    wait_for(nodes_idle, 60, "the nodes to finish cleaning up")
+    wait_for(nodes_idle, 180, "the nodes to finish cleaning up")
     time.sleep(max(0.0, requeued + 2.0 - time.time()))
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     return time.time()
@@ -135,15 +135,18 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, r
                    f"requeued {requeued - signalled:.1f}s after the signal; final weights bit-identical")
 
 
+def job_end(job_id: str) -> float:
+    """The job's end (its start plus its time limit) as epoch seconds, as the batch script reads it."""
+    end = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True).stdout.strip()
+    return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S"))
+
+
 @pytest.mark.timeout(600)
-def test_sbatch_job_stops_before_its_walltime_with_no_signal_and_resumes_exactly(tmp_path, slurm_cluster):
-    """A 1-minute job and no signal at all: the batch script exports the job's end
-    (ddp_hpc.stop.SLURM_DEADLINE_LINES), the ranks stop ahead of it with a checkpoint and
-    exit 75, the script requeues, and the requeued job finishes bit-identical."""
-    import shlex
-
-    from ddp_hpc.stop import SLURM_DEADLINE_LINES
-
+def test_the_rendered_sbatch_script_stops_before_its_walltime_and_requeues(tmp_path, slurm_cluster):
+    """``ddp-hpc submit slurm --sbatch --time 1``: the script ddp-hpc renders, on the test
+    cluster, a 1-minute job (signal USR2@5): the ranks stop ahead of the job's end with a
+    checkpoint (deadline_margin_s from the end the script exports, or the signal), the
+    script requeues, and the requeued job finishes bit-identical to an uninterrupted run."""
     # A small model, so that the uninterrupted reference is quick on a loaded machine.
     common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",
               "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=20",
@@ -153,44 +156,52 @@ def test_sbatch_job_stops_before_its_walltime_with_no_signal_and_resumes_exactly
                      f"logging.run_dir={runs}", "logging.name=reference"], timeout=300, cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    # Only the first attempt is slowed down (20 epochs x 16 steps x 0.5 s: longer than a minute).
-    slow = "callbacks=[{target: 'stop_helpers:SlowSteps', params: {seconds: 0.5}}]"
-    train = shlex.join([*ddp_hpc_command(), "train", CONFIG, *common, f"logging.run_dir={runs}", "logging.name=deadline"])
-    script = tmp_path / "deadline.sbatch"
-    script.write_text("\n".join([
-        "#!/bin/bash", "#SBATCH --job-name=deadline", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2",
-        "#SBATCH --time=1", "#SBATCH --output=logs/%x-%j.out", "#SBATCH --open-mode=append", "#SBATCH --requeue",
-        *SLURM_DEADLINE_LINES,
-        'echo "test: DDP_HPC_DEADLINE=$DDP_HPC_DEADLINE"',
-        "extra=()",
-        f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then extra=({shlex.quote(slow)}); fi',
-        # No --kill-on-bad-exit here: with it, the first rank to exit 75 gets the others
-        # killed and srun reports 143 instead of 75.
-        f'srun --wait=60 {train} "${{extra[@]}}"; status=$?',
-        'echo "test: step ended with $status"',
-        'if [ "$status" = 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
-        'exit "$status"', ""]))
-    env = clean_env({"PYTHONPATH": str(REPO / "tests")})
-    (tmp_path / "logs").mkdir()
-    job_id = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, check=True).stdout.strip().split(";")[0]
-    log_path = tmp_path / "logs" / f"deadline-{job_id}.out"
-    wait_for(lambda: "PENDING" in job_state(job_id) and log_path.exists() and "step ended with 75" in log_path.read_text(),
-             240, "the job to stop itself and requeue")
-    first = log_path.read_text()
-    deadline = float(re.search(r"test: DDP_HPC_DEADLINE=([\d.]+)", first).group(1))
-    stopped = re.search(r"checkpointing and stopping at step (\d+)", first)
+    # Only the first run is slowed (20 epochs x 16 steps x 0.5 s: longer than a minute).
+    slow = "callbacks=[{target: 'stop_helpers:SlowFirstAttempt', params: {seconds: 0.5}}]"
+    submit = subprocess.Popen(
+        [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
+         "--time", "1", "--signal", "USR2@5", "--wait", *common, slow, f"logging.run_dir={runs}",
+         "logging.name=deadline"],
+        cwd=tmp_path, env=clean_env({"PYTHONPATH": str(REPO / "tests")}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    job_id = re.search(r"submitted job (\d+)", submit.stdout.readline()).group(1)
+    try:
+        _stop_requeue_and_resume(tmp_path, runs, job_id, submit)
+    finally:  # a failed test leaves no job behind (a requeued one would wait for ever)
+        subprocess.run(["scancel", job_id], capture_output=True)
+        if submit.poll() is None:
+            submit.kill()
+            submit.communicate()
+
+
+def _stop_requeue_and_resume(tmp_path: Path, runs: Path, job_id: str, submit: subprocess.Popen) -> None:
+    script = next((runs / "deadline").glob("*.sbatch"), None) or next(tmp_path.rglob("*.sbatch"))
+    assert "#SBATCH --time=00:01:00" in script.read_text() and "#SBATCH --signal=B:USR2@5" in script.read_text()
+    deadline = wait_for(lambda: "RUNNING" in job_state(job_id) and job_end(job_id), 120, "the job to start")
+
+    def log() -> str:
+        path = next((tmp_path / "logs").glob(f"*-{job_id}.out"), None)
+        return path.read_text() if path else ""
+
+    wait_for(lambda: "PENDING" in job_state(job_id) and "requeueing job" in log(), 240,
+             "the job to stop itself and requeue")
+    first = log()
+    # The ranks stop at the deadline the script exported, or at SLURM's signal: Slurm may
+    # send it up to a minute before the 5 s asked (its event resolution), which in a
+    # 1-minute job is any time. Either way the script's deadline handling stopped the job.
+    stopped = re.search(r"stopped on request at epoch \d+, step (\d+)", first)
     assert stopped, first[-3000:]
+    by = "signal" if "received SIGUSR2" in first else "deadline"
+    assert by == "signal" or re.search(rf"checkpointing and stopping at step {stopped.group(1)}", first), first
     step = int(stopped.group(1))
-    checkpoint = runs / "deadline" / "checkpoints" / f"step-{step:08d}.pt"
-    checkpointed = checkpoint.stat().st_mtime
+    checkpointed = (runs / "deadline" / "checkpoints" / f"step-{step:08d}.pt").stat().st_mtime
     assert checkpointed < deadline, "the checkpoint came after the time limit"
     release_requeued(job_id)
-    wait_for(lambda: not job_state(job_id), 300, "the requeued job to finish", poll=1.0)
-    log = log_path.read_text()
-    assert "step ended with 0" in log, log[-3000:]
-    assert re.search(rf"resuming from \S+step-{step:08d}\.pt:", log), log[-3000:]
+    out, err = submit.communicate(timeout=300)
+    assert submit.returncode == 0, out[-2000:] + err[-3000:]
+    assert re.search(rf"resuming from \S+step-{step:08d}\.pt:", log()), log()[-3000:]
     assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
                                load_checkpoint(runs / "deadline" / "checkpoints" / "last.pt"))
-    FIGURES.append(f"deadline stop (sbatch --time=1, no signal, margin 15 s): checkpoint at step {step} "
+    FIGURES.append(f"deadline stop (rendered sbatch, --time 1, signal USR2@5, margin 15 s): stopped by the {by}, "
+                   f"checkpoint at step {step} "
                    f"{deadline - checkpointed:.1f} s before the time limit; requeued, final weights bit-identical")

@@ -49,8 +49,14 @@ def run_faulty(prefix: list[str], tmp_path: Path, extra: list[str]) -> tuple[sub
 DEATH_MESSAGES = {
     "torchrun": r"host\s*:\s*\S+\s+rank\s*:\s*1 \(local_rank: 1\)\s+exitcode\s*:\s*-9",
     "openmpi": r"process rank 1 with PID \d+ on node \S+ exited on signal 9",
-    # Hydra names the PID and host; rank 0's start-up line maps them to the rank.
-    "mpich": r"ranks \(host:pid\): 0=\S+ 1=(?P<host>[^:\s]+):(?P<pid>\d+).*PID (?P=pid) RUNNING AT (?P=host)",
+    # Hydra (MPICH 4.0.2) SIGKILLs the other ranks once one dies, then names ONE process
+    # with a bad exit, not necessarily the one that died first: of 10 runs with rank 1
+    # killed, it named rank 0 (which it had killed itself) in 8 and rank 1 in 2. So: its
+    # block names a PID and host of this job (rank 0's start-up line lists them) and
+    # exit code 9, whichever rank that is.
+    "mpich": (r"ranks \(host:pid\): 0=(?P<host0>[^:\s]+):(?P<pid0>\d+) 1=(?P<host1>[^:\s]+):(?P<pid1>\d+)"
+              r".*BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\s+=\s+"
+              r"PID (?:(?P=pid0) RUNNING AT (?P=host0)|(?P=pid1) RUNNING AT (?P=host1))\s+=\s+EXIT CODE: 9\s"),
     "srun": r"srun: error: n\d: task 1: Killed",
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, ddp_hpc_command
+from conftest import REPO, clean_env, ddp_hpc_command, require_module
 from ddp_hpc.config import load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.distributed import process_group
@@ -64,8 +64,9 @@ def test_a_tracker_that_is_not_installed_is_one_line_and_exit_2(monkeypatch, cap
     real = registry.importlib.util.find_spec
     monkeypatch.setattr(registry.importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))
+    config = load_config(None, ["logging.trackers=[csv,wandb]"])  # loading a config checks no package
     with pytest.raises(UserError, match=r"'wandb' package is not installed: pip install 'ddp_hpc\[wandb\]'"):
-        load_config(None, ["logging.trackers=[csv,wandb]"])
+        registry.check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
     # From the command line: exit 2 with one line, before any process group or file.
     code = cli._run(cli.parse(["train", str(REPO / "configs" / "digits.yaml"), "logging.trackers=[wandb]"]))
     err = capsys.readouterr().err
@@ -138,7 +139,7 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
 
 
 def test_plot_draws_train_and_validation_of_every_metric(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib")
     from ddp_hpc.tracking import plot
 
     run = tmp_path / "r"
@@ -251,9 +252,8 @@ def wandb_history(run: Path) -> tuple[set[str], list[tuple[int, dict]]]:
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_every_tracker_keeps_one_run_through_a_kill_and_resume(tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("mlflow")
-    pytest.importorskip("wandb")
+    for tracker in ("tensorboard", "mlflow", "wandb"):
+        require_module(tracker)
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -344,5 +344,5 @@ def test_mlflow_local_store_needs_sqlalchemy_but_a_server_does_not(monkeypatch):
     monkeypatch.setattr(registry.importlib.util, "find_spec",
                         lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
     with pytest.raises(UserError, match="'sqlalchemy' package is not installed: pip install 'ddp_hpc\\[mlflow\\]'"):
-        load_config(None, ["logging.trackers=[mlflow]"])
-    load_config(None, ["logging.trackers=[mlflow]", "logging.mlflow.tracking_uri=http://127.0.0.1:5000"])
+        registry.check_installed(["mlflow"], None)
+    registry.check_installed(["mlflow"], "http://127.0.0.1:5000")

@@ -175,19 +175,34 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_all_engine_options_together(tmp_path):
+def test_all_engine_options_together_each_take_effect(tmp_path):
+    probe = ["callbacks=[{target: 'engine_probe:EngineProbe', params: {decay: 0.9}}]"]
     result = torchrun_train(tmp_path, 2, [
         *SMALL_SYNTHETIC, "training.epochs=2", "training.grad_accum_steps=3", "training.grad_clip_norm=1.0",
-        "training.zero_optimizer=true", "training.ema_decay=0.9", "training.precision=bf16",
-        "training.scheduler.name=step", "training.scheduler.interval=epoch", "training.lr_scaling=linear",
-        "distributed.comm_hook=fp16", "distributed.bucket_cap_mb=1", "distributed.gradient_as_bucket_view=true",
-        "job.params.dropout=0.1", "data.num_workers=1", "checkpoint.every_n_steps=5"], name="all")
+        "training.optimizer=adamw", "training.zero_optimizer=true", "training.ema_decay=0.9",
+        "training.precision=bf16", "training.scheduler.name=step", "training.scheduler.interval=epoch",
+        "training.lr_scaling=linear", "distributed.comm_hook=fp16", "distributed.bucket_cap_mb=1",
+        "distributed.gradient_as_bucket_view=true", "job.params.dropout=0.1", "data.num_workers=1",
+        "checkpoint.every_n_steps=5", *probe], name="all")
     assert result.returncode == 0, result.stderr[-3000:]
     summary, _ = read_run(tmp_path, "all")
     assert summary["epochs_completed"] == 2 and summary["effective_batch_size"] == 2 * 64 * 3
     assert len(set(summary["parameter_checksums_per_rank"])) == 1
     state = load_checkpoint(tmp_path / "runs" / "all" / "checkpoints" / "last.pt")
     assert state["ema"] is not None and state["optimizer"]["state"]
+    probes = [json.loads((tmp_path / "runs" / "all" / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
+    # ZeRO: AdamW keeps two moments per parameter; each rank holds only its shard of them.
+    whole_state = 2 * probes[0]["parameters"]
+    assert [p["optimizer_class"] for p in probes] == ["ZeroRedundancyOptimizer"] * 2
+    assert sum(p["local_optimizer_state"] for p in probes) == whole_state
+    assert all(0 < p["local_optimizer_state"] <= 0.75 * whole_state for p in probes), probes
+    for p in probes:
+        # EMA: the trainer's average is decay 0.9 over the live weights after every step, it
+        # is not the live weights, and validation and test ran on it.
+        assert p["ema_minus_predicted"] < 1e-5 and p["ema_minus_live"] > 1e-3, p
+        assert p["evaluated"] == ["ema"]
+        assert p["comm_hook"] == "fp16_compress_hook"  # the hook DDP reports it runs
+        assert p["training_activations"] == ["torch.bfloat16"]  # bf16 autocast on CPU
 
 
 RESUME_CONFIG = [*SMALL_SYNTHETIC, "training.epochs=3", "training.batch_size=16", "training.grad_accum_steps=2",

@@ -7,9 +7,28 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
 from ddp_hpc.errors import UserError
 
 Env = Mapping[str, str]
+
+#: Where the scheduler's job id is read, first found wins. SLURM first: Slurm's PBS wrappers
+#: (qsub on a Slurm cluster, as in the test world) set both, and SLURM_JOB_ID is the id that
+#: sacct, scontrol and scancel know.
+JOB_ID_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID")
+
+
+def scheduler_job_id(env: Env) -> tuple[str, str] | None:
+    """``(variable, job id)`` of the allocation this process runs in, or None outside one."""
+    for name in JOB_ID_VARIABLES:
+        value = env.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+#: How a launcher can be asked to end every rank: ``("pmi", fd)`` or ``("command", argv)``.
+AbortRequest = tuple[str, "str | list[str]"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +70,19 @@ class DistEnv:
 
 
 class ClusterEnvironment(ABC):
-    """One launcher's variables: ``detect`` says whether they are here, ``ranks`` reads them."""
+    """One launcher's variables: ``detect`` says whether they are here, ``ranks`` reads them.
+
+    It also answers, for everything else to ask: the job this launch belongs to
+    (``job_id``, ``job_key``, ``launch_id``, ``identity``), where rank 0 runs
+    (``main_address``) and how to end every rank when one fails (``abort_request``).
+    """
 
     #: Short name shown as ``DistEnv.source``.
     name: str = ""
     #: The variables this launcher sets, in the order they are documented.
     variables: tuple[str, ...] = ()
+    #: Variables naming one launch of this launcher within a job, first found wins.
+    launch_variables: tuple[str, ...] = ()
 
     @abstractmethod
     def detect(self, env: Env) -> bool:
@@ -66,8 +92,50 @@ class ClusterEnvironment(ABC):
     def ranks(self, env: Env) -> RankInfo:
         """Rank, sizes and node position from this launcher's variables."""
 
+    def job_id(self, env: Env) -> str | None:
+        """The scheduler's job id of the allocation (``JOB_ID_VARIABLES``), or None."""
+        found = scheduler_job_id(env)
+        return found[1] if found else None
+
+    def _launch_variable(self, env: Env) -> tuple[str, str] | None:
+        for name in self.launch_variables:
+            value = env.get(name, "").strip()
+            if value:
+                return name, value
+        return None
+
     def job_key(self, env: Env) -> str | None:
-        """A string every rank of one launch shares, used to derive a port; None if unknown."""
+        """A string every rank of one launch shares (within the job); None if unknown."""
+        found = self._launch_variable(env)
+        return found[1] if found else None
+
+    def launch_id(self, env: Env) -> str | None:
+        """Job id and launch together (``41|step0``): derives the port and torchrun's run
+        id, the same on every rank of this launch; None where neither is known."""
+        parts = [part for part in (self.job_id(env), self.job_key(env)) if part]
+        return "|".join(parts) if parts else None
+
+    def identity(self, env: Env) -> dict[str, str]:
+        """The variables that name this job and launch (the rendezvous marker shows them)."""
+        return dict(found for found in (scheduler_job_id(env), self._launch_variable(env)) if found)
+
+    def main_address(self, env: Env, num_nodes: int, host_suffix: str = "") -> str:
+        """Rank 0's host: MASTER_ADDR, the SLURM node list, the PBS node file, or loopback."""
+        if env.get("MASTER_ADDR", "").strip():
+            return env["MASTER_ADDR"].strip()
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if nodelist:
+            return with_suffix(expand_nodelist(nodelist)[0], host_suffix)
+        if env.get("PBS_NODEFILE", "").strip():
+            return with_suffix(read_nodefile(env["PBS_NODEFILE"].strip())[0], host_suffix)
+        if num_nodes == 1:
+            return "127.0.0.1"
+        raise UserError(f"ranks span {num_nodes} nodes but nothing says where rank 0 runs: "
+                        "export MASTER_ADDR, or run under SLURM or PBS")
+
+    def abort_request(self, env: Env) -> AbortRequest | None:
+        """How to make this launcher end every rank after one failed, or None where it does
+        so by itself (torchrun, Open MPI's mpiexec, ``srun --kill-on-bad-exit``)."""
         return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from ddp_hpc.environment.base import (
+    AbortRequest,
     ClusterEnvironment,
     Env,
     RankInfo,
@@ -32,6 +33,7 @@ class TorchrunEnvironment(ClusterEnvironment):
     name = "torchrun"
     variables = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+    launch_variables = ("TORCHELASTIC_RUN_ID",)
 
     def detect(self, env: Env) -> bool:
         return bool(env.get("TORCHELASTIC_RUN_ID"))
@@ -50,8 +52,6 @@ class TorchrunEnvironment(ClusterEnvironment):
             num_nodes=num_nodes or -(-world_size // local_world_size),
         )
 
-    def job_key(self, env: Env) -> str | None:
-        return env.get("TORCHELASTIC_RUN_ID")
 
 
 class OpenMPIEnvironment(ClusterEnvironment):
@@ -64,6 +64,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
     name = "openmpi"
     variables = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_NAMESPACE")
+    launch_variables = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
 
     def detect(self, env: Env) -> bool:
         return "OMPI_COMM_WORLD_RANK" in env
@@ -76,8 +77,6 @@ class OpenMPIEnvironment(ClusterEnvironment):
         return RankInfo(rank, world_size, read_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
                         local_world_size, node_rank, num_nodes)
 
-    def job_key(self, env: Env) -> str | None:
-        return env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid")
 
 
 class PalsEnvironment(ClusterEnvironment):
@@ -89,6 +88,7 @@ class PalsEnvironment(ClusterEnvironment):
     name = "pals"
     variables = ("PALS_RANKID", "PALS_LOCAL_RANKID", "PALS_NODEID", "PALS_LOCAL_SIZE",
                  "PMIX_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE", "PALS_APID")
+    launch_variables = ("PALS_APID",)
 
     def detect(self, env: Env) -> bool:
         return "PALS_RANKID" in env
@@ -108,8 +108,6 @@ class PalsEnvironment(ClusterEnvironment):
         return RankInfo(rank, world_size, local_rank, local_world_size,
                         node_rank if node_id is None else node_id, num_nodes)
 
-    def job_key(self, env: Env) -> str | None:
-        return env.get("PALS_APID")
 
 
 class MvapichEnvironment(ClusterEnvironment):
@@ -152,6 +150,13 @@ class HydraEnvironment(ClusterEnvironment):
         return RankInfo(rank, world_size, read_int(env, "MPI_LOCALRANKID"),
                         local_world_size, node_rank, num_nodes)
 
+    def abort_request(self, env: Env) -> AbortRequest | None:
+        """Hydra waits for the other ranks after a plain non-zero exit (measured: until the
+        collective timeout), but ends the job at once on PMI-1's ``cmd=abort``, which
+        ``MPI_Abort`` sends over ``PMI_FD``."""
+        fd = env.get("PMI_FD", "").strip()
+        return ("pmi", fd) if fd.isdigit() else None
+
 
 _TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -179,6 +184,7 @@ class SlurmEnvironment(ClusterEnvironment):
     variables = ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
                  "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES",
                  "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
+    launch_variables = ("SLURM_STEP_ID", "SLURM_STEPID")
 
     def detect(self, env: Env) -> bool:
         return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
@@ -199,8 +205,14 @@ class SlurmEnvironment(ClusterEnvironment):
                         local_world_size, node_rank, num_nodes)
 
     def job_key(self, env: Env) -> str | None:
-        step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+        step = super().job_key(env)
         return f"step{step}" if step else None
+
+    def abort_request(self, env: Env) -> AbortRequest | None:
+        """Plain srun waits for the other tasks after one exits non-zero: end this job step
+        (only this one) with ``scancel --signal=KILL JOB.STEP``."""
+        job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+        return ("command", ["scancel", "--quiet", "--signal=KILL", f"{job}.{step}"]) if job and step else None
 
 
 class EnvVarsEnvironment(ClusterEnvironment):

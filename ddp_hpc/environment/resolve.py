@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import ClusterEnvironment, DistEnv, Env, RankInfo, check_rank_info
-from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
 from ddp_hpc.environment.launchers import LAUNCHERS, MPI_LAUNCHERS
 from ddp_hpc.environment.ports import PortRange, derive_port, free_port, parse_port
 from ddp_hpc.errors import EnvironmentConflictError, UserError
@@ -57,28 +56,12 @@ def _check_agreement(chosen: ClusterEnvironment, info: RankInfo, env: Env,
                 f"unset the stale ones")
 
 
-def resolve_master_addr(env: Env, num_nodes: int, host_suffix: str = "") -> str:
-    """Rank 0's host: MASTER_ADDR, the SLURM node list, the PBS node file, or loopback."""
-    if env.get("MASTER_ADDR", "").strip():
-        return env["MASTER_ADDR"].strip()
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if nodelist:
-        return with_suffix(expand_nodelist(nodelist)[0], host_suffix)
-    if env.get("PBS_NODEFILE", "").strip():
-        return with_suffix(read_nodefile(env["PBS_NODEFILE"].strip())[0], host_suffix)
-    if num_nodes == 1:
-        return "127.0.0.1"
-    raise UserError(f"ranks span {num_nodes} nodes but nothing says where rank 0 runs: "
-                    "export MASTER_ADDR, or run under SLURM or PBS")
-
-
 def resolve_master_port(env: Env, launcher: ClusterEnvironment, info: RankInfo,
                         port_range: PortRange) -> int:
     """MASTER_PORT, else derived from the job id and launch, else agreed on one node."""
     if env.get("MASTER_PORT", "").strip():
         return parse_port(env["MASTER_PORT"])
-    job_id = env.get("SLURM_JOB_ID") or env.get("PBS_JOBID") or ""
-    key = "|".join(part for part in (job_id.strip(), launcher.job_key(env)) if part)
+    key = launcher.launch_id(env)
     if key:
         return derive_port(key, port_range)
     if info.world_size == 1:
@@ -109,7 +92,7 @@ def resolve_env(env: Env | None = None, *, host_suffix: str | None = None,
         local_world_size=info.local_world_size,
         node_rank=info.node_rank,
         num_nodes=info.num_nodes,
-        master_addr=resolve_master_addr(env, info.num_nodes, suffix),
+        master_addr=launcher.main_address(env, info.num_nodes, suffix),
         master_port=resolve_master_port(env, launcher, info, port_range),
         source=launcher.name,
     )

@@ -60,10 +60,8 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
                         help="relaunch all ranks in the same allocation after a failure, at most N times "
                              "(they resume from the newest checkpoint; default: the config's "
                              "distributed.max_restarts, else 0)")
-    if family == "slurm":
-        parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
-                            help="allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
-                                 "rank failed (a batch script)")
+    for opt in schedulers.run_opts(family, "job"):  # what the family's backends declare
+        opt.add_to(parser)
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="run every combination of these values as one array job (repeatable; command jobs "
                              f"get {SWEEP_INDEX_VAR} and {SWEEP_VAR_PREFIX}<KEY>)")
@@ -109,8 +107,7 @@ def job_request(args: argparse.Namespace) -> JobRequest:
 
 
 def _scheduler(args: argparse.Namespace) -> str:
-    batch_script = getattr(args, "sbatch", False) or getattr(args, "torchrun", False)
-    return schedulers.scheduler_for(args.scheduler, batch_script=batch_script).name
+    return schedulers.backend_for(args.scheduler, vars(args)).name
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -249,9 +246,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_port(args: argparse.Namespace) -> int:
+    from ddp_hpc.environment.base import scheduler_job_id
     from ddp_hpc.environment.ports import PortRange, derive_port
 
-    job_id = args.job_id or os.environ.get("PBS_JOBID") or os.environ.get("SLURM_JOB_ID")
+    job_id = args.job_id or (scheduler_job_id(os.environ) or (None, None))[1]
     if not job_id:
         raise UserError("no job id: give one, or run inside a PBS or SLURM job")
     print(derive_port(job_id, PortRange()))

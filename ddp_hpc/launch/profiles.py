@@ -24,12 +24,13 @@ LAUNCHERS_BY_SCHEDULER = {
     "pbs": ("pals", "mpich", "openmpi"),
     "slurm": ("srun", "torchrun", "mpich", "openmpi"),
     "none": ("torchrun", "mpich", "openmpi"),
+    "local": ("torchrun",),
 }
 
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    scheduler: Literal["pbs", "slurm", "none"]
+    scheduler: Literal["pbs", "slurm", "local", "none"]
     launcher: Literal["pals", "mpich", "openmpi", "srun", "torchrun"]
     ranks_per_node: int
     devices_per_node: int = 0

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddp_hpc.contract import TRACKING_DIR
 from ddp_hpc.errors import UserError
@@ -34,8 +34,6 @@ from ddp_hpc.tracking.record import (MAX_GATHERED_RANKS, build_record, rank_fact
 if TYPE_CHECKING:
     from ddp_hpc.config import Config
     from ddp_hpc.distributed import DistContext
-    from ddp_hpc.training.metrics import MetricSums
-    from ddp_hpc.training.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +89,21 @@ def merge_by_step(points: Sequence[Point]) -> list[Point]:
     return sorted(merged.items())
 
 
+class RunningSums(Protocol):
+    """An epoch's running per-sample sums (the Trainer's ``MetricSums``): tracking reads
+    them, and never imports ``training/``."""
+
+    count: Any
+    sums: Mapping[str, Any]
+
+
+class RunPlace(Protocol):
+    """Where the run's files go (the Trainer's ``RunFolder``)."""
+
+    @property
+    def path(self) -> Path: ...
+
+
 def startup_message(world_size: int, facts: dict[str, Any]) -> dict[str, Any] | None:
     """What this rank sends rank 0 at start-up: its facts in a small world, None in a large
     one (then each rank writes its own file and rank 0 learns only the node count)."""
@@ -108,14 +121,14 @@ class RecordShape:
 
 
 class Tracking:
-    def __init__(self, config: Config, ctx: DistContext, run: RunFolder) -> None:
+    def __init__(self, config: Config, ctx: DistContext, run: RunPlace) -> None:
         self.config, self.ctx, self.run = config, ctx, run
         self.trackers: list[tuple[Tracker, Held]] = []
         self.run_ids: dict[str, str] = {}
         self.points: list[Point] = []
         self.lines: ProgressLines | None = None
         self._checkpoint_step = -1
-        self._sums: MetricSums | None = None
+        self._sums: RunningSums | None = None
         self._at_point: dict[str, tuple[float, float]] = {}
         self._at_line: dict[str, tuple[float, float]] = {}
         self._record_writer: threading.Thread | None = None
@@ -231,7 +244,7 @@ class Tracking:
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         self.trackers = [(t, h) for t, h in self.trackers if t is not tracker]
 
-    def _interval_means(self, sums: MetricSums, since: dict[str, tuple[float, float]]) -> dict[str, float]:
+    def _interval_means(self, sums: RunningSums, since: dict[str, tuple[float, float]]) -> dict[str, float]:
         """Rank 0's per-sample means since the previous call with the same ``since``."""
         if sums is not self._sums:  # a new epoch: its sums start at zero
             self._sums = sums
@@ -247,7 +260,7 @@ class Tracking:
             since[key] = (value, count)
         return means
 
-    def on_step(self, epoch: int, global_step: int, sums: MetricSums, lr: float) -> None:
+    def on_step(self, epoch: int, global_step: int, sums: RunningSums, lr: float) -> None:
         if not self.ctx.is_rank_zero:
             return
         every = self.config.logging.log_every_n_steps

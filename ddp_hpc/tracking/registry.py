@@ -27,7 +27,10 @@ class TrackerNotInstalled(UserError):
 
 
 def check_installed(names: Sequence[str], mlflow_tracking_uri: str | None = None) -> None:
-    """Raise (one line, exit 2) if a named tracker's package cannot be imported."""
+    """Raise (one line, exit 2) if a named tracker's package cannot be imported.
+
+    Called where the trackers will start (``train()``, before any process group), never
+    when a config is loaded: submitting from a login node needs no tracker package."""
     for name in names:
         module, extra = REQUIREMENTS[name]
         modules = [module] if module else []

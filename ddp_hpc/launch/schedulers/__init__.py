@@ -1,14 +1,17 @@
 """Schedulers: one registry of backends, and what every verb needs from them.
 
 Adding a scheduler is one module with a ``Scheduler`` subclass plus one line in
-``SCHEDULERS``; ``FAMILIES`` says which backends submit to a profile's ``scheduler``.
+``REGISTRY`` (``local.py`` is the smallest example). Backends declare their own
+command-line options (``Scheduler.run_opts``); the CLI asks ``run_opts`` and ``backend_for``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUMMARY_FILE
 from ddp_hpc.errors import UserError
@@ -18,21 +21,29 @@ from ddp_hpc.launch.schedulers.base import (
     DryRun,
     JobState,
     JobStatus,
+    RunOpt,
     Scheduler,
     Submission,
 )
+from ddp_hpc.launch.schedulers.local import LocalScheduler
 from ddp_hpc.launch.schedulers.pbs import PbsScheduler
 from ddp_hpc.launch.schedulers.sbatch import SbatchScheduler
 from ddp_hpc.launch.schedulers.submitit_backend import SubmititScheduler
 from ddp_hpc.summary import RunSummary
 
-SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PbsScheduler, SbatchScheduler, SubmititScheduler)}
-#: A profile's scheduler family -> its backends, the default first.
-FAMILIES: dict[str, tuple[str, ...]] = {"pbs": ("pbs",), "slurm": ("submitit", "sbatch")}
-#: The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``.
-DEFAULT_PROFILES: dict[str, str] = {"pbs": "pbs-generic", "slurm": "slurm-cpu"}
+#: A profile's scheduler family -> (its backends, the default first; the cluster profile
+#: ``render``/``submit FAMILY`` use without ``--cluster``). One line per family.
+REGISTRY: dict[str, tuple[tuple[type[Scheduler], ...], str]] = {
+    "pbs": ((PbsScheduler,), "pbs-generic"),
+    "slurm": ((SubmititScheduler, SbatchScheduler), "slurm-cpu"),
+    "local": ((LocalScheduler,), "local"),
+}
+SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for classes, _ in REGISTRY.values() for cls in classes}
+FAMILIES: dict[str, tuple[str, ...]] = {family: tuple(cls.name for cls in classes)
+                                        for family, (classes, _) in REGISTRY.items()}
+DEFAULT_PROFILES: dict[str, str] = {family: profile for family, (_, profile) in REGISTRY.items()}
 
-__all__ = ["DEFAULT_PROFILES", "FAMILIES", "SCHEDULERS", "DryRun", "ElementResult", "JobResult", "JobState", "JobStatus", "Scheduler", "Submission",
+__all__ = ["DEFAULT_PROFILES", "FAMILIES", "REGISTRY", "SCHEDULERS", "DryRun", "RunOpt", "backend_for", "run_opts", "ElementResult", "JobResult", "JobState", "JobStatus", "Scheduler", "Submission",
            "dry_run", "get_scheduler", "read_submission", "scheduler_for", "submit", "wait"]
 
 
@@ -51,6 +62,25 @@ def scheduler_for(family: str, *, batch_script: bool = False) -> Scheduler:
     if batch_script:
         names = tuple(n for n in names if SCHEDULERS[n].script_suffix) or names
     return get_scheduler(names[0])
+
+
+def run_opts(family: str, group: str) -> list[RunOpt]:
+    """The options the family's backends declare in ``group``, each once, in backend order."""
+    found: dict[tuple[str, ...], RunOpt] = {}
+    for name in FAMILIES[family]:
+        for opt in SCHEDULERS[name].run_opts:
+            if opt.group == group:
+                found.setdefault(opt.flags, opt)
+    return list(found.values())
+
+
+def backend_for(family: str, options: Mapping[str, Any]) -> Scheduler:
+    """The backend that declares a backend option set in ``options`` (``--sbatch``), else
+    the family's default."""
+    for name in FAMILIES[family]:
+        if any(options.get(opt.dest) for opt in SCHEDULERS[name].run_opts if opt.group == "backend"):
+            return get_scheduler(name)
+    return scheduler_for(family)
 
 
 def dry_run(request: JobRequest, scheduler: str | None = None, *, workdir: Path | None = None,

@@ -210,6 +210,28 @@ def write_script(text: str, path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class RunOpt:
+    """A command-line option a backend declares for its family's ``render`` and ``submit``
+    (torchx's ``run_opts``): the CLI adds what the registry hands it, and branches on no
+    family or backend name."""
+
+    flags: tuple[str, ...]
+    help: str
+    #: ``job``: among the job's options (after ``--max-restarts``); ``backend``: picks the
+    #: backend that declares it when set (``--sbatch``).
+    group: str = "job"
+    #: More ``add_argument`` keywords (``type``, ``default``, ``action``, ``metavar``).
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+    def add_to(self, parser: Any) -> None:
+        parser.add_argument(*self.flags, help=self.help, **self.options)
+
+
 class Scheduler(ABC):
     """One way of submitting. Subclasses fill in a few hooks."""
 
@@ -219,6 +241,8 @@ class Scheduler(ABC):
     family: ClassVar[str]
     #: The batch script's file suffix, where there is a script.
     script_suffix: ClassVar[str] = ""
+    #: Command-line options this backend adds to its family's ``render``/``submit``.
+    run_opts: ClassVar[tuple[RunOpt, ...]] = ()
 
     @abstractmethod
     def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:

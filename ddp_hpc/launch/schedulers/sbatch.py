@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_hpc.launch.request import JobRequest, job_name_directive
-from ddp_hpc.launch.schedulers.base import DryRun, JobStatus, ScriptScheduler, run_tool
+from ddp_hpc.launch.schedulers.base import DryRun, JobStatus, RunOpt, ScriptScheduler, run_tool
 from ddp_hpc.launch.schedulers.slurm_state import slurm_status
 from ddp_hpc.launch.slurm import LOG_DIR, render_sbatch
 
@@ -17,6 +17,14 @@ class SbatchScheduler(ScriptScheduler):
     script_suffix = ".sbatch"
     tool = "sbatch"
     where = "SLURM"
+    run_opts = (
+        RunOpt(("--spare-nodes",), "allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
+               "rank failed (a batch script)", "job", {"type": int, "default": 0, "metavar": "K"}),
+        RunOpt(("--sbatch",), "submit a rendered batch script instead of using submitit", "backend",
+               {"action": "store_true"}),
+        RunOpt(("--torchrun",), "one torchrun per node with a c10d rendezvous, instead of one task per rank "
+               "(a batch script)", "backend", {"action": "store_true"}),
+    )
 
     def render(self, request: JobRequest) -> str:
         return render_sbatch(request)

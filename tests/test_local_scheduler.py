@@ -1,0 +1,29 @@
+"""The ``local`` family: the minimal example backend (docs/architecture.md) renders a bash
+script and runs it on this machine; status, the exit file and the run folder work as for
+the real schedulers."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ddp_hpc_command, run
+
+pytestmark = [pytest.mark.multiproc]
+
+
+def test_submit_local_runs_the_rendered_script_with_bash_and_waits_for_it(tmp_path):
+    command = ["python", "-c", "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"]
+    result = run([*ddp_hpc_command(), "submit", "local", "--ranks-per-node", "2", "--run-dir", str(tmp_path),
+                  "--job-name", "hello", "--wait", "--poll", "0.5", "--", *command], cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    folder = tmp_path / "hello"
+    script = (folder / "job.sh").read_text()
+    assert script.startswith("#!/bin/bash") and "torch.distributed.run --standalone --nproc-per-node 2" in script
+    submission = (folder / "submission.json").read_text()
+    assert '"scheduler": "local"' in submission
+    log = (folder / "job.log").read_text()
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log, log
+    exit_files = list(folder.glob("exit-*"))
+    assert len(exit_files) == 1 and exit_files[0].read_text().strip() == "0"
+    status = run([*ddp_hpc_command(), "status", str(folder)], cwd=tmp_path)
+    assert status.returncode == 0 and "completed" in status.stdout, status.stdout + status.stderr
