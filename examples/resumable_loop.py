@@ -5,6 +5,7 @@ too, on another world size too), SIGUSR2/SIGTERM or the job's deadline stop ever
 the same step with a checkpoint and exit 75 (requeue), and a watchdog ends a stuck rank.
 
     torchrun --nproc_per_node 2 examples/resumable_loop.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node 2 --max-restarts 1 examples/resumable_loop.py
     ddp-hpc launch --launcher mpich --nproc 2 --max-restarts 1 -- python examples/resumable_loop.py
     mpiexec -n 4 ddp-hpc run -- python examples/resumable_loop.py
 """

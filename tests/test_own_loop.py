@@ -55,9 +55,7 @@ def assert_bit_identical(expected: dict, actual: dict) -> None:
 def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted, mpich):
     """``ddp-hpc launch --launcher mpich --max-restarts 1``: rank 1 SIGKILLs itself after step
     35 (epoch 2; checkpoints every 10 steps), the launch starts both ranks again, they
-    resume from step 30. (Under torchrun --max-restarts, torch 2.13's restarted workers
-    may read the previous attempt's gloo addresses from the agent's store and fail to
-    connect: see the note in docs/api.md.)"""
+    resume from step 30."""
     marker = tmp_path / "killed"
     command = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--nproc", "2", "--max-restarts", "1", "--",
                "python", FAULTS, EXAMPLE]
@@ -65,6 +63,30 @@ def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, un
         "RUN_DIR": str(tmp_path / "run"), "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
         "FAULT_MARKER": str(marker)})
     assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "[rank" in line)[-6000:]
+    assert marker.exists(), "rank 1 was not killed"
+    for rank in (0, 1):
+        assert f"rank {rank}: restored None at step 0" in done.stderr
+        assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
+    assert_bit_identical(uninterrupted, load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt"))
+
+
+def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted):
+    """``torchrun --max-restarts 1`` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/api.md):
+    rank 1 SIGKILLs itself after step 35, the agent stops rank 0 (SIGTERM, which the
+    example's handler turns into a stop request) and starts both again; they resume from
+    step 30 and end as the uninterrupted run does.
+
+    Why the variable: torch's DynamicRendezvousHandler (elastic/rendezvous/
+    dynamic_rendezvous.py: use_agent_store, _shared_tcp_store_server) creates the TCPStore
+    that workers use once per agent and hands the same one to every attempt, and
+    rendezvous.py's _create_c10d_store connects env:// workers to it without a prefix per
+    attempt, so attempt 1 read attempt 0's gloo addresses (connectFullMesh: connection
+    refused). Set to "1", rank 0 of each attempt hosts a new store instead."""
+    marker = tmp_path / "killed"
+    done = run(torchrun(2, max_restarts=1), timeout=300, env={
+        "RUN_DIR": str(tmp_path / "run"), "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
+        "FAULT_MARKER": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
     assert marker.exists(), "rank 1 was not killed"
     for rank in (0, 1):
         assert f"rank {rank}: restored None at step 0" in done.stderr
