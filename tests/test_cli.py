@@ -66,6 +66,17 @@ def test_launch_dry_run_prints_the_command():
     result = run([*ddp_hpc_command(), "launch", "--nproc", "3", "--dry-run", "--", "ddp-hpc", "doctor"])
     assert result.returncode == 0
     assert "torch.distributed.run --standalone --nproc-per-node 3 --no-python ddp-hpc doctor" in result.stdout
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in result.stdout
+
+
+def test_launch_with_torchrun_restarts_gives_each_attempt_a_fresh_store():
+    """A script's own init_process_group would read the previous attempt's addresses from the
+    agent's shared store (tests/test_own_loop.py shows the failure and the fix under torchrun)."""
+    result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--max-restarts", "1", "--dry-run", "--",
+                  "python", "train.py"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
+    assert "--max-restarts 1 --no-python ddp-hpc run -- python train.py" in result.stdout
 
 
 def test_doctor_single_process():

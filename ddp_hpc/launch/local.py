@@ -42,10 +42,19 @@ class LocalLaunch:
         return self.max_restarts > 0 and self.launcher != "torchrun"
 
 
+#: torchrun's agent hands every restart attempt the same store, unprefixed
+#: (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, ``_shared_tcp_store_server``),
+#: so a script's own ``init_process_group`` in attempt 1 reads attempt 0's gloo addresses and
+#: fails ("connectFullMesh ... Connection refused"). This makes the agent start a fresh store
+#: per attempt. ddp_hpc's ``process_group()`` prefixes its keys per attempt and needs it not.
+FRESH_STORE_PER_ATTEMPT = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def build_torchrun(nproc: int, command: Sequence[str], max_restarts: int = 0) -> list[str]:
     """torchrun on this node only; ``--no-python`` runs any executable (``ddp-hpc ...``)."""
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    fresh_store = ["env", "=".join(FRESH_STORE_PER_ATTEMPT)] if max_restarts else []
+    return [*fresh_store, sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), *restarts, "--no-python", *command]
 
 
