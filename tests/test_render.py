@@ -77,6 +77,10 @@ def test_slurm_script_torchrun_per_node():
     assert ('torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "${rdzv_endpoint}" '
             '--rdzv-id "${SLURM_JOB_ID}" --max-restarts 0 --no-python ddp-hpc train') in script
     assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script
+    # With restarts, each attempt gets a fresh store (launch/local.py says why).
+    restarting = render_sbatch(request("slurm-gpu", torchrun_per_node=True, max_restarts=2))
+    assert "srun --kill-on-bad-exit=1 --wait=60 env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2" in restarting
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),

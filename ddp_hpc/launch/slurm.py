@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ddp_hpc.launch.local import FRESH_STORE_PER_ATTEMPT
 from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.stop import SLURM_DEADLINE_LINES
 from ddp_hpc.launch.script import (
@@ -75,7 +76,8 @@ def step_argv(request: JobRequest) -> list[str]:
                  f"--ntasks-per-node={tasks_per_node}", ShellArray(EXCLUDE_ARGS)]
     if not request.torchrun_per_node:
         return [*srun, *rank_argv(request)]
-    return [*srun, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
+    fresh_store = ["env", "=".join(FRESH_STORE_PER_ATTEMPT)] if request.max_restarts else []
+    return [*srun, *fresh_store, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
             "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", str(request.max_restarts),
             "--no-python", *rank_argv(request)]
