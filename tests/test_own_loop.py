@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, ddp_hpc_command, run
+from conftest import REPO, assert_same_model_and_optimizer, ddp_hpc_command, run
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
@@ -40,11 +40,7 @@ def uninterrupted(tmp_path_factory) -> dict:
 def assert_bit_identical(expected: dict, actual: dict) -> None:
     assert actual["step"] == expected["step"] == STEPS
     assert actual["sampler"] == expected["sampler"]
-    for key, value in expected["model"].items():
-        assert torch.equal(value, actual["model"][key]), key
-    for index, state in expected["optimizer"]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(value, actual["optimizer"]["state"][index][name]), (index, name)
+    assert_same_model_and_optimizer(expected, actual)
     # The example seeds torch's RNG only: numpy's and Python's start from OS entropy in every
     # process, so only torch's stream can (and must) be the same as in the uninterrupted run.
     assert len(actual["per_rank"]) == len(expected["per_rank"]) == 2
