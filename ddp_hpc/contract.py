@@ -54,8 +54,6 @@ MPIEXEC_VAR = "DDP_HPC_MPIEXEC"
 CLUSTERS_DIR_VAR = "DDP_HPC_CLUSTERS_DIR"
 #: ``ddp-hpc bench``: when the runner started a worker (``time.time()``), for start-up figures.
 BENCH_STARTED_AT_VAR = "DDP_HPC_BENCH_T0"
-#: ``ddp-hpc bench --scale``: marks the simulated ranks' environment (``scale``).
-BENCH_VAR = "DDP_HPC_BENCH"
 #: ``train``/``doctor``: the ranks whose INFO lines reach the console (``--console-ranks``).
 CONSOLE_RANKS_VAR = "DDP_HPC_CONSOLE_RANKS"
 
