@@ -101,10 +101,13 @@ class SingleFileFormat:
         return self.writer.wait() if self.writer is not None else []
 
 
+def _unwrapped(obj: Any) -> Any:
+    """A DDP model's own module: checkpoints hold weights without the wrapper's "module." prefix."""
+    return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
+
+
 def _state_of(obj: Any) -> Any:
-    if isinstance(obj, nn.parallel.DistributedDataParallel):
-        obj = obj.module  # saved without the wrapper's "module." prefix
-    return obj.state_dict()
+    return _unwrapped(obj).state_dict()
 
 
 class Checkpointer:
@@ -153,7 +156,7 @@ class Checkpointer:
         for name, obj in self.objects.items():
             value = state[name]
             if isinstance(obj, nn.Module):
-                target = obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
+                target = _unwrapped(obj)
                 target.load_state_dict(files.adapt_state_dict(value, target, str(loaded.path)))
             else:
                 obj.load_state_dict(value)
