@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import pytest
@@ -133,40 +134,35 @@ def test_describe_ranks_groups_by_host():
         "ranks 2, 3 on host h2; rank 5 on host h3"
 
 
-def test_heartbeat_names_the_rank_that_stopped_and_finds_nobody_when_all_beat():
+@contextmanager
+def beating(ranks: int, world_size: int = 3):
+    """A store served here and the heartbeats of ranks 0..ranks-1 of ``world_size``, beating."""
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
                            wait_for_workers=False)
-    beats = [Heartbeat(rank, 3, f"host{rank}", "127.0.0.1", port, interval_s=0.1) for rank in range(3)]
-    for beat in beats:
-        beat.__enter__()
-    try:
+    beats = [Heartbeat(rank, world_size, f"host{rank}", "127.0.0.1", port, interval_s=0.1)
+             for rank in range(ranks)]
+    with ExitStack() as stack:
+        for beat in beats:
+            stack.enter_context(beat)
+        yield server, beats
+    del server
+
+
+def test_heartbeat_names_the_rank_that_stopped_and_finds_nobody_when_all_beat():
+    with beating(3) as (_, beats):
         time.sleep(0.5)
         assert "every rank's heartbeat still moves" in beats[0].explain()
         beats[2].__exit__(None, None, None)  # rank 2 goes silent
         assert beats[0].explain().startswith("silent: rank 2 on host host2 (no heartbeat for 0s")
-    finally:
-        for beat in beats:
-            beat.__exit__(None, None, None)
-        del server
 
 
 def test_heartbeat_names_a_rank_that_never_beat_through_the_per_key_reads():
     """Rank 2's counter does not exist, so the batched read cannot serve: the per-key path."""
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
-                           wait_for_workers=False)
-    beats = [Heartbeat(rank, 3, f"host{rank}", "127.0.0.1", port, interval_s=0.1) for rank in range(2)]
-    for beat in beats:
-        beat.__enter__()
-    try:
+    with beating(2) as (server, beats):
         time.sleep(0.5)
         assert not server.check(["ddp_hpc/heartbeat/2"])
         assert beats[0].explain().startswith("silent: rank 2 on host ? (no heartbeat")
-    finally:
-        for beat in beats:
-            beat.__exit__(None, None, None)
-        del server
 
 
 def test_heartbeat_without_the_store_says_this_rank_is_cut_off():
