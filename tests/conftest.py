@@ -78,14 +78,78 @@ def mpich() -> str:
     return Path(program).name
 
 
+# ----- test worlds shared between tests, and pytest-xdist -----------------------------------
+# Under `pytest -n 2 --dist loadgroup` (.ci/run) tests run on two workers at once. The SLURM
+# test cluster (2 nodes, also behind qsub and submitit), the multihost world (h1, h2) and the
+# GPUs are one each: tests that use one are put in its xdist group, so one worker runs them one after
+# the other and a 2-node job never waits behind another test's job or has its timing skewed.
+SLURM_GROUP = "slurm-cluster"
+MULTIHOST_GROUP = "multihost-world"
+GPU_GROUP = "gpu-devices"  # the host's GPUs: a gpu2 test takes both
+#: Launcher parameters of tests that pick their launcher at run time (request.getfixturevalue)
+#: and reach the SLURM cluster through it.
+CLUSTER_PARAMETERS = frozenset({"srun", "sbatch", "qsub", "submitit", "slurm_cluster"})
+
+
+def _parameter_strings(item: pytest.Item) -> set[str]:
+    callspec = getattr(item, "callspec", None)
+    strings: set[str] = set()
+    for value in (callspec.params.values() if callspec else ()):
+        for part in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(part, str):
+                strings.add(part)
+    return strings
+
+
+def shared_world_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test that uses a shared test world, from its markers, fixtures
+    and launcher parameters; None for a test that uses neither."""
+    if item.get_closest_marker("multihost"):
+        return MULTIHOST_GROUP
+    if item.get_closest_marker("gpu") or item.get_closest_marker("gpu2"):
+        return GPU_GROUP
+    if item.get_closest_marker("slurm") or {"slurm_cluster", "qsub"} & set(item.fixturenames) \
+            or CLUSTER_PARAMETERS & _parameter_strings(item):
+        return SLURM_GROUP
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Runs before xdist's own hook (trylast), which reads the xdist_group markers.
+    for item in items:
+        group = shared_world_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return (marker.kwargs.get("name") or (marker.args[0] if marker.args else None)) if marker else None
+
+
+SLURM_DOWN = "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)"
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster() -> None:
-    up = shutil.which("srun") is not None and subprocess.run(
+def slurm_cluster_up() -> bool:
+    """Whether the cluster answers; module-scoped fixtures use this and need(..., SLURM_DOWN)."""
+    return shutil.which("srun") is not None and subprocess.run(
         ["scontrol", "ping"], capture_output=True, timeout=30).returncode == 0
-    need(up, "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
+def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> None:
+    need(slurm_cluster_up, SLURM_DOWN)
+    # A test that reaches the cluster without being grouped (a launcher parameter missing
+    # from CLUSTER_PARAMETERS) would share it with another worker's test: fail it, here,
+    # in serial runs too, rather than let it flake under xdist.
+    if _xdist_group(request.node) != SLURM_GROUP:
+        pytest.fail(f"{request.node.nodeid} uses the SLURM test cluster but is not in the "
+                    f"{SLURM_GROUP!r} xdist group: add its launcher parameter to CLUSTER_PARAMETERS "
+                    "or mark it @pytest.mark.slurm (tests/conftest.py)")
+
+
+@pytest.fixture
 def qsub(slurm_cluster) -> str:
     """Slurm's PBS wrapper (``qsub``) in front of the test cluster."""
     program = shutil.which("qsub")
@@ -112,6 +176,18 @@ def assert_same_model_and_optimizer(expected: dict, actual: dict) -> None:
 
 #: Figures measured by reliability and scheduler tests, printed after the run.
 FIGURES: list[str] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # On an xdist worker: hand this worker's figures to the controller, which prints them.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["ddp_hpc_figures"] = list(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is not installed
+def pytest_testnodedown(node, error) -> None:
+    FIGURES.extend(getattr(node, "workeroutput", {}).get("ddp_hpc_figures", []))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
