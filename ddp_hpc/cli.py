@@ -105,6 +105,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ddp_hpc.config import load_config
+
+    # A config that does not load is one line in a fraction of a second: checked before
+    # train_job imports torch (seconds), then loaded again by train().
+    load_config(args.config, list(args.overrides))
     from ddp_hpc.train_job import TrainOptions, train
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
