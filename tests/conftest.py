@@ -114,10 +114,26 @@ def shared_world_group(item: pytest.Item) -> str | None:
     return None
 
 
+def module_fixture_group(item: pytest.Item) -> str | None:
+    """Tests of one module that share a module-scoped fixture (a reference run, a built
+    wheel) stay on one worker: split over two, each worker would build it again, at once."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames:
+        found = definitions.name2fixturedefs.get(name) if definitions else None
+        if found and found[-1].scope == "module":
+            return "module:" + item.nodeid.split("::")[0]
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Runs before xdist's own hook (trylast), which reads the xdist_group markers.
+    worlds = {item.nodeid: shared_world_group(item) for item in items}
+    modules = {item.nodeid: module_fixture_group(item) for item in items}
+    # A module fixture that a world's test uses too: all its tests join that world's group.
+    joined = {modules[i]: worlds[i] for i in worlds if modules[i] and worlds[i]}
     for item in items:
-        group = shared_world_group(item)
+        module = modules[item.nodeid]
+        group = worlds[item.nodeid] or joined.get(module) or module
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
 
