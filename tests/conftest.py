@@ -125,8 +125,8 @@ def module_fixture_group(item: pytest.Item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Runs before xdist's own hook (trylast), which reads the xdist_group markers.
     worlds = {item.nodeid: shared_world_group(item) for item in items}
     modules = {item.nodeid: module_fixture_group(item) for item in items}
     # A module fixture that a world's test uses too: all its tests join that world's group.
@@ -163,6 +163,11 @@ def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> Non
         pytest.fail(f"{request.node.nodeid} uses the SLURM test cluster but is not in the "
                     f"{SLURM_GROUP!r} xdist group: add its launcher parameter to CLUSTER_PARAMETERS "
                     "or mark it @pytest.mark.slurm (tests/conftest.py)")
+    # On an xdist worker under --dist loadgroup, xdist appends the group to the test's id
+    # where it honoured the marker (it reads it after this conftest's collection hook).
+    if os.environ.get("PYTEST_XDIST_WORKER") and request.config.getoption("dist", None) == "loadgroup":
+        assert request.node.nodeid.endswith(f"@{SLURM_GROUP}"), \
+            f"xdist did not schedule {request.node.nodeid} with its group {SLURM_GROUP!r}"
 
 
 @pytest.fixture
