@@ -104,6 +104,8 @@ LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
+#: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).
+STRAGGLERS_FILE = "stragglers.json"
 #: What trackers write in the run folder; the CSV tracker's file inside it.
 TRACKING_DIR = "tracking"
 CSV_METRICS_FILE = "metrics.csv"
