@@ -108,6 +108,8 @@ LAST_SHARDED_CHECKPOINT = "last.dcp"
 BEST_SHARDED_CHECKPOINT = "best.dcp"
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
+#: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).
+STRAGGLERS_FILE = "stragglers.json"
 #: What trackers write in the run folder; the CSV tracker's file inside it.
 TRACKING_DIR = "tracking"
 CSV_METRICS_FILE = "metrics.csv"
