@@ -12,6 +12,7 @@ from ddp_hpc.launch.schedulers.base import (
     DryRun,
     JobState,
     JobStatus,
+    RunOpt,
     ScriptScheduler,
     query_tool,
     read_exit_file,
@@ -52,10 +53,12 @@ class PbsScheduler(ScriptScheduler):
     script_suffix = ".pbs"
     tool = "qsub"
     where = "PBS"
+    run_opts = (
+        RunOpt(("--spare-nodes",), "request K extra nodes; a restart (--max-restarts) runs mpiexec without the "
+               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"}),
+    )
 
     def render(self, request: JobRequest) -> str:
-        if request.spare_nodes:
-            raise UserError("--spare-nodes leaves failed nodes out of srun steps: it is for SLURM scripts")
         return render_pbs(request)
 
     def submit_argv(self, script_path: Path) -> list[str]:
