@@ -125,6 +125,12 @@ SUBMISSION_FILE = "submission.json"
 SUBMISSIONS_LOG = "submissions.jsonl"
 #: What a rendered script writes when the job ends: its exit status, for ``status``/``--wait``.
 EXIT_FILE_PREFIX = "exit-"
+#: The nodes a batch script left out of a restart (``--spare-nodes``), one JSON line each:
+#: ``{"host": ..., "attempt": N, "reason": ...}``; ``ddp-hpc status`` shows them.
+LEFT_OUT_FILE = "left-out-hosts.jsonl"
+#: ``rank-failures-<attempt>``: one line ``RANK STATUS`` per rank that failed in that attempt,
+#: in the order they failed (the first names the node a PBS restart leaves out).
+RANK_FAILURES_PREFIX = "rank-failures-"
 #: The hidden temporaries of :func:`atomic_write` (``.NAME.tmp-...``): a crash may leave one.
 TEMPORARY_GLOB = ".*.tmp-*"
 
