@@ -105,7 +105,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.train_job import TrainOptions, train
+
+    # Before the process group starts: the watchdog then names the collective each rank is at.
+    enable_flight_recorder(os.environ)
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
                            verbose=args.verbose, report=True,

@@ -16,6 +16,7 @@ from pathlib import Path
 from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, SWEEP_INDEX_VAR, SWEEP_VAR_PREFIX
 from ddp_hpc.errors import UserError
 from ddp_hpc import schedulers
+from ddp_hpc.launch.left_out import left_out_line
 from ddp_hpc.launch.profiles import load_profile
 from ddp_hpc.launch.request import (
     CommandPayload,
@@ -211,6 +212,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           (f", exit status {status.exit_code}" if status.exit_code is not None else "") +
           (f" [{status.source}: {status.raw}]" if status.raw else ""))
     print(f"run folder: {submission.run_folder}")
+    left_out = left_out_line(Path(submission.run_folder))
+    if left_out:
+        print(left_out)
     if result is not None and result.summary is not None:
         print(f"result: {result.summary.headline()}")
     if result is not None and result.failure:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import SubmitRequest, job_name_directive
-from ddp_hpc.schedulers.base import DryRun, JobStatus, ScriptScheduler, run_tool
+from ddp_hpc.schedulers.base import DryRun, JobStatus, RunOpt, ScriptScheduler, run_tool
 from ddp_hpc.schedulers.pbs.render import render_pbs
 from ddp_hpc.schedulers.pbs.state import pbs_status
 
@@ -18,10 +17,12 @@ class PbsScheduler(ScriptScheduler):
     script_suffix = ".pbs"
     tool = "qsub"
     where = "PBS"
+    run_opts = (
+        RunOpt(("--spare-nodes",), "request K extra nodes; a restart (--max-restarts) runs mpiexec without the "
+               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"}),
+    )
 
     def render(self, request: SubmitRequest) -> str:
-        if request.spare_nodes:
-            raise UserError("--spare-nodes leaves failed nodes out of srun steps: it is for SLURM scripts")
         return render_pbs(request)
 
     def submit_argv(self, script_path: Path) -> list[str]:
