@@ -231,6 +231,8 @@ class RunOpt:
     group: str = "job"
     #: More ``add_argument`` keywords (``type``, ``default``, ``action``, ``metavar``).
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: The ``SubmitRequest`` field the option's value goes to (``spare_nodes``), if any.
+    request_field: str | None = None
 
     @property
     def dest(self) -> str:

@@ -96,15 +96,16 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = payload.config.distributed.max_restarts if isinstance(payload, TrainPayload) else 0
+    # What the family's backends declared (--spare-nodes), into the request fields they name.
+    declared = {opt.request_field: getattr(args, opt.dest) for group in ("job", "backend")
+                for opt in schedulers.run_opts(args.scheduler, group) if opt.request_field}
     return SubmitRequest(
         payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
-        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=max_restarts,
-        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
-        stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0),
-        preflight=args.preflight)
+        max_restarts=max_restarts, sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
+        stop_signal=args.signal or StopSignal.default(), preflight=args.preflight, **declared)
 
 
 def _scheduler(args: argparse.Namespace) -> str:

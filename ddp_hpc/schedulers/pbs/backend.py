@@ -19,7 +19,8 @@ class PbsScheduler(ScriptScheduler):
     where = "PBS"
     run_opts = (
         RunOpt(("--spare-nodes",), "request K extra nodes; a restart (--max-restarts) runs mpiexec without the "
-               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"}),
+               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"},
+               request_field="spare_nodes"),
     )
 
     def render(self, request: SubmitRequest) -> str:
