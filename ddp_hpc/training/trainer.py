@@ -38,6 +38,8 @@ from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.strategy import (full_tensor, load_optimizer_state, model_state, optimizer_state,
+                                       state_bytes, wrap_model)
 from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class Progress:
 
 def parameter_checksum(model: nn.Module) -> float:
     with torch.no_grad():
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+        return float(sum(full_tensor(p.detach()).double().sum().item() for p in model.parameters()))
 
 
 class Trainer:
@@ -117,24 +119,6 @@ class Trainer:
                         "DDP copies rank 0's", checksums)
         return model
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if not self.ctx.group_initialized:
-            return model
-        dist = self.config.distributed
-        wrapped = DistributedDataParallel(
-            model, device_ids=self.ctx.device.ddp_device_ids,
-            find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
-            bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
-        if dist.comm_hook == "bf16" and self.ctx.device.backend not in ("nccl", "xccl"):
-            raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
-                            f"{self.ctx.device.backend}: use comm_hook=fp16")
-        if dist.comm_hook != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-            wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
-        return wrapped
-
     def _find_resume_state(self) -> tuple[Path, dict[str, Any]] | None:
         resume = self.config.checkpoint.resume
         if resume == "never":
@@ -164,7 +148,7 @@ class Trainer:
         self.model = self._build_model()
         if resume:
             self.model.load_state_dict(ckpt.adapt_state_dict(resume[1]["model"], self.model, str(resume[0])))
-        self.ddp_model = self._wrap(self.model)
+        self.ddp_model = wrap_model(self.model, self.config, self.ctx)
         self.lr = scaled_lr(self.training, self.ctx.world_size)
         self.optimizer = build_optimizer(self.model.parameters(), self.training, self.lr,
                                          shard_state=self.training.zero_optimizer and self.ctx.group_initialized)
@@ -439,12 +423,6 @@ class Trainer:
 
     # ----- checkpoints ----------------------------------------------------------------------
 
-    def _optimizer_state(self) -> dict[str, Any] | None:
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
-            self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank calls it
-            return self.optimizer.state_dict() if self.ctx.is_rank_zero else None
-        return self.optimizer.state_dict()
-
     def _prestage_checkpoint(self) -> None:
         """checkpoint.async: host buffers for the largest parts of a checkpoint, allocated in
         the background once the optimizer has state (after the first step)."""
@@ -459,14 +437,15 @@ class Trainer:
         """Every rank calls this (rank 0 gathers their RNG states); rank 0 writes the file."""
         self._beat("checkpoint")
         started = time.perf_counter()
-        optimizer_state = self._optimizer_state()
+        model = model_state(self.model)  # with the optimizer's: collectives under ZeRO and fsdp2
+        optimizer = optimizer_state(self.model, self.optimizer, self.ctx)
         rng_states = self.ctx.gather_object(capture_rng())
         if not self.ctx.is_rank_zero:
             return None
         state = {
             "format": ckpt.FORMAT_VERSION,
-            "model": self.model.state_dict(),
-            "optimizer": optimizer_state,
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
@@ -521,7 +500,7 @@ class Trainer:
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
         if state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         if self.scheduler and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -568,9 +547,10 @@ class Trainer:
 
     def _summary(self, started: float, status: RunStatus, test: dict[str, float] | None,
                  write: bool = True) -> RunSummary:
-        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model)))
-        epochs_per_rank = [epoch for epoch, _ in gathered]
-        checksums = [checksum for _, checksum in gathered]
+        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model),
+                                               state_bytes(self.model, self.optimizer)))
+        epochs_per_rank = [epoch for epoch, _, _ in gathered]
+        checksums = [checksum for _, checksum, _ in gathered]
         rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
         metric = self.config.validation.early_stopping.metric
         summary = RunSummary(
@@ -590,6 +570,7 @@ class Trainer:
             test=test,
             epochs_run_per_rank=epochs_per_rank,
             parameter_checksums_per_rank=checksums,
+            state_bytes_per_rank=[size for _, _, size in gathered],
         )
         if self.ctx.is_rank_zero and write:
             self.run.write_summary(summary)
