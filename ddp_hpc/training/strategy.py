@@ -84,9 +84,13 @@ def shard_model(model: nn.Module, units: list[nn.Module], fsdp: FsdpConfig, ctx:
     """``model`` sharded in place over every rank by ``fully_shard`` (and returned), each
     of ``units`` (``shard_units``) a unit of its own."""
     from torch.distributed._composable import checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    options: dict[str, Any] = {"reshard_after_forward": fsdp.reshard_after_forward}
+    # The mesh on the ranks' own device type: torch's default would take the accelerator
+    # even where the ranks train on CPU.
+    mesh = init_device_mesh(ctx.device.device_type, (ctx.world_size,))
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward}
     if fsdp.mixed_precision == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     names = ", ".join(sorted({type(unit).__name__ for unit in units})) or "the whole model only"
