@@ -234,6 +234,9 @@ class CheckpointConfig:
     #: YAML key ``async``: rank 0 copies the state to host memory and writes the file in a
     #: background thread; training waits only for the copy (ddp_hpc/training/async_checkpoint.py).
     async_write: bool = field(default=False, metadata={"key": "async"})
+    #: ``file``: one file that rank 0 writes; ``dcp``: a folder that every rank writes its
+    #: part of (torch.distributed.checkpoint); null: ``checkpoint_format`` picks by strategy.
+    format: Literal["file", "dcp"] | None = None
 
     def __post_init__(self) -> None:
         positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")
@@ -248,6 +251,14 @@ class CheckpointConfig:
             parse_stop_signal(self.stop_signal)
         except UserError as exc:
             raise ConfigError(f"checkpoint.stop_signal: {exc}") from None
+
+
+def checkpoint_format(config: Config) -> str:
+    """``checkpoint.format``, or when unset the strategy's default: ``dcp`` for sharded
+    models (``training.strategy: fsdp2``), ``file`` otherwise."""
+    if config.checkpoint.format is not None:
+        return config.checkpoint.format
+    return "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
 
 
 @dataclass(frozen=True)
@@ -351,8 +362,9 @@ def check_strategy(config: Config) -> None:
         "distributed.static_graph": (config.distributed.static_graph, "it is a DDP option"),
         "distributed.weights_check_every": (config.distributed.weights_check_every is not None,
                                             "it compares whole replicas; under fsdp2 each rank holds other shards"),
-        "checkpoint.async": (config.checkpoint.async_write,
-                             "the background writer copies one rank's whole model"),
+        "checkpoint.async with checkpoint.format=file": (
+            config.checkpoint.async_write and checkpoint_format(config) == "file",
+            "its background writer copies one rank's whole model; the dcp format saves shards in the background"),
     }
     for key, (is_set, why) in refused.items():
         if is_set:

@@ -102,8 +102,14 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
+#: Sharded checkpoints (``checkpoint.format: dcp``): ``step-NNNNNNNN/`` folders, and these
+#: one-line files naming the newest complete one and the best one.
+LAST_SHARDED_CHECKPOINT = "last.dcp"
+BEST_SHARDED_CHECKPOINT = "best.dcp"
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
+#: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).
+STRAGGLERS_FILE = "stragglers.json"
 #: What trackers write in the run folder; the CSV tracker's file inside it.
 TRACKING_DIR = "tracking"
 CSV_METRICS_FILE = "metrics.csv"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from conftest import FIGURES, REPO
+from conftest import FIGURES, REPO, load_last_checkpoint
 from ddp_hpc.config import load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.distributed import process_group
@@ -41,12 +41,12 @@ FSDP2 = ["training.strategy=fsdp2"]
     ("distributed.find_unused_parameters=true", "distributed.find_unused_parameters cannot be used"),
     ("distributed.static_graph=true", "distributed.static_graph cannot be used"),
     ("distributed.weights_check_every=5", "distributed.weights_check_every cannot be used"),
-    ("checkpoint.async=true", "checkpoint.async cannot be used"),
+    ("checkpoint.async=true checkpoint.format=file", "checkpoint.async with checkpoint.format=file cannot be used"),
 ])
 def test_options_that_cannot_work_on_shards_are_refused_in_one_line(override, fragment):
-    load_config(None, [override])  # fine under ddp
+    load_config(None, override.split())  # fine under ddp
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        load_config(None, [*FSDP2, override])
+        load_config(None, [*FSDP2, *override.split()])
 
 
 def test_the_fsdp_section_under_ddp_is_refused():
@@ -87,7 +87,7 @@ def _fit_one_process(tmp_path: Path, overrides: list[str]):
 @pytest.mark.multiproc
 def test_fsdp2_on_two_ranks_trains_like_one_rank_of_twice_the_batch_holding_half_the_state(tmp_path):
     result = torchrun_train(tmp_path, 2, [*TWO_RANK_FSDP2, *FSDP2, "training.batch_size=16", "fsdp.wrap=[Linear]",
-                                          "fsdp.activation_checkpointing=true"], name="fsdp2")
+                                          "fsdp.activation_checkpointing=true", "checkpoint.format=file"], name="fsdp2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fsdp2: 4 units sharded over 2 ranks (Linear), activations recomputed" in result.stderr
     summary, rows = read_run(tmp_path, "fsdp2")
@@ -108,8 +108,8 @@ def test_fsdp2_on_two_ranks_trains_like_one_rank_of_twice_the_batch_holding_half
     FIGURES.append(f"fsdp2, 2 ranks: parameter + optimizer-state bytes per rank {summary['state_bytes_per_rank']} "
                    f"against {whole} in one process (ratio {max(summary['state_bytes_per_rank']) / whole:.3f})")
 
-    # The checkpoint holds the whole model and optimizer state, numbered as DDP's are: it
-    # loads into the plain model.
+    # checkpoint.format file: the checkpoint holds the whole model and optimizer state,
+    # numbered as DDP's are; it loads into the plain model.
     state = load_checkpoint(tmp_path / "runs" / "fsdp2" / "checkpoints" / "last.pt")
     plain = make_mlp(16, 32, 2, 10)
     plain.load_state_dict(state["model"])
@@ -119,6 +119,7 @@ def test_fsdp2_on_two_ranks_trains_like_one_rank_of_twice_the_batch_holding_half
     assert checksum == pytest.approx(checksums[0], rel=1e-9)
 
 
+# The default checkpoint format under fsdp2, dcp: every rank writes its shards.
 # 60 samples. On 2 ranks of batch 4: 8 steps per epoch, stopped at step 11 = epoch 1 after 24
 # samples; on 3 ranks the other 36 take 3 steps, stopped after 2 (step 13, 48 samples); on
 # one rank the last 12 take 3 steps, then 15 steps of epoch 2.
@@ -141,7 +142,7 @@ def test_fsdp2_resumed_on_three_then_one_rank_trains_every_sample_once_and_the_l
                           name="r")
         if nproc in stops:
             assert_stopped_with_75(result, nproc)
-            state = load_checkpoint(runs / "r" / "checkpoints" / "last.pt")
+            state = load_last_checkpoint(runs / "r" / "checkpoints")
             assert (state["world_size"], state["progress"]["global_step"]) == (nproc, stops[nproc])
         else:
             assert result.returncode == 0, result.stderr[-3000:]
@@ -151,9 +152,10 @@ def test_fsdp2_resumed_on_three_then_one_rank_trains_every_sample_once_and_the_l
 
     counts = count_ids(*(tmp_path / f"ids-{n}" for n in (2, 3, 1)))
     assert [counts[epoch] for epoch in range(3)] == [Counter(range(60))] * 3
-    final = load_checkpoint(runs / "r" / "checkpoints" / "last.pt")
+    assert (runs / "r" / "checkpoints" / "last.dcp").exists() and not (runs / "r" / "checkpoints" / "last.pt").exists()
+    final = load_last_checkpoint(runs / "r" / "checkpoints")
     assert final["progress"]["global_step"] == 13 + 3 + 15 and final["world_size"] == 1
-    assert int(final["optimizer"]["state"][0]["step"]) == 31  # Adam's state went on through both resumes
+    assert int(final["optimizer"]["state"]["weight"]["step"]) == 31  # Adam's state went on through both resumes
 
     # The whole training set's loss after the first step of each resumed run stays within
     # 10% of its loss at the checkpoint.
