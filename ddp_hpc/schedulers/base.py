@@ -245,9 +245,9 @@ class RunOpt:
 class Scheduler(ABC):
     """One way of submitting. Subclasses fill in a few hooks."""
 
-    #: The registry key (``pbs``, ``sbatch``, ``submitit``).
+    #: The backend's name (``pbs``, ``sbatch``, ``submitit``, ``local``): what ``submit`` records.
     name: ClassVar[str]
-    #: The profile's ``scheduler`` family this backend submits to (``pbs`` or ``slurm``).
+    #: The family this backend belongs to: its REGISTRY key and the profiles' ``scheduler``.
     family: ClassVar[str]
     #: The batch script's file suffix, where there is a script.
     script_suffix: ClassVar[str] = ""
