@@ -4,6 +4,7 @@ of a rendered job running from the node-local copy."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -88,6 +89,7 @@ def test_a_node_whose_parent_never_comes_names_it(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.slurm
+@pytest.mark.slow  # packs and copies the whole test venv (1.6 GB, 40,000 files) twice
 def test_sbatch_stage_env_runs_every_rank_from_its_node_local_copy(tmp_path, slurm_cluster):
     """Two nodes, two ranks each: torch comes from each node's copy; each node times the import."""
     probe = tmp_path / "where_is_torch.py"
@@ -95,6 +97,14 @@ def test_sbatch_stage_env_runs_every_rank_from_its_node_local_copy(tmp_path, slu
                      "print(f\"rank {os.environ['RANK']} node {os.environ['SLURMD_NODENAME']} torch \"\n"
                      "      f\"{torch.__file__} import {time.perf_counter() - t:.2f} s\", flush=True)\n")
     local = tmp_path / "node-local"
+    try:
+        _submit_and_check(tmp_path, probe, local)
+    finally:  # 1.6 GB per copy and the archive: rebuilt by the next run
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def _submit_and_check(tmp_path: Path, probe: Path, local: Path) -> None:
     result = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "2", "--tasks-per-node", "2",
                   "--walltime", "10", "--stage-env", "--stage-dir", str(local), "--run-dir", str(tmp_path / "runs"),
                   "--env", "DDP_HPC_STAGE_TIME_IMPORT=torch", "--wait", "--", "python", str(probe)],
