@@ -89,6 +89,11 @@ CORPUS = [
     ("negative watchdog", {}, [*TRAIN, "distributed.watchdog_s=-1"], {}, "distributed.watchdog_s must be > 0"),
     ("weights check every 0 steps", {}, [*TRAIN, "distributed.weights_check_every=0"], {},
      "distributed.weights_check_every must be > 0"),
+    # training.strategy=fsdp2 with what cannot work on shards.
+    ("ZeRO under fsdp2", {}, [*TRAIN, "training.strategy=fsdp2", "training.zero_optimizer=true"], {},
+     "training.zero_optimizer cannot be used with training.strategy=fsdp2: fsdp2 shards the optimizer state already"),
+    ("fsdp.wrap names a class the model lacks", {}, [*TRAIN, "training.strategy=fsdp2", "fsdp.wrap=[Block]"], {},
+     "fsdp.wrap names Block, which the model does not contain (its module classes: "),
     # A run folder that cannot be created.
     ("run folder under a file", {"afile": "x"}, [*TRAIN, "logging.run_dir={tmp}/afile/runs"], {},
      "afile/runs/digits cannot be created: {tmp}/afile is not a folder"),
@@ -138,6 +143,8 @@ CORPUS = [
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
     ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
+    ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
+     "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

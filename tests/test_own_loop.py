@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_same_model_and_optimizer, clean_env, ddp_hpc_command, run
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -36,7 +36,14 @@ def uninterrupted(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("whole")
     done = run(torchrun(2), env={"RUN_DIR": str(folder)}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return load_checkpoint(folder / "checkpoints" / "last.pt")
+    return final_state(folder)
+
+
+def final_state(folder: Path) -> dict:
+    """The last checkpoint, with each rank's part (its own file beside it) as ``ranks``."""
+    state = load_checkpoint(folder / "checkpoints" / "last.pt")
+    state["ranks"] = [load_rank_part(folder / "checkpoints", state["step"], rank) for rank in range(state["world_size"])]
+    return state
 
 
 def assert_bit_identical(expected: dict, actual: dict) -> None:
@@ -45,8 +52,8 @@ def assert_bit_identical(expected: dict, actual: dict) -> None:
     assert_same_model_and_optimizer(expected, actual)
     # The example seeds torch's RNG only: numpy's and Python's start from OS entropy in every
     # process, so only torch's stream can (and must) be the same as in the uninterrupted run.
-    assert len(actual["per_rank"]) == len(expected["per_rank"]) == 2
-    for mine, theirs in zip(actual["per_rank"], expected["per_rank"]):
+    assert len(actual["ranks"]) == len(expected["ranks"]) == 2
+    for mine, theirs in zip(actual["ranks"], expected["ranks"]):
         assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
 
 
@@ -65,7 +72,7 @@ def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, un
     for rank in (0, 1):
         assert f"rank {rank}: restored None at step 0" in done.stderr
         assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
-    assert_bit_identical(uninterrupted, load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
 def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted):
@@ -89,7 +96,7 @@ def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path,
     for rank in (0, 1):
         assert f"rank {rank}: restored None at step 0" in done.stderr
         assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
-    assert_bit_identical(uninterrupted, load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
 def _ids(folder: Path) -> Counter:
@@ -176,7 +183,7 @@ def test_sbatch_job_killed_once_then_signalled_requeues_and_ends_bit_identical(t
     # The first attempt, the restart after the kill, the requeued job after the stop.
     assert _restores(log) == _restores(log, rank=1) == [None, 30, stopped], log[-3000:]
     assert stopped >= 50
-    assert_bit_identical(uninterrupted, load_checkpoint(run_dir / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(run_dir))
 
 
 @pytest.mark.slurm
@@ -205,7 +212,7 @@ def test_submitit_command_job_signalled_requeues_and_ends_bit_identical(tmp_path
     logs = "".join(p.read_text() for p in (tmp_path / "runs" / "own-loop" / "submitit").glob("*_0_log.err"))
     stopped = int(re.search(r"stopped on request at step (\d+)", logs).group(1))
     assert _restores(logs) == [None, stopped] and stopped >= 30, logs[-3000:]
-    assert_bit_identical(uninterrupted, load_checkpoint(run_dir / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(run_dir))
 
 
 @pytest.mark.slurm
@@ -228,7 +235,7 @@ def test_pbs_chain_of_short_jobs_stops_at_each_deadline_and_ends_bit_identical(t
     stops = [int(step) for step in re.findall(r"stopped on request at step (\d+)", logs)]
     assert stops, logs[-3000:]  # at least one link stopped itself before its walltime
     assert _restores(logs)[:len(stops) + 1] == [None, *stops]
-    assert_bit_identical(uninterrupted, load_checkpoint(run_dir / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(run_dir))
 
 
 @pytest.mark.timeout(1200)  # 11 launches of 2 ranks: over 5 minutes on the loaded 2-core machine
@@ -251,4 +258,4 @@ def test_rank_0_killed_10_times_during_background_saves_resumes_each_time_from_t
     assert len({int(w) / int(s) for _, _, w, s in kills}) == 10  # random points
     assert _restores(done.stderr) == [None, *range(10, 110, 10)], done.stderr[-3000:]
     assert not list((tmp_path / "run" / "checkpoints").glob(".*.tmp-*"))  # the restarts removed the leftovers
-    assert_bit_identical(uninterrupted, load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
