@@ -14,11 +14,13 @@ from ddp_hpc.contract import (
     PREEMPTED_MARKER,
     RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
+    STAGE_ROOT_VAR,
     ExitStatus,
     exit_file_name,
 )
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.launch.request import SubmitRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.staging.fanout import NODE_NAME_SHELL
 
 
 class ShellVar(str):
@@ -45,7 +47,45 @@ SWEEP_ARGS = ShellArray("sweep_args")
 def rank_argv(request: SubmitRequest) -> list[str]:
     """The per-rank command; in a sweep of a config, the element's overrides follow."""
     argv = request.rank_command()
-    return [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
+    argv = [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
+    return staged_argv(request, argv)
+
+
+#: ``--stage-env``: a rank (or torchrun) starts with its node's copy of the environment
+#: first on PATH, so ``ddp-hpc``, ``python`` and ``torchrun`` are the copy's. Plain shell:
+#: nothing is imported from the shared file system to find the copy.
+STAGED_WRAPPER = (f'd="${{{STAGE_ROOT_VAR}}}/{NODE_NAME_SHELL}"; export PATH="$d/bin:$PATH" VIRTUAL_ENV="$d"; '
+                  'exec "$@"')
+
+
+def staged_argv(request: SubmitRequest, argv: Sequence[str]) -> list[str]:
+    """``argv``, run from the node-local copy of the environment when the job stages it."""
+    return ["bash", "-c", STAGED_WRAPPER, "ddp-hpc-staged", *argv] if request.stage_env else list(argv)
+
+
+#: What each node runs to get its copy (one process per node).
+STAGE_FAN_OUT_ARGV = ("ddp-hpc", "stage", "fan-out", ShellVar("stage_archive"), "--rendezvous",
+                      ShellVar("stage_rendezvous"))
+
+
+def stage_lines(request: SubmitRequest, fan_out_command: str, job_id_var: str, job_key: str) -> list[str]:
+    """``--stage-env``: pack the environment once (reused while unchanged), copy it to every
+    node's ``--stage-dir`` over a tree of the nodes, and end the job (exit 1) if that fails."""
+    if not request.stage_env:
+        return []
+    root = f'{shell_quote(request.stage_dir.rstrip("/") or "/")}/ddp_hpc-env-"${{{job_id_var}}}"'
+    return [
+        "# Environment staging (--stage-env): packed once, copied to node-local disk on every node (each node",
+        "# that has it sends it to two more), the ranks run from there",
+        f"export {STAGE_ROOT_VAR}={root}",
+        f'stage_rendezvous=$(mktemp -d "${RUN_FOLDER_VAR}/.stage.XXXXXX")',
+        f"if ! stage_archive=$(ddp-hpc stage pack) || ! {fan_out_command}; then",
+        '  echo "ddp_hpc: staging the environment failed (see above): the ranks were not started" >&2',
+        f'  printf \'%s\\n\' {ExitStatus.FAILED:d} >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
+        f"  exit {ExitStatus.FAILED:d}",
+        "fi",
+        'rm -rf "$stage_rendezvous"',
+    ]
 
 
 def sweep_block(request: SubmitRequest, index_var: str, workdir_var: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ddp_hpc.contract import DEADLINE_VAR
 from ddp_hpc.launch.local import FRESH_STORE_PER_ATTEMPT
 from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
@@ -18,6 +20,9 @@ from ddp_hpc.launch.script import (
     rank_argv,
     render_argv,
     run_folder_lines,
+    stage_lines,
+    STAGE_FAN_OUT_ARGV,
+    staged_argv,
     sweep_block,
 )
 from ddp_hpc.schedulers.slurm.job_key import script_job_key
@@ -100,10 +105,15 @@ def step_argv(request: SubmitRequest) -> list[str]:
     if not request.torchrun_per_node:
         return [*srun, *rank_argv(request)]
     fresh_store = ["env", "=".join(FRESH_STORE_PER_ATTEMPT)] if request.max_restarts else []
-    return [*srun, *fresh_store, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
+    return [*srun, *fresh_store, *staged_argv(request, ["torchrun"]), "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
             "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", str(request.max_restarts),
             "--no-python", *rank_argv(request)]
+
+
+def _one_task_per_node(request: SubmitRequest, argv: Sequence[str], *, spare_too: bool = False) -> list[str]:
+    nodes = request.nodes + (request.spare_nodes if spare_too else 0)
+    return ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", *argv]
 
 
 def render_sbatch(request: SubmitRequest) -> str:
@@ -129,9 +139,10 @@ def render_sbatch(request: SubmitRequest) -> str:
         f'echo "ddp_hpc: job $SLURM_JOB_ID: {request.world_size} ranks on {request.nodes} node(s)"',
         *(sweep_block(request, "SLURM_ARRAY_TASK_ID", "PWD") if request.sweep is not None
           else run_folder_lines(request, "PWD")),
-        *(preflight_lines(render_argv(["srun", "--kill-on-bad-exit=1", f"--nodes={request.nodes}",
-                                       f"--ntasks={request.nodes}", "--ntasks-per-node=1", *PREFLIGHT_ARGV]),
-                          job_key(request)) if request.preflight else []),
+        *(preflight_lines(render_argv(_one_task_per_node(request, PREFLIGHT_ARGV)), job_key(request))
+          if request.preflight else []),
+        *stage_lines(request, render_argv(_one_task_per_node(request, STAGE_FAN_OUT_ARGV, spare_too=True)), "SLURM_JOB_ID",
+                     job_key(request)),
         deadline_line(request),
         *SLURM_DEADLINE_LINES,
         # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
