@@ -43,6 +43,13 @@ WALLTIME_VAR = "DDP_HPC_WALLTIME_S"
 SWEEP_INDEX_VAR = "DDP_HPC_SWEEP_INDEX"
 SWEEP_VAR_PREFIX = "DDP_HPC_SWEEP_"
 
+#: ``--stage-env``: the node-local folder holding each node's copy of the environment
+#: (``ROOT/<node name>``); set by the rendered script, read by ``ddp-hpc stage fan-out``.
+STAGE_ROOT_VAR = "DDP_HPC_STAGE_ROOT"
+#: ``ddp-hpc stage fan-out``: modules (comma-separated) each node then imports from the
+#: shared environment and from its copy, timing both (``--env DDP_HPC_STAGE_TIME_IMPORT=torch``).
+STAGE_TIME_IMPORT_VAR = "DDP_HPC_STAGE_TIME_IMPORT"
+
 # Shell variables that live only inside a rendered PBS script.
 #: The job's hosts, one per line, duplicates removed.
 HOSTFILE_VAR = "DDP_HPC_HOSTFILE"
@@ -102,8 +109,14 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
+#: Sharded checkpoints (``checkpoint.format: dcp``): ``step-NNNNNNNN/`` folders, and these
+#: one-line files naming the newest complete one and the best one.
+LAST_SHARDED_CHECKPOINT = "last.dcp"
+BEST_SHARDED_CHECKPOINT = "best.dcp"
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
+#: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).
+STRAGGLERS_FILE = "stragglers.json"
 #: What trackers write in the run folder; the CSV tracker's file inside it.
 TRACKING_DIR = "tracking"
 CSV_METRICS_FILE = "metrics.csv"
@@ -119,6 +132,12 @@ SUBMISSION_FILE = "submission.json"
 SUBMISSIONS_LOG = "submissions.jsonl"
 #: What a rendered script writes when the job ends: its exit status, for ``status``/``--wait``.
 EXIT_FILE_PREFIX = "exit-"
+#: The nodes a batch script left out of a restart (``--spare-nodes``), one JSON line each:
+#: ``{"host": ..., "attempt": N, "reason": ...}``; ``ddp-hpc status`` shows them.
+LEFT_OUT_FILE = "left-out-hosts.jsonl"
+#: ``rank-failures-<attempt>``: one line ``RANK STATUS`` per rank that failed in that attempt,
+#: in the order they failed (the first names the node a PBS restart leaves out).
+RANK_FAILURES_PREFIX = "rank-failures-"
 #: The hidden temporaries of :func:`atomic_write` (``.NAME.tmp-...``): a crash may leave one.
 TEMPORARY_GLOB = ".*.tmp-*"
 

@@ -1,6 +1,6 @@
 """What to run where: the typed request every script renderer takes, and shared pieces.
 
-Rendering is pure: a ``JobRequest`` in, script text out. Every user-supplied string that
+Rendering is pure: a ``SubmitRequest`` in, script text out. Every user-supplied string that
 reaches the shell goes through ``shell_quote`` (one physical line, whatever it holds);
 values in ``#PBS``/``#SBATCH`` directives (read by the scheduler, not the shell) are
 reduced to a safe character set.
@@ -137,8 +137,9 @@ Payload = TrainPayload | CommandPayload
 
 
 @dataclass(frozen=True)
-class JobRequest:
-    """What to run (a config or a command), on which cluster profile, in which shape."""
+class SubmitRequest:
+    """What to submit (scheduler side: what render and submit take): a config or a command,
+    on which cluster profile, in which shape."""
 
     payload: Payload
     profile: ClusterProfile
@@ -167,6 +168,10 @@ class JobRequest:
     chain: int = 1
     #: The signal the scheduler sends ahead of the time limit, and how far ahead (SLURM).
     stop_signal: StopSignal = field(default_factory=StopSignal.default)
+    #: Copy the job's Python environment to every node's ``stage_dir`` and run the ranks from there.
+    stage_env: bool = False
+    #: Node-local folder for the copy (``--stage-dir``).
+    stage_dir: str = "/tmp"
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -181,6 +186,8 @@ class JobRequest:
             raise ConfigError(f"--spare-nodes {self.spare_nodes} must be >= 0")
         if self.spare_nodes and not self.max_restarts:
             raise ConfigError("--spare-nodes needs --max-restarts: spare nodes are used by a restart")
+        if self.stage_env and not Path(self.stage_dir).is_absolute():
+            raise ConfigError(f"--stage-dir {self.stage_dir!r} must be an absolute path (node-local, e.g. /tmp)")
         if self.chain < 1:
             raise ConfigError(f"--chain {self.chain} must be >= 1")
         if self.sweep is not None and self.chain > 1:
@@ -218,7 +225,7 @@ class JobRequest:
 
     @classmethod
     def build(cls, cluster: str, nodes: int = 1, *, config: str | None = None, overrides: Sequence[str] = (),
-              command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> JobRequest:
+              command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> SubmitRequest:
         """A request from plain values: a cluster profile's name (or YAML path) and either a
         config (with overrides) or a command; ``options`` are the other fields."""
         from ddp_hpc.launch.profiles import load_profile

@@ -18,26 +18,29 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ddp_hpc.config import Config
+from ddp_hpc.config import Config, checkpoint_format
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.tracking import RunShape, Tracking
 from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError
+from ddp_hpc.engine.dcp_format import DcpFormat, ShardedState, check_complete, read_blob, SHARED_KEY
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
 from ddp_hpc.training.job import Datasets, Job, StepOutput
-from ddp_hpc.engine.liveness import watch_progress
+from ddp_hpc.engine.liveness import Straggler, watch_progress
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.strategy import (full_tensor, load_optimizer_state, model_state, optimizer_state,
+                                       state_bytes, wrap_model)
 from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,7 @@ class Progress:
 
 def parameter_checksum(model: nn.Module) -> float:
     with torch.no_grad():
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+        return float(sum(full_tensor(p.detach()).double().sum().item() for p in model.parameters()))
 
 
 class Trainer:
@@ -76,12 +79,23 @@ class Trainer:
         self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
+        #: Rank 0: the stragglers its heartbeat named, by rank (kept in the run record).
+        self.stragglers: dict[int, Straggler] = {}
         self.tracking = Tracking(config, ctx, run)
         #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
         self.last_checkpoint_s = 0.0
         self.resharding: Resharding | None = None
-        #: checkpoint.async: rank 0's background writer (None: synchronous saves).
-        self.checkpoint_writer = AsyncCheckpointWriter() if config.checkpoint.async_write else None
+        #: checkpoint.format dcp: every rank writes its part of a checkpoint folder.
+        self.sharded = (DcpFormat(background=config.checkpoint.async_write)
+                        if checkpoint_format(config) == "dcp" else None)
+        #: checkpoint.async with format file: rank 0's background writer (None: synchronous saves).
+        self.checkpoint_writer = (AsyncCheckpointWriter() if config.checkpoint.async_write and self.sharded is None
+                                  else None)
+        if self.sharded is not None and config.training.zero_optimizer:
+            raise UserError("checkpoint.format dcp cannot save training.zero_optimizer's state: use "
+                            "checkpoint.format=file")
+        #: This rank's part of the checkpoint resumed from (its RNG streams).
+        self._resumed_rank_part: dict[str, Any] = {}
 
     # ----- setup ------------------------------------------------------------------------
 
@@ -117,39 +131,40 @@ class Trainer:
                         "DDP copies rank 0's", checksums)
         return model
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if not self.ctx.group_initialized:
-            return model
-        dist = self.config.distributed
-        wrapped = DistributedDataParallel(
-            model, device_ids=self.ctx.device.ddp_device_ids,
-            find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
-            bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
-        if dist.comm_hook == "bf16" and self.ctx.device.backend not in ("nccl", "xccl"):
-            raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
-                            f"{self.ctx.device.backend}: use comm_hook=fp16")
-        if dist.comm_hook != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-            wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
-        return wrapped
-
     def _find_resume_state(self) -> tuple[Path, dict[str, Any]] | None:
         resume = self.config.checkpoint.resume
         if resume == "never":
             return None
         if resume == "auto":
+            if self.sharded is not None:
+                path = self.sharded.newest(self.ctx, self.run.checkpoints)
+                if path is not None:
+                    return ckpt.check_same_job((path, self._sharded_shared(path)), self.config.job.name)
             found = ckpt.newest_loadable(self.run.checkpoints)
             return ckpt.check_same_job(found, self.config.job.name) if found else None
         path = Path(resume)
+        if path.is_dir():
+            return ckpt.check_same_job((path, self._sharded_shared(path)), self.config.job.name)
         return ckpt.check_same_job((path, ckpt.load_checkpoint(path)), self.config.job.name)
+
+    @staticmethod
+    def _sharded_shared(path: Path) -> dict[str, Any]:
+        """A dcp checkpoint's plain data (progress, config, ...): every rank reads it itself."""
+        state = read_blob(path, check_complete(path), SHARED_KEY)
+        if not isinstance(state, dict) or state.get("format") != ckpt.FORMAT_VERSION:
+            raise ckpt.CheckpointError(f"checkpoint {path} is not a ddp_hpc checkpoint (format {ckpt.FORMAT_VERSION})")
+        return state
 
     # ----- the run ----------------------------------------------------------------------
 
-    def _beat(self, phase: str) -> None:
+    def _beat(self, phase: str, compute_s: float | None = None) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(phase, self.progress.global_step)
+            self.watchdog.beat(phase, self.progress.global_step, compute_s)
+
+    def _record_straggler(self, straggler: Straggler) -> None:
+        """Rank 0's heartbeat thread: keep what it found in the run record."""
+        self.stragglers[straggler.rank] = straggler
+        self.run.write_stragglers([asdict(found) for found in self.stragglers.values()])
 
     def fit(self) -> RunSummary:
         started = time.perf_counter()
@@ -162,9 +177,9 @@ class Trainer:
                 self.ctx.world_size, self.training.batch_size, self.training.grad_accum_steps))
 
         self.model = self._build_model()
-        if resume:
+        if resume and not resume[0].is_dir():
             self.model.load_state_dict(ckpt.adapt_state_dict(resume[1]["model"], self.model, str(resume[0])))
-        self.ddp_model = self._wrap(self.model)
+        self.ddp_model = wrap_model(self.model, self.config, self.ctx)
         self.lr = scaled_lr(self.training, self.ctx.world_size)
         self.optimizer = build_optimizer(self.model.parameters(), self.training, self.lr,
                                          shard_state=self.training.zero_optimizer and self.ctx.group_initialized)
@@ -192,6 +207,10 @@ class Trainer:
                                          total_steps if sched.interval == "step" else self.training.epochs)
 
         if resume:
+            if resume[0].is_dir():  # a dcp folder: the modules and optimizer are loaded in place
+                self._resumed_rank_part = DcpFormat().load(self.ctx, resume[0], self._sharded_state({}, {})).mine
+            else:
+                self._resumed_rank_part = self._file_rank_part(*resume)
             self._restore(*resume)
         else:
             seed_everything(self.training.seed + self.ctx.rank)  # dropout, augmentation: per rank
@@ -208,7 +227,8 @@ class Trainer:
 
         # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
         limit = self.config.distributed.watchdog_s
-        with watch_progress(self.ctx, limit) as self.watchdog, self._checkpoint_writes():
+        straggling = self._record_straggler if self.ctx.is_rank_zero else None
+        with watch_progress(self.ctx, limit, straggling) as self.watchdog, self._checkpoint_writes():
             status = self._train_epochs(datasets)
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
@@ -317,6 +337,7 @@ class Trainer:
         self._step_save_pending = False
         batches = self._progress_bar(self.loader, epoch, start_batch, total_batches)
         batch_index = start_batch
+        forward_s = 0.0  # the step's own work, which no collective waits in (the straggler check)
         for batch in batches:
             window_start = (batch_index // accum) * accum
             window = min(accum, total_batches - window_start)
@@ -324,8 +345,10 @@ class Trainer:
             sync = closes_window or not isinstance(self.ddp_model, DistributedDataParallel)
             batch = self.job.move_batch(batch, self.device, non_blocking=self.pin_memory)
             with nullcontext() if sync else self.ddp_model.no_sync():
+                forward_started = time.perf_counter()
                 with self.precision.autocast():
                     output = self.job.training_step(self.ddp_model, batch)
+                forward_s += time.perf_counter() - forward_started
                 self.scaler.scale(output.loss / window).backward()
             sums.add(self._per_sample(output))
             batch_index += 1
@@ -335,7 +358,8 @@ class Trainer:
             self.progress = replace(self.progress, batches_done=batch_index, global_step=self.progress.global_step + 1)
             if self.checkpoint_writer is not None and not self.checkpoint_writer.staged and self.ctx.is_rank_zero:
                 self._prestage_checkpoint()
-            self._beat("training")
+            self._beat("training", forward_s)
+            forward_s = 0.0
             for callback in self.callbacks:
                 callback.on_step_end(self)
             self._maybe_log_step(sums)
@@ -439,12 +463,6 @@ class Trainer:
 
     # ----- checkpoints ----------------------------------------------------------------------
 
-    def _optimizer_state(self) -> dict[str, Any] | None:
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
-            self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank calls it
-            return self.optimizer.state_dict() if self.ctx.is_rank_zero else None
-        return self.optimizer.state_dict()
-
     def _prestage_checkpoint(self) -> None:
         """checkpoint.async: host buffers for the largest parts of a checkpoint, allocated in
         the background once the optimizer has state (after the first step)."""
@@ -455,28 +473,56 @@ class Trainer:
             parts["ema"] = self.ema.state_dict()
         self.checkpoint_writer.prestage(parts)
 
+    def _sharded_state(self, shared: dict[str, Any], per_rank: dict[str, Any]) -> ShardedState:
+        modules: dict[str, nn.Module] = {"model": self.model}
+        if self.ema is not None:
+            modules["ema"] = self.ema
+        return ShardedState(modules, {"optimizer": (self.model, self.optimizer)}, shared, per_rank)
+
+    def _file_rank_part(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of a single-file checkpoint: its own small file beside it (or,
+        in files written before those existed, the list of every rank's RNG inside it)."""
+        if int(state.get("world_size", -1)) != self.ctx.world_size:
+            return {}
+        if "rng" in state:
+            return {"rng": state["rng"][self.ctx.rank]}
+        return ckpt.load_rank_part(path.parent, int(state["progress"]["global_step"]), self.ctx.rank)
+
     def save_checkpoint(self, improved: bool) -> Path | None:
-        """Every rank calls this (rank 0 gathers their RNG states); rank 0 writes the file."""
+        """Every rank calls this and writes its own RNG streams; rank 0 writes the file
+        (``checkpoint.format: dcp``: every rank writes its part of the folder)."""
         self._beat("checkpoint")
         started = time.perf_counter()
-        optimizer_state = self._optimizer_state()
-        rng_states = self.ctx.gather_object(capture_rng())
-        if not self.ctx.is_rank_zero:
-            return None
-        state = {
+        shared = {
             "format": ckpt.FORMAT_VERSION,
-            "model": self.model.state_dict(),
-            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
             "progress": asdict(self.progress),
-            "rng": rng_states,
             "world_size": self.ctx.world_size,
             "early_stopping": self.early.to_dict(),
             "history": self.history,
             "config": self.config.to_dict(),
             "tracking": self.tracking.state(self.progress.global_step),
+        }
+        if self.sharded is not None:
+            path = self.sharded.save(self.ctx, self.run.checkpoints, self.progress.global_step,
+                                     self._sharded_state(shared, {"rng": capture_rng()}),
+                                     keep_last=self.config.checkpoint.keep_last,
+                                     best=improved and self.config.checkpoint.save_best)
+            self.last_checkpoint_s = time.perf_counter() - started
+            self._checkpoints_written(self.sharded.take_finished())
+            return path
+        model = model_state(self.model)  # with the optimizer's: collectives under ZeRO and fsdp2
+        optimizer = optimizer_state(self.model, self.optimizer, self.ctx)
+        ckpt.save_rank_part(self.run.checkpoints, self.progress.global_step, self.ctx.rank, {"rng": capture_rng()})
+        self.ctx.barrier()  # every rank's part is on disk before the file that makes the checkpoint count
+        if not self.ctx.is_rank_zero:
+            return None
+        state = {
+            **shared,
+            "model": model,
+            "optimizer": optimizer,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
         }
         path = ckpt.step_path(self.run.checkpoints, self.progress.global_step)
         write = partial(ckpt.write_checkpoint, path=path, best=improved and self.config.checkpoint.save_best,
@@ -501,6 +547,11 @@ class Trainer:
         try:
             yield
         except BaseException:
+            if self.sharded is not None:
+                try:
+                    self.sharded.wait()
+                except CheckpointWriteError as exc:  # the error already raised matters more
+                    log.error("%s", exc)
             if self.checkpoint_writer is not None:
                 self._beat("checkpoint")
                 try:
@@ -511,6 +562,9 @@ class Trainer:
         if self.checkpoint_writer is not None:
             self._beat("checkpoint")  # a write still in flight is watched like a synchronous one
             self._checkpoints_written(self.checkpoint_writer.wait())
+        if self.sharded is not None:
+            self._beat("checkpoint")
+            self._checkpoints_written(self.sharded.wait())
 
     def _checkpoints_written(self, records) -> None:
         for record in records:
@@ -520,20 +574,25 @@ class Trainer:
                 callback.on_checkpoint_saved(self, record.path)
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        if state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if not path.is_dir():  # a dcp folder's optimizer and EMA are loaded already
+            if state["optimizer"] is not None:
+                load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            if self.ema is not None and state["ema"] is not None:
+                self.ema.load_state_dict(state["ema"])
         if self.scheduler and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
         self.progress = Progress(**state["progress"])
         self.early = EarlyStoppingState(**state["early_stopping"])
         self.history = list(state.get("history", []))
         if self.resharding:
             self._reshard(path, self.resharding)
             return
-        restore_rng(state["rng"][self.ctx.rank])
+        if "rng" in self._resumed_rank_part:
+            restore_rng(self._resumed_rank_part["rng"])
+        else:
+            seed_everything(self.training.seed + self.ctx.rank)
+            log.warning("checkpoint %s holds no RNG streams for rank %d: they start afresh", path, self.ctx.rank)
         if self.ctx.is_rank_zero:
             log.info("resuming from %s: epoch %d, batch %d, step %d", path, self.progress.epoch + 1,
                      self.progress.batches_done, self.progress.global_step)
@@ -568,9 +627,10 @@ class Trainer:
 
     def _summary(self, started: float, status: RunStatus, test: dict[str, float] | None,
                  write: bool = True) -> RunSummary:
-        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model)))
-        epochs_per_rank = [epoch for epoch, _ in gathered]
-        checksums = [checksum for _, checksum in gathered]
+        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model),
+                                               state_bytes(self.model, self.optimizer)))
+        epochs_per_rank = [epoch for epoch, _, _ in gathered]
+        checksums = [checksum for _, checksum, _ in gathered]
         rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
         metric = self.config.validation.early_stopping.metric
         summary = RunSummary(
@@ -590,6 +650,7 @@ class Trainer:
             test=test,
             epochs_run_per_rank=epochs_per_rank,
             parameter_checksums_per_rank=checksums,
+            state_bytes_per_rank=[size for _, _, size in gathered],
         )
         if self.ctx.is_rank_zero and write:
             self.run.write_summary(summary)

@@ -1,6 +1,6 @@
 """``ddp-hpc render|submit|status|logs|cancel``: from CLI arguments to the scheduler layer.
 
-A thin adapter: arguments become a ``JobRequest``, the registry picks the backend, and the
+A thin adapter: arguments become a ``SubmitRequest``, the registry picks the backend, and the
 ``DryRun``/``Submission``/``JobResult`` values are printed. No scheduler's name is compared
 here.
 """
@@ -15,11 +15,12 @@ from pathlib import Path
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, SWEEP_INDEX_VAR, SWEEP_VAR_PREFIX
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch import schedulers
+from ddp_hpc import schedulers
+from ddp_hpc.launch.left_out import left_out_line
 from ddp_hpc.launch.profiles import load_profile
 from ddp_hpc.launch.request import (
     CommandPayload,
-    JobRequest,
+    SubmitRequest,
     TrainPayload,
     current_python_env,
     parse_env_assignments,
@@ -40,7 +41,7 @@ class JobFailed(UserError):
 def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("config", nargs="?", help="training config (YAML); or give a command after '--'")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the job")
-    default = schedulers.DEFAULT_PROFILES[family]
+    default = schedulers.default_profile(family)
     parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: {default})")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--ranks-per-node", "--tasks-per-node", dest="ranks_per_node", type=int,
@@ -74,6 +75,11 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--preflight", action="store_true",
                         help="before the ranks start, measure the links between the nodes (ddp-hpc doctor --links, "
                              "one rank per node); a slow or broken link ends the job with exit 1")
+    parser.add_argument("--stage-env", action="store_true",
+                        help="pack the job's Python environment once, copy it to node-local disk on every node "
+                             "(a tree over the nodes) and run the ranks from there (rendered PBS/SLURM scripts)")
+    parser.add_argument("--stage-dir", default="/tmp", metavar="DIR",
+                        help="with --stage-env: the node-local folder for the copy (default: /tmp)")
     parser.add_argument("--no-venv", action="store_true",
                         help="do not activate the current Python environment in the job")
     parser.set_defaults(command=[])
@@ -90,20 +96,22 @@ def _payload(args: argparse.Namespace) -> TrainPayload | CommandPayload:
     return TrainPayload(args.config, tuple(args.overrides))
 
 
-def job_request(args: argparse.Namespace) -> JobRequest:
+def submit_request(args: argparse.Namespace) -> SubmitRequest:
     payload = _payload(args)
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = payload.config.distributed.max_restarts if isinstance(payload, TrainPayload) else 0
-    return JobRequest(
+    # What the family's backends declared (--spare-nodes), into the request fields they name.
+    declared = {opt.request_field: getattr(args, opt.dest) for group in ("job", "backend")
+                for opt in schedulers.run_opts(args.scheduler, group) if opt.request_field}
+    return SubmitRequest(
         payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
-        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=max_restarts,
-        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
-        stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0),
-        preflight=args.preflight)
+        max_restarts=max_restarts, sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
+        stop_signal=args.signal or StopSignal.default(), preflight=args.preflight, stage_env=args.stage_env,
+        stage_dir=args.stage_dir, **declared)
 
 
 def _scheduler(args: argparse.Namespace) -> str:
@@ -111,7 +119,7 @@ def _scheduler(args: argparse.Namespace) -> str:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    request = job_request(args)
+    request = submit_request(args)
     plan = schedulers.dry_run(request, schedulers.scheduler_for(args.scheduler, batch_script=True).name)
     if args.output:
         schedulers.base.write_script(plan.script, Path(args.output))
@@ -151,15 +159,15 @@ def sweep_table(result: schedulers.JobResult) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    request = job_request(args)
+    request = submit_request(args)
     scheduler = _scheduler(args)
     script_path = Path(args.output).resolve() if args.output else None
     if args.dry_run:
         sys.stdout.write(schedulers.dry_run(request, scheduler, script_path=script_path).describe())
         return 0
     submission = schedulers.submit(request, scheduler, script_path=script_path)
-    where = f"script {submission.script}" if submission.script else f"logs in {Path(submission.run_folder) / 'submitit'}"
-    print(f"submitted job {submission.job_id} ({where}; run folder {submission.run_folder})", flush=True)
+    print(f"submitted job {submission.job_id} ({submission.location}; run folder {submission.run_folder})",
+          flush=True)
     if not args.wait:
         return 0
     return _report_end(schedulers.wait(submission, poll_s=args.poll))
@@ -210,6 +218,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           (f", exit status {status.exit_code}" if status.exit_code is not None else "") +
           (f" [{status.source}: {status.raw}]" if status.raw else ""))
     print(f"run folder: {submission.run_folder}")
+    left_out = left_out_line(Path(submission.run_folder))
+    if left_out:
+        print(left_out)
     if result is not None and result.summary is not None:
         print(f"result: {result.summary.headline()}")
     if result is not None and result.failure:
