@@ -116,7 +116,8 @@ def shared_world_group(item: pytest.Item) -> str | None:
 
 def module_fixture_group(item: pytest.Item) -> str | None:
     """Tests of one module that share a module-scoped fixture (a reference run, a built
-    wheel) stay on one worker: split over two, each worker would build it again, at once."""
+    wheel) stay on one worker: split over two, each worker would build it again, at once
+    (the wheel in the same build folder of the repository)."""
     definitions = getattr(item, "_fixtureinfo", None)
     for name in item.fixturenames:
         found = definitions.name2fixturedefs.get(name) if definitions else None
@@ -127,15 +128,16 @@ def module_fixture_group(item: pytest.Item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    worlds = {item.nodeid: shared_world_group(item) for item in items}
-    modules = {item.nodeid: module_fixture_group(item) for item in items}
-    # A module fixture that a world's test uses too: all its tests join that world's group.
-    joined = {modules[i]: worlds[i] for i in worlds if modules[i] and worlds[i]}
+    # A world's test that also uses a module fixture builds it once more on its own worker
+    # (at most twice in all): cheaper than moving the fixture's other tests into the world's
+    # group, which is the longest already.
     for item in items:
-        module = modules[item.nodeid]
-        group = worlds[item.nodeid] or joined.get(module) or module
+        group = shared_world_group(item) or module_fixture_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    if config.getoption("dist", "no") == "loadgroup":
+        # The SLURM group is the longest unit of work: handed out first, it does not end last.
+        items.sort(key=lambda item: _xdist_group(item) != SLURM_GROUP)
 
 
 def _xdist_group(item: pytest.Item) -> str | None:
