@@ -126,18 +126,26 @@ def module_fixture_group(item: pytest.Item) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group markers
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Here, before any pytest_collection_modifyitems: xdist's worker reads the markers there.
     # A world's test that also uses a module fixture builds it once more on its own worker
     # (at most twice in all): cheaper than moving the fixture's other tests into the world's
     # group, which is the longest already.
-    for item in items:
-        group = shared_world_group(item) or module_fixture_group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-    if config.getoption("dist", "no") == "loadgroup":
+    group = shared_world_group(item) or module_fixture_group(item)
+    if group:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _loadgroup(config):
         # The SLURM group is the longest unit of work: handed out first, it does not end last.
         items.sort(key=lambda item: _xdist_group(item) != SLURM_GROUP)
+
+
+def _loadgroup(config: pytest.Config) -> bool:
+    """Whether xdist schedules by group: on a worker xdist sets --dist to "no" and keeps
+    the choice in its own option."""
+    return config.getoption("loadgroup", False) or config.getoption("dist", "no") == "loadgroup"
 
 
 def _xdist_group(item: pytest.Item) -> str | None:
@@ -167,7 +175,7 @@ def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> Non
                     "or mark it @pytest.mark.slurm (tests/conftest.py)")
     # On an xdist worker under --dist loadgroup, xdist appends the group to the test's id
     # where it honoured the marker (it reads it after this conftest's collection hook).
-    if os.environ.get("PYTEST_XDIST_WORKER") and request.config.getoption("dist", None) == "loadgroup":
+    if os.environ.get("PYTEST_XDIST_WORKER") and _loadgroup(request.config):
         assert request.node.nodeid.endswith(f"@{SLURM_GROUP}"), \
             f"xdist did not schedule {request.node.nodeid} with its group {SLURM_GROUP!r}"
 
