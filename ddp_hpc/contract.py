@@ -102,6 +102,10 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
+#: Sharded checkpoints (``checkpoint.format: dcp``): ``step-NNNNNNNN/`` folders, and these
+#: one-line files naming the newest complete one and the best one.
+LAST_SHARDED_CHECKPOINT = "last.dcp"
+BEST_SHARDED_CHECKPOINT = "best.dcp"
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
 #: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).

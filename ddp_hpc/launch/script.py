@@ -18,7 +18,7 @@ from ddp_hpc.contract import (
     exit_file_name,
 )
 from ddp_hpc.launch.mpi import PROGRAMS
-from ddp_hpc.launch.request import JobRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.launch.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 
 
 class ShellVar(str):
@@ -44,13 +44,13 @@ EXCLUDE_ARGS = "exclude_args"
 SWEEP_ARGS = ShellArray("sweep_args")
 
 
-def rank_argv(request: JobRequest) -> list[str]:
+def rank_argv(request: SubmitRequest) -> list[str]:
     """The per-rank command; in a sweep of a config, the element's overrides follow."""
     argv = request.rank_command()
     return [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
 
 
-def sweep_block(request: JobRequest, index_var: str, workdir_var: str) -> list[str]:
+def sweep_block(request: SubmitRequest, index_var: str, workdir_var: str) -> list[str]:
     """Pick this array task's element: its overrides, variables and run folder."""
     lines = ["", f"# Sweep: element ${index_var} of {len(request.elements)}", f'case "${{{index_var}}}" in']
     for element in request.elements:
@@ -69,12 +69,12 @@ def _folder_value(folder, workdir_var: str) -> str:
     return quoted if folder.is_absolute() else f'"${{{workdir_var}}}/"{quoted}'
 
 
-def header_comment(request: JobRequest, scheduler: str) -> str:
+def header_comment(request: SubmitRequest, scheduler: str) -> str:
     return (f"# Rendered by ddp-hpc {__version__} for cluster profile {request.profile.name!r} ({scheduler}): "
             f"{request.world_size} ranks = {request.nodes} node(s) x {request.per_node}")
 
 
-def environment_block(request: JobRequest) -> list[str]:
+def environment_block(request: SubmitRequest) -> list[str]:
     lines = []
     setup = request.setup_lines()
     if setup:
@@ -92,7 +92,7 @@ def mpiexec_lookup(flavour: str) -> str:
             f'exit {ExitStatus.FAILED:d}; }}')
 
 
-def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
+def run_folder_lines(request: SubmitRequest, workdir_var: str) -> list[str]:
     """``$DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
     the job's output."""
     value = _folder_value(request.run_folder, workdir_var)
@@ -116,7 +116,7 @@ def preflight_lines(command: str, job_key: str) -> list[str]:
     ]
 
 
-def deadline_line(request: JobRequest) -> str:
+def deadline_line(request: SubmitRequest) -> str:
     """The job's end as epoch seconds: the ranks stop and checkpoint before it (no signal needed)."""
     return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"
 
@@ -195,7 +195,7 @@ def hostfile_leave_out(hostfile_var: str, nodes: int, per_node: int, master_line
     )
 
 
-def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str | None, *,
+def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: str | None, *,
                  restarts: int | None = None, forward_signal: str = "USR2",
                  trap_signals: str = "USR2", leave_out_failed_node: bool = False,
                  leave_out: LeaveOut | None = None) -> list[str]:

@@ -18,13 +18,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ddp_hpc.config import Config
+from ddp_hpc.config import Config, checkpoint_format
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.tracking import RunShape, Tracking
 from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError
+from ddp_hpc.engine.dcp_format import DcpFormat, ShardedState, check_complete, read_blob, SHARED_KEY
 from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
@@ -82,8 +83,17 @@ class Trainer:
         #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
         self.last_checkpoint_s = 0.0
         self.resharding: Resharding | None = None
-        #: checkpoint.async: rank 0's background writer (None: synchronous saves).
-        self.checkpoint_writer = AsyncCheckpointWriter() if config.checkpoint.async_write else None
+        #: checkpoint.format dcp: every rank writes its part of a checkpoint folder.
+        self.sharded = (DcpFormat(background=config.checkpoint.async_write)
+                        if checkpoint_format(config) == "dcp" else None)
+        #: checkpoint.async with format file: rank 0's background writer (None: synchronous saves).
+        self.checkpoint_writer = (AsyncCheckpointWriter() if config.checkpoint.async_write and self.sharded is None
+                                  else None)
+        if self.sharded is not None and config.training.zero_optimizer:
+            raise UserError("checkpoint.format dcp cannot save training.zero_optimizer's state: use "
+                            "checkpoint.format=file")
+        #: This rank's part of the checkpoint resumed from (its RNG streams).
+        self._resumed_rank_part: dict[str, Any] = {}
 
     # ----- setup ------------------------------------------------------------------------
 
@@ -142,10 +152,24 @@ class Trainer:
         if resume == "never":
             return None
         if resume == "auto":
+            if self.sharded is not None:
+                path = self.sharded.newest(self.ctx, self.run.checkpoints)
+                if path is not None:
+                    return ckpt.check_same_job((path, self._sharded_shared(path)), self.config.job.name)
             found = ckpt.newest_loadable(self.run.checkpoints)
             return ckpt.check_same_job(found, self.config.job.name) if found else None
         path = Path(resume)
+        if path.is_dir():
+            return ckpt.check_same_job((path, self._sharded_shared(path)), self.config.job.name)
         return ckpt.check_same_job((path, ckpt.load_checkpoint(path)), self.config.job.name)
+
+    @staticmethod
+    def _sharded_shared(path: Path) -> dict[str, Any]:
+        """A dcp checkpoint's plain data (progress, config, ...): every rank reads it itself."""
+        state = read_blob(path, check_complete(path), SHARED_KEY)
+        if not isinstance(state, dict) or state.get("format") != ckpt.FORMAT_VERSION:
+            raise ckpt.CheckpointError(f"checkpoint {path} is not a ddp_hpc checkpoint (format {ckpt.FORMAT_VERSION})")
+        return state
 
     # ----- the run ----------------------------------------------------------------------
 
@@ -169,7 +193,7 @@ class Trainer:
                 self.ctx.world_size, self.training.batch_size, self.training.grad_accum_steps))
 
         self.model = self._build_model()
-        if resume:
+        if resume and not resume[0].is_dir():
             self.model.load_state_dict(ckpt.adapt_state_dict(resume[1]["model"], self.model, str(resume[0])))
         self.ddp_model = self._wrap(self.model)
         self.lr = scaled_lr(self.training, self.ctx.world_size)
@@ -199,6 +223,10 @@ class Trainer:
                                          total_steps if sched.interval == "step" else self.training.epochs)
 
         if resume:
+            if resume[0].is_dir():  # a dcp folder: the modules and optimizer are loaded in place
+                self._resumed_rank_part = DcpFormat().load(self.ctx, resume[0], self._sharded_state({}, {})).mine
+            else:
+                self._resumed_rank_part = self._file_rank_part(*resume)
             self._restore(*resume)
         else:
             seed_everything(self.training.seed + self.ctx.rank)  # dropout, augmentation: per rank
@@ -467,28 +495,55 @@ class Trainer:
             parts["ema"] = self.ema.state_dict()
         self.checkpoint_writer.prestage(parts)
 
+    def _sharded_state(self, shared: dict[str, Any], per_rank: dict[str, Any]) -> ShardedState:
+        modules: dict[str, nn.Module] = {"model": self.model}
+        if self.ema is not None:
+            modules["ema"] = self.ema
+        return ShardedState(modules, {"optimizer": (self.model, self.optimizer)}, shared, per_rank)
+
+    def _file_rank_part(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of a single-file checkpoint: its own small file beside it (or,
+        in files written before those existed, the list of every rank's RNG inside it)."""
+        if int(state.get("world_size", -1)) != self.ctx.world_size:
+            return {}
+        if "rng" in state:
+            return {"rng": state["rng"][self.ctx.rank]}
+        return ckpt.load_rank_part(path.parent, int(state["progress"]["global_step"]), self.ctx.rank)
+
     def save_checkpoint(self, improved: bool) -> Path | None:
-        """Every rank calls this (rank 0 gathers their RNG states); rank 0 writes the file."""
+        """Every rank calls this and writes its own RNG streams; rank 0 writes the file
+        (``checkpoint.format: dcp``: every rank writes its part of the folder)."""
         self._beat("checkpoint")
         started = time.perf_counter()
-        optimizer_state = self._optimizer_state()
-        rng_states = self.ctx.gather_object(capture_rng())
-        if not self.ctx.is_rank_zero:
-            return None
-        state = {
+        shared = {
             "format": ckpt.FORMAT_VERSION,
-            "model": self.model.state_dict(),
-            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
             "progress": asdict(self.progress),
-            "rng": rng_states,
             "world_size": self.ctx.world_size,
             "early_stopping": self.early.to_dict(),
             "history": self.history,
             "config": self.config.to_dict(),
             "tracking": self.tracking.state(self.progress.global_step),
+        }
+        if self.sharded is not None:
+            path = self.sharded.save(self.ctx, self.run.checkpoints, self.progress.global_step,
+                                     self._sharded_state(shared, {"rng": capture_rng()}),
+                                     keep_last=self.config.checkpoint.keep_last,
+                                     best=improved and self.config.checkpoint.save_best)
+            self.last_checkpoint_s = time.perf_counter() - started
+            self._checkpoints_written(self.sharded.take_finished())
+            return path
+        optimizer_state = self._optimizer_state()
+        ckpt.save_rank_part(self.run.checkpoints, self.progress.global_step, self.ctx.rank, {"rng": capture_rng()})
+        self.ctx.barrier()  # every rank's part is on disk before the file that makes the checkpoint count
+        if not self.ctx.is_rank_zero:
+            return None
+        state = {
+            **shared,
+            "model": self.model.state_dict(),
+            "optimizer": optimizer_state,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
         }
         path = ckpt.step_path(self.run.checkpoints, self.progress.global_step)
         write = partial(ckpt.write_checkpoint, path=path, best=improved and self.config.checkpoint.save_best,
@@ -513,6 +568,11 @@ class Trainer:
         try:
             yield
         except BaseException:
+            if self.sharded is not None:
+                try:
+                    self.sharded.wait()
+                except CheckpointWriteError as exc:  # the error already raised matters more
+                    log.error("%s", exc)
             if self.checkpoint_writer is not None:
                 self._beat("checkpoint")
                 try:
@@ -523,6 +583,9 @@ class Trainer:
         if self.checkpoint_writer is not None:
             self._beat("checkpoint")  # a write still in flight is watched like a synchronous one
             self._checkpoints_written(self.checkpoint_writer.wait())
+        if self.sharded is not None:
+            self._beat("checkpoint")
+            self._checkpoints_written(self.sharded.wait())
 
     def _checkpoints_written(self, records) -> None:
         for record in records:
@@ -532,20 +595,25 @@ class Trainer:
                 callback.on_checkpoint_saved(self, record.path)
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        if state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if not path.is_dir():  # a dcp folder's optimizer and EMA are loaded already
+            if state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.ema is not None and state["ema"] is not None:
+                self.ema.load_state_dict(state["ema"])
         if self.scheduler and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
         self.progress = Progress(**state["progress"])
         self.early = EarlyStoppingState(**state["early_stopping"])
         self.history = list(state.get("history", []))
         if self.resharding:
             self._reshard(path, self.resharding)
             return
-        restore_rng(state["rng"][self.ctx.rank])
+        if "rng" in self._resumed_rank_part:
+            restore_rng(self._resumed_rank_part["rng"])
+        else:
+            seed_everything(self.training.seed + self.ctx.rank)
+            log.warning("checkpoint %s holds no RNG streams for rank %d: they start afresh", path, self.ctx.rank)
         if self.ctx.is_rank_zero:
             log.info("resuming from %s: epoch %d, batch %d, step %d", path, self.progress.epoch + 1,
                      self.progress.batches_done, self.progress.global_step)

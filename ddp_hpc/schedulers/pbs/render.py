@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime, shell_quote
+from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
     deadline_line,
@@ -42,7 +42,7 @@ export PBS_O_WORKDIR="${PBS_O_WORKDIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 cd "$PBS_O_WORKDIR"'''
 
 
-def pbs_directives(request: JobRequest) -> list[str]:
+def pbs_directives(request: SubmitRequest) -> list[str]:
     profile = request.profile
     hms, _ = parse_walltime(request.walltime)
     select = f"select={request.nodes + request.spare_nodes}"
@@ -65,7 +65,7 @@ def pbs_directives(request: JobRequest) -> list[str]:
     return lines
 
 
-def mpiexec_argv(request: JobRequest, *, preflight: bool = False) -> list[str]:
+def mpiexec_argv(request: SubmitRequest, *, preflight: bool = False) -> list[str]:
     """The ranks' mpiexec line; with ``preflight``, the pre-flight check's (one rank per node)."""
     profile = request.profile
     argv = rank_argv(request)
@@ -78,7 +78,7 @@ def mpiexec_argv(request: JobRequest, *, preflight: bool = False) -> list[str]:
     return build_mpiexec(launch, program=ShellVar(MPIEXEC_VAR))
 
 
-def render_pbs(request: JobRequest) -> str:
+def render_pbs(request: SubmitRequest) -> str:
     """The complete PBS script for ``request`` (pure: nothing is read or run)."""
     suffix = request.profile.host_suffix
     master = f'"${{first_host%%.*}}"{shell_quote(suffix)}' if suffix else '"$first_host"'
