@@ -218,6 +218,13 @@ class Heartbeat:
             positions[rank] = status.collective if status else None
         return out_of_step(positions, {rank: host for rank, host in zip(ranks, hosts) if host})
 
+    def explain_collectives(self) -> str:
+        """The collectives line alone, for a collective that timed out (nothing to settle)."""
+        try:
+            return self.collectives(self._connect())
+        except Exception as exc:
+            return f"cannot read the ranks' collectives from the rendezvous store at {self.where} ({exc})"
+
     def explain(self) -> str:
         """One sentence: who went silent, or that nobody did, or that this rank is cut off."""
         keys = [BEAT_KEY.format(rank=r) for r in range(self.world_size)]
@@ -311,4 +318,16 @@ def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int]
                               status=lambda: rank_status(dog), on_straggler=on_straggler)
         dog.diagnose = heartbeat.explain
     with heartbeat or nullcontext(), dog:
-        yield dog
+        try:
+            yield dog
+        except Exception as exc:
+            if heartbeat is not None and is_collective_timeout(exc):
+                log.error("a collective timed out; collectives: %s", heartbeat.explain_collectives())
+            raise
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """gloo's ``Timed out waiting 600000ms for recv operation``, NCCL's ``Watchdog caught
+    collective operation timeout``: the process group's own timeout (distributed.timeout_s)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
