@@ -65,6 +65,10 @@ class Watchdog:
             self._compute.append(compute_s)
         self._last = time.monotonic()
 
+    def idle_s(self) -> float:
+        """Seconds since the last beat."""
+        return time.monotonic() - self._last
+
     @property
     def step(self) -> int:
         return self._step
