@@ -145,6 +145,9 @@ CORPUS = [
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
     ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
      "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
+    ("a launcher its scheduler does not run", {"srun-pbs.yaml": "scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n"},
+     ["render", "pbs", DIGITS, "--cluster", "{tmp}/srun-pbs.yaml"], {},
+     "launcher 'srun' does not run under scheduler 'pbs': use one of pals, mpich, openmpi"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

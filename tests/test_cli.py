@@ -151,18 +151,20 @@ def test_submitting_a_config_with_trackers_needs_no_tracker_package(tmp_path):
 
 def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, capsys, tmp_path):
     """docs/architecture.md, "Adding a scheduler family": with its Scheduler subclass and one
-    REGISTRY line, render and submit offer the family, with the options its backend declares,
-    whose values reach the request field they name."""
+    REGISTRY line, render and submit offer the family (and its profiles load), with the options
+    its backend declares, whose values reach the request field they name."""
     from ddp_hpc import cli, schedulers
     from ddp_hpc.schedulers.base import DryRun, RunOpt, Scheduler
 
     class ToyScheduler(Scheduler):
         name = family = "toy"
         script_suffix = ".sh"
+        launchers = ("torchrun",)
         run_opts = (RunOpt(("--toy-torchrun",), "the toy backend's own option", "backend",
                            {"action": "store_true"}, request_field="torchrun_per_node"),)
 
         def dry_run(self, request, workdir, script_path=None):
+            self.check_profile(request)
             return DryRun(self.name, request, workdir, tuple(request.rank_command()),
                           script=f"#!/bin/sh\n# toy script for {request.world_size} ranks, "
                                  f"torchrun {request.torchrun_per_node}\n",
@@ -177,7 +179,9 @@ def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, 
         def cancel_jobs(self, job_ids):
             raise AssertionError("not asked")
 
-    monkeypatch.setitem(schedulers.REGISTRY, "toy", ((ToyScheduler,), "local"))
+    profile = tmp_path / "toy-cluster.yaml"
+    profile.write_text("scheduler: toy\nlauncher: torchrun\nranks_per_node: 2\n")
+    monkeypatch.setitem(schedulers.REGISTRY, "toy", ((ToyScheduler,), str(profile)))
     with pytest.raises(SystemExit):
         cli.parse(["submit", "toy", "--help"])
     assert "--toy-torchrun" in capsys.readouterr().out

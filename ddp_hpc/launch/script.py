@@ -40,8 +40,6 @@ def render_argv(argv: Sequence[str]) -> str:
     return " ".join(word(a) for a in argv)
 
 
-#: The shell array of srun options that leave failed nodes out (``--spare-nodes``).
-EXCLUDE_ARGS = "exclude_args"
 #: The shell array holding a sweep element's overrides in a rendered array job.
 SWEEP_ARGS = ShellArray("sweep_args")
 
@@ -177,15 +175,6 @@ class LeaveOut:
     capture_stderr: bool = False
 
 
-#: srun names the node of the failed task first in ``srun: error: NODE: task N: ...``.
-SRUN_LEAVE_OUT = LeaveOut(
-    setup=(f"{EXCLUDE_ARGS}=()",),
-    find=('  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)',
-          '  reason=$(grep -m 1 "^srun: error: $failed: task" "$step_log" || true)'),
-    apply=(f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',),
-    capture_stderr=True,
-)
-
 #: Wraps a rank's command under mpiexec: records ``RANK STATUS`` when it fails (SIGKILL
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
@@ -237,8 +226,7 @@ def hostfile_leave_out(hostfile_var: str, nodes: int, per_node: int, master_line
 
 def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: str | None, *,
                  restarts: int | None = None, forward_signal: str = "USR2",
-                 trap_signals: str = "USR2", leave_out_failed_node: bool = False,
-                 leave_out: LeaveOut | None = None) -> list[str]:
+                 trap_signals: str = "USR2", leave_out: LeaveOut | None = None) -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
@@ -247,11 +235,9 @@ def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: st
     ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
     With ``leave_out`` (spare nodes), the node where a rank failed is left out of the next
-    attempt and recorded; ``leave_out_failed_node`` is srun's (``SRUN_LEAVE_OUT``).
+    attempt and recorded (the family says how: srun's ``--exclude``, a hostfile).
     """
     restarts = request.max_restarts if restarts is None else restarts
-    if leave_out is None and leave_out_failed_node:
-        leave_out = SRUN_LEAVE_OUT
     capture = leave_out is not None and leave_out.capture_stderr
     lines = [
         "stop_requested=0",

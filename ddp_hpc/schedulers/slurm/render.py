@@ -8,7 +8,7 @@ from ddp_hpc.contract import DEADLINE_VAR
 from ddp_hpc.launch.local import FRESH_STORE_PER_ATTEMPT
 from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
-    EXCLUDE_ARGS,
+    LeaveOut,
     ShellArray,
     ShellVar,
     deadline_line,
@@ -28,6 +28,18 @@ from ddp_hpc.launch.script import (
 from ddp_hpc.schedulers.slurm.job_key import script_job_key
 
 LOG_DIR = "logs"
+
+#: The shell array of srun options that leave failed nodes out (``--spare-nodes``).
+EXCLUDE_ARGS = "exclude_args"
+
+#: srun names the node of the failed task first in ``srun: error: NODE: task N: ...``.
+SRUN_LEAVE_OUT = LeaveOut(
+    setup=(f"{EXCLUDE_ARGS}=()",),
+    find=('  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)',
+          '  reason=$(grep -m 1 "^srun: error: $failed: task" "$step_log" || true)'),
+    apply=(f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',),
+    capture_stderr=True,
+)
 
 # The batch shell gets the stop signal (SIGUSR2, 90 s ahead by default; --signal) before the time limit (or on
 # preemption with a grace time). It passes the signal to the ranks, which agree on a step,
@@ -137,7 +149,8 @@ def render_sbatch(request: SubmitRequest) -> str:
         # SIGUSR2, which would kill the agent) on to them.
         *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
                       restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2",
-                      trap_signals=request.stop_signal.name, leave_out_failed_node=request.spare_nodes > 0),
+                      trap_signals=request.stop_signal.name,
+                      leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None),
         "",
     ]
     return "\n".join(lines)
