@@ -105,7 +105,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ddp_hpc.train_job import TrainOptions, train
+    from ddp_hpc.training.run_on_rank import TrainOptions, train
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
                            verbose=args.verbose, report=True,
