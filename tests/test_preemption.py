@@ -92,7 +92,7 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, re
     log = next((tmp_path / "logs").glob(f"*-{job_id}.out")).read_text()
     assert "received SIGUSR2: will checkpoint and stop" in log
     assert "stopped on request at epoch" in log and "requeueing job" in log
-    resumed = re.search(r"(\d\d):(\d\d):(\d\d) \[rank 0\] INFO ddp_hpc.training.state: resuming from (\S+?):", log)
+    resumed = re.search(r"(\d\d):(\d\d):(\d\d) \[rank 0\] INFO ddp_hpc.training.trainer: resuming from (\S+?):", log)
     assert resumed and Path(resumed.group(4)).name == newest.name
     resumed_at = time.mktime(time.strptime(time.strftime("%Y-%m-%d ") + ":".join(resumed.group(1, 2, 3)),
                                            "%Y-%m-%d %H:%M:%S"))

@@ -25,7 +25,8 @@ from ddp_hpc.training.metrics import MetricSums
 if TYPE_CHECKING:
     from ddp_hpc.training.trainer import Trainer
 
-log = logging.getLogger(__name__)
+#: The lines users read in job logs keep the source name they always had.
+log = logging.getLogger("ddp_hpc.training.trainer")
 
 
 class TrainingLoop:

@@ -39,7 +39,8 @@ from ddp_hpc.training.precision import Precision
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.wrap import wrap_model
 
-log = logging.getLogger(__name__)
+#: The lines users read in job logs keep the source name they always had.
+log = logging.getLogger("ddp_hpc.training.trainer")
 
 
 @dataclass(frozen=True)
