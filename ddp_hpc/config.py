@@ -205,6 +205,9 @@ class CheckpointConfig:
     #: YAML key ``async``: rank 0 copies the state to host memory and writes the file in a
     #: background thread; training waits only for the copy (ddp_hpc/training/async_checkpoint.py).
     async_write: bool = field(default=False, metadata={"key": "async"})
+    #: ``file``: one file that rank 0 writes; ``dcp``: a folder that every rank writes its
+    #: part of (torch.distributed.checkpoint); null: ``checkpoint_format`` picks by strategy.
+    format: Literal["file", "dcp"] | None = None
 
     def __post_init__(self) -> None:
         positive(self.preemption_check_every_n_steps, "checkpoint.preemption_check_every_n_steps")
@@ -219,6 +222,14 @@ class CheckpointConfig:
             parse_stop_signal(self.stop_signal)
         except UserError as exc:
             raise ConfigError(f"checkpoint.stop_signal: {exc}") from None
+
+
+def checkpoint_format(config: Config) -> str:
+    """``checkpoint.format``, or when unset the strategy's default: ``dcp`` for sharded
+    models (``training.strategy: fsdp2``), ``file`` otherwise."""
+    if config.checkpoint.format is not None:
+        return config.checkpoint.format
+    return "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,17 @@ def qsub(slurm_cluster) -> str:
     return program
 
 
+def load_last_checkpoint(checkpoints: Path) -> dict:
+    """The newest checkpoint in a run's checkpoints folder, either format, as one dict."""
+    from ddp_hpc.engine.checkpoint_files import load_checkpoint
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    pointer = checkpoints / "last.dcp"
+    if pointer.exists():
+        return read_whole(checkpoints / pointer.read_text().strip())
+    return load_checkpoint(checkpoints / "last.pt")
+
+
 def assert_same_training_state(expected: dict, actual: dict) -> None:
     """Two checkpoints hold the same progress and bit-identical model and optimizer state."""
     assert actual["progress"] == expected["progress"]

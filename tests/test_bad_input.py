@@ -132,6 +132,8 @@ CORPUS = [
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
     ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
+    ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
+     "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

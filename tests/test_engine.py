@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_hpc
 from ddp_hpc.engine import checkpoint_files as files
+from ddp_hpc.engine.dcp_format import sharded_checkpoints
 
 
 def _setup(folder: Path, **kwargs):
@@ -50,19 +51,24 @@ def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> t
             "seen": checkpointer.extras["seen"], "step": checkpointer.step}, checkpointer
 
 
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
 @pytest.mark.parametrize("background", [False, True])
-def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_path, background):
-    whole, _ = _train(tmp_path / "whole", epochs=3, background=background)
-    _train(tmp_path / "cut", epochs=3, stop_at=7, background=background)  # 5 batches per epoch: mid-epoch 2
-    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, background=background)
+def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_path, background, fmt):
+    whole, _ = _train(tmp_path / "whole", epochs=3, background=background, format=fmt)
+    _train(tmp_path / "cut", epochs=3, stop_at=7, background=background, format=fmt)  # 5 batches per epoch: mid-epoch 2
+    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, background=background, format=fmt)
     assert resumed["step"] == whole["step"] == 15 and resumed["seen"] == whole["seen"] == 120
     assert torch.equal(resumed["rng"], whole["rng"])  # dropout drew the same numbers
     for key, value in whole["model"].items():
         assert torch.equal(resumed["model"][key], value), key
     for index, state in whole["optimizer"]["state"].items():
         assert torch.equal(resumed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
-    assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000007.pt",
-                                                                                    "step-00000015.pt"]
+    if fmt == "dcp":
+        assert [p.name for p in sharded_checkpoints(checkpointer.directory)] == ["step-00000007", "step-00000015"]
+        assert (checkpointer.directory / "last.dcp").read_text() == "step-00000015\n"
+    else:
+        assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000007.pt",
+                                                                                        "step-00000015.pt"]
 
 
 def test_cadence_and_keep_last(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_same_model_and_optimizer, ddp_hpc_command, run
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -34,7 +34,14 @@ def uninterrupted(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("whole")
     done = run(torchrun(2), env={"RUN_DIR": str(folder)}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return load_checkpoint(folder / "checkpoints" / "last.pt")
+    return final_state(folder)
+
+
+def final_state(folder: Path) -> dict:
+    """The last checkpoint, with each rank's part (its own file beside it) as ``ranks``."""
+    state = load_checkpoint(folder / "checkpoints" / "last.pt")
+    state["ranks"] = [load_rank_part(folder / "checkpoints", state["step"], rank) for rank in range(state["world_size"])]
+    return state
 
 
 def assert_bit_identical(expected: dict, actual: dict) -> None:
@@ -43,8 +50,8 @@ def assert_bit_identical(expected: dict, actual: dict) -> None:
     assert_same_model_and_optimizer(expected, actual)
     # The example seeds torch's RNG only: numpy's and Python's start from OS entropy in every
     # process, so only torch's stream can (and must) be the same as in the uninterrupted run.
-    assert len(actual["per_rank"]) == len(expected["per_rank"]) == 2
-    for mine, theirs in zip(actual["per_rank"], expected["per_rank"]):
+    assert len(actual["ranks"]) == len(expected["ranks"]) == 2
+    for mine, theirs in zip(actual["ranks"], expected["ranks"]):
         assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
 
 
@@ -63,7 +70,7 @@ def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, un
     for rank in (0, 1):
         assert f"rank {rank}: restored None at step 0" in done.stderr
         assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
-    assert_bit_identical(uninterrupted, load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
 def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted):
@@ -87,7 +94,7 @@ def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path,
     for rank in (0, 1):
         assert f"rank {rank}: restored None at step 0" in done.stderr
         assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
-    assert_bit_identical(uninterrupted, load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt"))
+    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
 def _ids(folder: Path) -> Counter:

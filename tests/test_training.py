@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from conftest import REPO, assert_same_training_state, clean_env
+from conftest import REPO, assert_same_training_state, clean_env, load_last_checkpoint
 from ddp_hpc.config import load_config
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.distributed import process_group
@@ -213,26 +213,31 @@ RESUME_CONFIG = [*SMALL_SYNTHETIC, "training.epochs=3", "training.batch_size=16"
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path, fmt):
     # 512 samples / 2 ranks / batch 16 = 16 micro-batches = 8 steps per epoch;
     # step 12 is the middle of the second epoch.
-    straight = torchrun_train(tmp_path, 2, RESUME_CONFIG, name="straight")
+    config = [*RESUME_CONFIG, f"checkpoint.format={fmt}"]
+    straight = torchrun_train(tmp_path, 2, config, name="straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     kill = ["callbacks=[{target: 'fault_injection:KillLaunchAfterCheckpoint', params: {step: 12}}]"]
-    killed = torchrun_train(tmp_path, 2, [*RESUME_CONFIG, *kill], name="resumed")
+    killed = torchrun_train(tmp_path, 2, [*config, *kill], name="resumed")
     assert killed.returncode != 0
     checkpoints = tmp_path / "runs" / "resumed" / "checkpoints"
-    newest = load_checkpoint(checkpoints / "last.pt")["progress"]
+    newest = load_last_checkpoint(checkpoints)["progress"]
     assert newest == {"epoch": 1, "batches_done": 8, "global_step": 12, "epoch_offset": 0}
     assert not (tmp_path / "runs" / "resumed" / "summary.json").exists()
 
-    resumed = torchrun_train(tmp_path, 2, RESUME_CONFIG, name="resumed")
+    resumed = torchrun_train(tmp_path, 2, config, name="resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
 
-    a = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")
-    b = load_checkpoint(checkpoints / "last.pt")
+    a = load_last_checkpoint(tmp_path / "runs" / "straight" / "checkpoints")
+    b = load_last_checkpoint(checkpoints)
     assert a["progress"] == {"epoch": 3, "batches_done": 0, "global_step": 24, "epoch_offset": 0}
     assert_same_training_state(a, b)
     assert a["scheduler"] == b["scheduler"]
+    if fmt == "dcp":  # every rank wrote its part: one shard file per rank, and its own RNG streams in it
+        assert sorted(p.name for p in (checkpoints / "step-00000024").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                             "__1_0.distcp"]

@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,10 +73,43 @@ def remove_stale_temporaries(directory: Path) -> list[str]:
     """Delete temporary files of writes that a crash interrupted (they were never visible)."""
     removed = []
     if directory.is_dir():
-        for path in directory.glob(TEMPORARY_GLOB):
+        for path in [*directory.glob(TEMPORARY_GLOB), *directory.glob(f"*{RANKS_SUFFIX}/{TEMPORARY_GLOB}")]:
             path.unlink(missing_ok=True)
-            removed.append(path.name)
+            removed.append(str(path.relative_to(directory)))
     return removed
+
+
+#: Each rank's own part of a single-file checkpoint (its RNG streams): ``step-N.ranks/rank-R.pt``.
+RANKS_SUFFIX = ".ranks"
+
+
+def rank_part_path(directory: Path, global_step: int, rank: int) -> Path:
+    return directory / f"step-{global_step:08d}{RANKS_SUFFIX}" / f"rank-{rank:05d}.pt"
+
+
+def save_rank_part(directory: Path, global_step: int, rank: int, part: Mapping[str, Any]) -> Path:
+    """Each rank writes its own small file (no gather to rank 0, whose load would grow with
+    the ranks), before rank 0's file makes the checkpoint count."""
+    path = rank_part_path(directory, global_step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_atomic(part, path)
+
+
+def load_rank_part(directory: Path, global_step: int, rank: int) -> dict[str, Any]:
+    """This rank's part of a checkpoint; empty (logged) when it is missing or unreadable:
+    the RNG streams then start afresh, the checkpoint itself is still good."""
+    path = rank_part_path(directory, global_step, rank)
+    try:
+        part = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        log.warning("rank %d's part of checkpoint step %d (%s) is missing: its RNG streams start afresh",
+                    rank, global_step, path)
+        return {}
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same refusal
+        log.warning("rank %d's part of checkpoint step %d (%s) is unreadable (%s): its RNG streams start afresh",
+                    rank, global_step, path, type(exc).__name__)
+        return {}
+    return part if isinstance(part, dict) else {}
 
 
 def step_path(directory: Path, global_step: int) -> Path:
@@ -103,6 +137,7 @@ def prune(directory: Path, keep_last: int) -> None:
     for old in files[:-keep_last]:
         if old != written_last:
             old.unlink(missing_ok=True)
+            shutil.rmtree(old.with_suffix(RANKS_SUFFIX), ignore_errors=True)
 
 
 def write_checkpoint(state: Mapping[str, Any], path: Path, *, best: bool, keep_last: int) -> Path:
@@ -181,11 +216,13 @@ def check_same_job(found: tuple[Path, dict[str, Any]], job_name: str) -> tuple[P
 def adapt_state_dict(state: Mapping[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:
     """``state`` with its ``module.`` prefixes made to match ``model``, shapes checked."""
     expected = model.state_dict()
-    wants_prefix = all(k.startswith("module.") for k in expected)
-    adapted = {}
-    for key, value in state.items():
-        bare = key[len("module."):] if key.startswith("module.") else key
-        adapted[f"module.{bare}" if wants_prefix else bare] = value
+    adapted = dict(state)
+    if set(adapted) != set(expected):  # keys that match as they are (an AveragedModel's) stay
+        wants_prefix = all(k.startswith("module.") for k in expected)
+        adapted = {}
+        for key, value in state.items():
+            bare = key[len("module."):] if key.startswith("module.") else key
+            adapted[f"module.{bare}" if wants_prefix else bare] = value
     missing = sorted(set(expected) - set(adapted))
     unexpected = sorted(set(adapted) - set(expected))
     if missing or unexpected:

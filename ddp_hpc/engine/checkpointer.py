@@ -11,8 +11,10 @@ scheduler, grad scaler, ``ResumableSampler``); ``extras`` is a dict of plain dat
 checkpoint carries too. Every rank's RNG streams are saved and restored, so a resumed run
 continues bit-identically. Where the files go and how they are written is the *format*:
 ``SingleFileFormat`` (one ``torch.save`` file that rank 0 writes, atomically, optionally
-in the background, the newest ``keep_last`` kept) is the one there is; a sharded format
-plugs in through ``CheckpointFormat``.
+in the background, the newest ``keep_last`` kept; each rank's RNG in a small file of its
+own) or ``format="dcp"``: ``ShardedFormat``, a folder that every rank writes its part of,
+in parallel (torch.distributed.checkpoint; needed for FSDP2 models). Others plug in
+through ``CheckpointFormat``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from ddp_hpc.contract import CHECKPOINTS_DIR
@@ -37,39 +40,43 @@ from ddp_hpc.engine.sampler import ResumableSampler
 log = logging.getLogger(__name__)
 
 #: Keys of a checkpoint that the Checkpointer itself fills; objects and extras take others.
-RESERVED = ("format", "step", "rng", "world_size", "extras", "progress")
+RESERVED = ("format", "step", "rng", "world_size", "extras", "progress", "objects")
 
 
 @dataclass(frozen=True)
 class Loaded:
-    """A checkpoint read back: where from, its contents, and this rank's part of them
-    (``mine``: empty when it was written by another world size)."""
+    """A checkpoint read back into the objects: where from, its own data (step, extras,
+    ...) and this rank's part (empty when another world size wrote it)."""
 
     path: Path
     state: dict[str, Any]
-    mine: dict[str, Any] = field(default_factory=dict)
+    mine: dict[str, Any]
+
+
+#: Called with a checkpoint's path and its own data (progress, config, ...) before anything
+#: is loaded from it; raises to refuse it.
+Accept = Callable[[Path, Mapping[str, Any]], None]
 
 
 class CheckpointFormat(Protocol):
     """How checkpoints are laid out in a folder. Every rank calls every method."""
 
-    def save(self, group: Collectives, directory: Path, step: int, shared: dict[str, Any],
-             per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
-        """Write one checkpoint: ``shared`` (the same on every rank; rank 0's is used) and
-        each rank's ``per_rank``; whole or not at all. ``best``: also name it the best one."""
+    def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
+             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
+        """Write one checkpoint of the live ``objects`` (None: saved as None), ``shared``
+        (the same on every rank) and each rank's ``per_rank``; whole or not at all.
+        ``best``: also name it the best one (``best.pt``)."""
         ...
 
-    def newest(self, group: Collectives, directory: Path) -> Loaded | None:
-        """The newest readable checkpoint, or None when there is none. Unreadable ones are
-        refused in one line and kept."""
+    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
+                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+        """Load the newest readable checkpoint (or the one at ``path``) into ``objects``
+        (None, or None saved: left alone); None when there is none. Unreadable ones are
+        refused in one line and kept; ``accept`` sees the checkpoint's own data first."""
         ...
 
-    def read(self, group: Collectives, path: Path) -> Loaded:
-        """The checkpoint at ``path`` (a ``CheckpointError`` when it cannot be read)."""
-        ...
-
-    def prestage(self, group: Collectives, shared: dict[str, Any]) -> None:
-        """Prepare for saves of ``shared``'s shape ahead of the first (may do nothing)."""
+    def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
+        """Prepare for saves of ``states``' shapes ahead of the first (may do nothing)."""
         ...
 
     def finished(self) -> list[WriteRecord]:
@@ -82,21 +89,27 @@ class CheckpointFormat(Protocol):
 
 
 class SingleFileFormat:
-    """One file per checkpoint, ``step-NNNNNNNN.pt``, that rank 0 writes: every rank's
-    ``per_rank`` part is gathered to it. ``background``: rank 0 copies the state to host
-    memory and a thread writes it (the previous write finishes before the next begins)."""
+    """One file per checkpoint, ``step-NNNNNNNN.pt``, that rank 0 writes, and each rank's
+    ``per_rank`` part in a small file of its own beside it (``step-NNNNNNNN.ranks/``),
+    written before rank 0's file: nothing that grows with the world size reaches rank 0.
+    ``background``: rank 0 copies the state to host memory and a thread writes it (the
+    previous write finishes before the next begins)."""
 
     def __init__(self, *, background: bool = False) -> None:
         self.writer = AsyncCheckpointWriter() if background else None
         self._finished: list[WriteRecord] = []
 
-    def save(self, group: Collectives, directory: Path, step: int, shared: dict[str, Any],
-             per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
-        gathered = group.gather_object(per_rank)
+    def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
+             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
         path = files.step_path(directory, step)
+        files.save_rank_part(directory, step, group.rank, per_rank)
+        # ZeRO's optimizer state is gathered to rank 0 by a collective every rank joins.
+        gathered = {name: _consolidated(obj, group) for name, obj in objects.items() if _sharded_optimizer(obj)}
+        group.barrier()  # every rank's part is on disk before the file that makes it count
         if not group.is_rank_zero:
             return path
-        state = {**shared, "per_rank": gathered, "world_size": group.world_size}
+        state = {**{name: gathered[name] if name in gathered else _state_of(obj) for name, obj in objects.items()},
+                 **shared, "world_size": group.world_size}
         write = partial(files.write_checkpoint, path=path, best=best, keep_last=keep_last)
         if self.writer is not None:
             self._finished.extend(self.writer.submit(state, path, write))
@@ -107,22 +120,31 @@ class SingleFileFormat:
             self._finished.append(WriteRecord(path, elapsed, elapsed))
         return path
 
-    def newest(self, group: Collectives, directory: Path) -> Loaded | None:
-        found = files.newest_loadable(directory)
-        return self._split(group, *found) if found is not None else None
-
-    def read(self, group: Collectives, path: Path) -> Loaded:
-        return self._split(group, path, files.load_checkpoint(path))
-
-    @staticmethod
-    def _split(group: Collectives, path: Path, state: dict[str, Any]) -> Loaded:
-        parts = state.pop("per_rank", None) or []
-        mine = parts[group.rank] if len(parts) == group.world_size else {}
+    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
+                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+        if path is None:
+            found = files.newest_loadable(directory)
+            if found is None:
+                return None
+            path, state = found
+        else:
+            state = files.load_checkpoint(path)
+        if accept is not None:
+            accept(path, state)
+        missing = sorted(set(objects) - set(state))
+        if missing:
+            raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
+                                        "written for other objects")
+        for name, obj in objects.items():
+            _load_into(obj, state[name], path)
+        mine: dict[str, Any] = {}
+        if state.get("world_size") == group.world_size:
+            mine = files.load_rank_part(path.parent, int(state["step"]), group.rank)
         return Loaded(path, state, mine)
 
-    def prestage(self, group: Collectives, shared: dict[str, Any]) -> None:
+    def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
         if self.writer is not None and group.is_rank_zero:
-            self.writer.prestage(shared)
+            self.writer.prestage(states)
 
     def finished(self) -> list[WriteRecord]:
         done, self._finished = self._finished, []
@@ -133,23 +155,125 @@ class SingleFileFormat:
         return [*self.finished(), *waited]
 
 
+class ShardedFormat:
+    """``format="dcp"``: a folder per checkpoint that every rank writes its part of
+    (``ddp_hpc.engine.dcp_format``). Modules and optimizers are saved sharded (FSDP2) or
+    dealt out over the ranks (DDP); the other objects' state (samplers, schedulers) is
+    the same on every rank and saved once; the RNG streams in each rank's own file."""
+
+    def __init__(self, *, background: bool = False) -> None:
+        from ddp_hpc.engine.dcp_format import DcpFormat
+
+        self.dcp = DcpFormat(background=background)
+
+    @staticmethod
+    def _parts(objects: Mapping[str, Any]) -> tuple[dict[str, nn.Module], dict[str, tuple[nn.Module, Any]],
+                                                    dict[str, Any]]:
+        modules = {name: obj for name, obj in objects.items() if isinstance(obj, nn.Module)}
+        optimizers, others = {}, {}
+        for name, obj in objects.items():
+            if obj is None:
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                optimizers[name] = (_module_of(name, obj, modules), obj)
+            elif name not in modules:
+                others[name] = obj
+        return modules, optimizers, others
+
+    def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
+             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
+        from ddp_hpc.engine.dcp_format import ShardedState
+
+        modules, optimizers, others = self._parts(objects)
+        saved = {name: obj.state_dict() for name, obj in others.items()}
+        saved.update({name: None for name, obj in objects.items() if obj is None})
+        state = ShardedState(modules, optimizers, {**shared, "world_size": group.world_size, "objects": saved},
+                             per_rank)
+        return self.dcp.save(group, directory, step, state, keep_last=keep_last, best=best)
+
+    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
+                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, read_blob
+
+        path = self.dcp.newest(group, directory) if path is None else Path(path)
+        if path is None:
+            return None
+        if accept is not None:
+            accept(path, _flat(read_blob(path, check_complete(path), SHARED_KEY)))
+        modules, optimizers, others = self._parts(objects)
+        restored = self.dcp.load(group, path, ShardedState(modules, optimizers))
+        saved = restored.shared.get("objects") or {}
+        missing = sorted(set(others) - set(saved))
+        if missing:
+            raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
+                                        "written for other objects")
+        for name, obj in others.items():
+            _load_into(obj, saved[name], path)
+        return Loaded(path, _flat(restored.shared), restored.mine)
+
+    def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
+        """Nothing: ``dcp.async_save`` stages into its own host buffers."""
+
+    def finished(self) -> list[WriteRecord]:
+        return self.dcp.take_finished()
+
+    def wait(self) -> list[WriteRecord]:
+        return self.dcp.wait()
+
+
+def _flat(shared: Mapping[str, Any]) -> dict[str, Any]:
+    """A folder's own data with the plain objects' state beside it, as a single file holds them."""
+    flat = {key: value for key, value in shared.items() if key != "objects"}
+    return {**flat, **(shared.get("objects") or {})}
+
+
+def _module_of(name: str, optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module]) -> nn.Module:
+    """The module whose parameters ``optimizer`` steps (DCP names optimizer state by them)."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in modules.values():
+        if wanted <= {id(p) for p in module.parameters()}:
+            return module
+    raise ValueError(f"Checkpointer: optimizer {name!r} steps parameters of no single module among the "
+                     "objects: format='dcp' needs the model it steps among them")
+
+
 def _unwrapped(obj: Any) -> Any:
     """A DDP model's own module: checkpoints hold weights without the wrapper's "module." prefix."""
     return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
 
 
-def find_checkpoint(group: Collectives, directory: Path, file_format: CheckpointFormat,
-                    path: str | Path | None = None) -> Loaded | None:
-    """The newest readable checkpoint in ``directory`` (None: a fresh start), or the one at
-    ``path``, read but not applied: a caller can look into it (which world size wrote it,
-    with which settings) before building what it restores into. Every rank calls it."""
-    if path is not None:
-        return file_format.read(group, Path(path))
-    if group.is_rank_zero:
-        for name in files.remove_stale_temporaries(directory):
-            log.info("removed %s, left by a checkpoint write that was interrupted", name)
-    group.barrier()  # no rank reads while rank 0 tidies
-    return file_format.newest(group, directory)
+def _state_of(obj: Any) -> Any:
+    return _unwrapped(obj).state_dict() if obj is not None else None
+
+
+def _sharded_optimizer(obj: Any) -> bool:
+    """ZeroRedundancyOptimizer: each rank holds a shard of the state."""
+    return hasattr(obj, "consolidate_state_dict")
+
+
+def _consolidated(obj: Any, group: Collectives) -> Any:
+    obj.consolidate_state_dict(to=0)  # a collective: every rank calls it
+    return obj.state_dict() if group.is_rank_zero else None
+
+
+def _load_into(obj: Any, value: Any, path: Path) -> None:
+    """Load ``value`` into ``obj``; an object not in use, or one saved as None, is left alone."""
+    if obj is None or value is None:
+        return
+    if isinstance(obj, nn.Module):
+        target = _unwrapped(obj)
+        target.load_state_dict(files.adapt_state_dict(value, target, str(path)))
+    else:
+        obj.load_state_dict(value)
+
+
+def make_format(name: str, *, background: bool) -> CheckpointFormat:
+    """The format ``checkpoint.format`` names: ``file`` or ``dcp``."""
+    if name == "file":
+        return SingleFileFormat(background=background)
+    if name == "dcp":
+        return ShardedFormat(background=background)
+    raise ValueError(f"checkpoint format {name!r} is not one of file, dcp")
 
 
 class Checkpointer:
@@ -158,14 +282,14 @@ class Checkpointer:
 
     An object may be None (an LR scheduler not in use): the checkpoint then holds None
     under its name, and restoring leaves it alone. ``on_written`` hears, on rank 0, of
-    each checkpoint once its file is complete (a background write: at the next save or
+    each checkpoint once it is complete (a background write: at the next save or
     ``wait``). A ``ResumableSampler`` among the objects puts its place in the epoch into
     the checkpoint's ``progress`` next to the step.
     """
 
     def __init__(self, folder: str | Path, objects: Mapping[str, Any], *, every_n_steps: int = 0,
                  keep_last: int = 3, background: bool = False, extras: dict[str, Any] | None = None,
-                 file_format: CheckpointFormat | None = None, group: Collectives | None = None,
+                 format: str | CheckpointFormat = "file", group: Collectives | None = None,
                  on_written: Callable[[WriteRecord], None] | None = None) -> None:
         clash = sorted(set(objects) & {*RESERVED, "per_rank"})
         if clash:
@@ -179,45 +303,41 @@ class Checkpointer:
         self.objects = dict(objects)
         self.extras: dict[str, Any] = extras if extras is not None else {}
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
-        self.format: CheckpointFormat = file_format or SingleFileFormat(background=background)
+        self.format: CheckpointFormat = (make_format(format, background=background) if isinstance(format, str)
+                                         else format)
         self.group: Collectives = group or ProcessGroupView.current()
         self.on_written = on_written
         #: Optimizer steps taken in all (restored by ``restore``).
         self.step = 0
         #: Seconds the latest save kept training waiting (the stop agreement's deadline uses it).
         self.last_save_s = 0.0
+        #: The checkpoint ``restore`` loaded (its path and own data: progress, world size, ...).
+        self.resumed: Loaded | None = None
         self._saved_step: int | None = None
+        self._saved_path: Path | None = None
         self._sampler = next((obj for obj in self.objects.values() if isinstance(obj, ResumableSampler)), None)
 
-    def find(self, path: str | Path | None = None) -> Loaded | None:
-        """The checkpoint ``restore`` would load, read but not applied (see ``find_checkpoint``)."""
-        return find_checkpoint(self.group, self.directory, self.format, path)
-
-    def restore(self, loaded: Loaded | None = None) -> Path | None:
-        """Load the newest readable checkpoint (or ``loaded``, from ``find``) into the
-        objects, the extras and this rank's RNG streams; the path it came from, or None
-        (nothing saved yet: a fresh start)."""
-        loaded = loaded if loaded is not None else self.find()
+    def restore(self, path: str | Path | None = None, *, accept: Accept | None = None) -> Path | None:
+        """Load the newest readable checkpoint (or the one at ``path``) into the objects,
+        the extras and this rank's RNG streams; the path it came from, or None (nothing
+        saved yet: a fresh start). ``accept(path, data)`` may refuse it before anything is
+        loaded (raise)."""
+        if path is None:
+            if self.group.is_rank_zero:
+                for name in files.remove_stale_temporaries(self.directory):
+                    log.info("removed %s, left by a checkpoint write that was interrupted", name)
+            self.group.barrier()  # no rank reads while rank 0 tidies
+        loaded = self.format.restore(self.group, self.directory, self.objects,
+                                     path=Path(path) if path is not None else None, accept=accept)
         if loaded is None:
             return None
-        state = loaded.state
-        missing = sorted(set(self.objects) - set(state))
-        if missing:
-            raise files.CheckpointError(f"checkpoint {loaded.path} holds no {', '.join(missing)}: it was "
-                                        "written for other objects")
-        for name, obj in self.objects.items():
-            value = state[name]
-            if obj is None or value is None:
-                continue
-            if isinstance(obj, nn.Module):
-                target = _unwrapped(obj)
-                target.load_state_dict(files.adapt_state_dict(value, target, str(loaded.path)))
-            else:
-                obj.load_state_dict(value)
+        state, mine = loaded.state, loaded.mine
         self.extras.update(state.get("extras") or {})
         self.step = self._saved_step = int(state["step"])
-        if "rng" in loaded.mine:
-            restore_rng(loaded.mine["rng"])
+        self._saved_path = loaded.path
+        self.resumed = loaded
+        if "rng" in mine:
+            restore_rng(mine["rng"])
         elif self.group.is_rank_zero:
             log.warning("checkpoint %s was written by %s ranks, this run has %d: the RNG streams start afresh",
                         loaded.path, state.get("world_size"), self.group.world_size)
@@ -237,14 +357,6 @@ class Checkpointer:
             return self.save()
         return None
 
-    def _state_of(self, obj: Any) -> Any:
-        if obj is None:
-            return None
-        if hasattr(obj, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: a collective, then rank 0 holds it
-            obj.consolidate_state_dict(to=0)
-            return obj.state_dict() if self.group.is_rank_zero else None
-        return _unwrapped(obj).state_dict()
-
     def progress(self) -> dict[str, int]:
         """Where training stands: the step, and the sampler's place in the epoch if there is one."""
         return {**(self._sampler.progress() if self._sampler is not None else {}), "global_step": self.step}
@@ -253,33 +365,31 @@ class Checkpointer:
         """Save now (unless this step is saved already). In the background, training waits
         only for the previous write and a copy to host memory; ``wait``: return once the
         file is on disk (see ``wait``). ``best``: also point ``best.pt`` at it."""
-        path = files.step_path(self.directory, self.step)
-        if self._saved_step == self.step:
+        if self._saved_step == self.step and self._saved_path is not None:
             if wait:
                 self.wait()
-            return path
+            return self._saved_path
         started = time.perf_counter()
-        shared = {name: self._state_of(obj) for name, obj in self.objects.items()}
-        shared.update(format=files.FORMAT_VERSION, step=self.step, extras=dict(self.extras),
-                      progress=self.progress())
-        self.format.save(self.group, self.directory, self.step, shared, {"rng": capture_rng()},
-                         keep_last=self.keep_last, best=best)
+        shared = {"format": files.FORMAT_VERSION, "step": self.step, "extras": dict(self.extras),
+                  "progress": self.progress()}
+        self._saved_path = self.format.save(self.group, self.directory, self.step, self.objects, shared,
+                                            {"rng": capture_rng()}, keep_last=self.keep_last, best=best)
         self._saved_step = self.step
         self.last_save_s = time.perf_counter() - started
         self._report(self.format.finished())
         if wait:
             self.wait()
-        return path
+        return self._saved_path
 
     def prestage(self, names: Iterable[str] | None = None) -> None:
         """Ahead of the first background save (after the first step, once the optimizer has
         state): let the format allocate what saves of this shape need, in the background.
-        ``names``: the objects worth it (default: all). A state that needs a collective to
-        gather (ZeRO's optimizer) is left out."""
+        ``names``: the objects worth it (default: all). ZeRO's sharded optimizer state,
+        which needs a collective to gather, is left out."""
         chosen = self.objects if names is None else {name: self.objects.get(name) for name in names}
-        shared = {name: _unwrapped(obj).state_dict() for name, obj in chosen.items()
-                  if obj is not None and not hasattr(obj, "consolidate_state_dict")}
-        self.format.prestage(self.group, shared)
+        states = {name: _state_of(obj) for name, obj in chosen.items()
+                  if obj is not None and not _sharded_optimizer(obj)}
+        self.format.prestage(self.group, states)
 
     def wait(self, *, together: bool = True) -> None:
         """Block until the last checkpoint is on disk on every rank's behalf (a background

@@ -49,6 +49,9 @@ class TrainingLoop:
         self.plan = LoaderPlan(sampler.num_samples, self.training.batch_size, self.config.data.drop_last)
         #: The running sums of the epoch in progress (tracking reads them at each step).
         self.epoch_sums = MetricSums(self.device)
+        #: Seconds of the last step's own work, outside any collective (its forward passes):
+        #: what the watchdog's straggler check compares between ranks.
+        self.step_compute_s = 0.0
         #: The ranks agreed to stop (a signal or the deadline).
         self.preempted = False
         self._step_save_pending = False
@@ -123,6 +126,7 @@ class TrainingLoop:
         sums = self.epoch_sums = MetricSums(self.device)
         self._step_save_pending = False
         batch_index = start_batch
+        forward_s = 0.0
         for batch in self._progress_bar(self.loader, epoch, start_batch, total_batches):
             window_start = (batch_index // accum) * accum
             window = min(accum, total_batches - window_start)
@@ -130,8 +134,10 @@ class TrainingLoop:
             sync = closes_window or not isinstance(model, DistributedDataParallel)
             batch = self.job.move_batch(batch, self.device, non_blocking=self.pin_memory)
             with nullcontext() if sync else model.no_sync():
+                forward_started = time.perf_counter()
                 with self.precision.autocast():
                     output = self.job.training_step(model, batch)
+                forward_s += time.perf_counter() - forward_started
                 state.scaler.scale(output.loss / window).backward()
             sums.add(self._per_sample(output))
             batch_index += 1
@@ -139,6 +145,7 @@ class TrainingLoop:
                 continue
             self._optimizer_step()
             state.step_done(batch_index - sampler.batches_done)
+            self.step_compute_s, forward_s = forward_s, 0.0
             step = state.progress.global_step
             self.callbacks.on_progress(trainer, "training")
             self.callbacks.on_step_end(trainer)

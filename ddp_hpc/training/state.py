@@ -25,12 +25,14 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import Dataset
 
 from ddp_hpc.config import Config
+from ddp_hpc.config import checkpoint_format as checkpoint_format_name
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
-from ddp_hpc.engine.checkpointer import CheckpointFormat, Checkpointer, Loaded, SingleFileFormat, find_checkpoint
+from ddp_hpc.engine.checkpointer import CheckpointFormat, Checkpointer, make_format
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import seed_everything
+from ddp_hpc.errors import UserError
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.training.data import LoaderPlan
 from ddp_hpc.training.job import Job
@@ -91,6 +93,9 @@ class TrainingState:
                  on_written: Callable[[WriteRecord], None] | None = None) -> None:
         self.config, self.ctx, self.run = config, ctx, run
         training = config.training
+        if checkpoint_format is None and checkpoint_format_name(config) == "dcp" and training.zero_optimizer:
+            raise UserError("checkpoint.format dcp cannot save training.zero_optimizer's state: use "
+                            "checkpoint.format=file")
         self.model = self._build_model(job)
         self.ddp_model = wrap_model(self.model, config, ctx)
         self.lr = scaled_lr(training, ctx.world_size)
@@ -105,36 +110,34 @@ class TrainingState:
         #: One row per finished epoch (what ``metrics.jsonl`` holds).
         self.history: list[dict[str, Any]] = []
 
-        file_format = checkpoint_format or SingleFileFormat(background=config.checkpoint.async_write)
-        loaded = self._find(file_format)
-        #: Set when the checkpoint resumed from was written by another world size or batch.
-        self.resharding: Resharding | None = None
-        if loaded is not None:
-            self.resharding = plan_resharding(loaded.state["progress"], Sharding.of_checkpoint(loaded.state),
-                                              Sharding(ctx.world_size, training.batch_size, training.grad_accum_steps))
+        file_format = checkpoint_format or make_format(checkpoint_format_name(config),
+                                                       background=config.checkpoint.async_write)
         plan = LoaderPlan(self.sampler.num_samples, training.batch_size, config.data.drop_last)
         self.steps_per_epoch = math.ceil(plan.batches / training.grad_accum_steps)
-        self.total_steps = self._total_steps(len(train_set))
+        #: Steps the LR schedule spans (known for a resume on another world size only once
+        #: its checkpoint is read: the schedule asks for it when it is used).
+        self.total_steps = self._total_steps(len(train_set), None)
         sched = training.scheduler
         self.scheduler = build_scheduler(self.optimizer, sched,
-                                         self.total_steps if sched.interval == "step" else training.epochs)
+                                         (lambda: self.total_steps) if sched.interval == "step" else training.epochs)
 
         objects: dict[str, Any] = {
             "model": self.model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler,
-            # AveragedModel's keys are not a plain model's: kept as they are, not adapted.
-            "ema": Kept(self.ema.state_dict, self.ema.load_state_dict) if self.ema is not None else None,
+            "ema": self.ema,
             "sampler": self.sampler,
             "history": Kept(lambda: list(self.history), self._load_history),
             "config": Kept(config.to_dict, _ignore),
             **(kept or {}),
         }
         self.checkpointer = Checkpointer(run.path, objects, keep_last=config.checkpoint.keep_last,
-                                         file_format=file_format, group=ctx, on_written=on_written)
+                                         format=file_format, group=ctx, on_written=on_written)
+        #: Set when the checkpoint resumed from was written by another world size or batch.
+        self.resharding: Resharding | None = None
         #: The checkpoint this run resumed from (None: a fresh start).
-        self.resumed_from = self._restore(loaded)
+        self.resumed_from = self._restore(len(train_set))
 
     # ----- building -------------------------------------------------------------------
 
@@ -149,19 +152,9 @@ class TrainingState:
                         "DDP copies rank 0's", checksums)
         return model
 
-    def _find(self, file_format: CheckpointFormat) -> Loaded | None:
-        resume = self.config.checkpoint.resume
-        if resume == "never":
-            return None
-        loaded = find_checkpoint(self.ctx, self.run.checkpoints, file_format, None if resume == "auto" else resume)
-        if loaded is not None:
-            ckpt.check_same_job((loaded.path, loaded.state), self.config.job.name)
-        return loaded
-
-    def _total_steps(self, dataset_len: int) -> int:
+    def _total_steps(self, dataset_len: int, change: Resharding | None) -> int:
         training = self.config.training
         total = self.steps_per_epoch * training.epochs
-        change = self.resharding
         if change:  # the schedule ends with the training at the new effective batch
             rest = math.ceil((dataset_len - change.position) / self.ctx.world_size)
             total = (change.global_step + steps_left(rest, change.new, self.config.data.drop_last)
@@ -173,21 +166,30 @@ class TrainingState:
 
     # ----- restoring ------------------------------------------------------------------
 
-    def _restore(self, loaded: Loaded | None) -> Path | None:
-        training = self.config.training
-        if loaded is None:
+    def _restore(self, dataset_len: int) -> Path | None:
+        training, resume = self.config.training, self.config.checkpoint.resume
+        path = None
+        if resume != "never":
+            path = self.checkpointer.restore(None if resume == "auto" else resume, accept=self._same_job)
+        if path is None:
             seed_everything(training.seed + self.ctx.rank)  # dropout, augmentation: per rank
             return None
-        self.checkpointer.restore(loaded)
-        if self.ema is not None and loaded.state.get("ema") is None:
+        state = self.checkpointer.resumed.state
+        if self.ema is not None and state.get("ema") is None:
             self.ema.module.load_state_dict(self.model.state_dict())  # EMA turned on at this resume
+        self.resharding = plan_resharding(state["progress"], Sharding.of_checkpoint(state),
+                                          Sharding(self.ctx.world_size, training.batch_size, training.grad_accum_steps))
         if self.resharding:
-            self._reshard(loaded.path, self.resharding)
+            self.total_steps = self._total_steps(dataset_len, self.resharding)
+            self._reshard(path, self.resharding)
         elif self.ctx.is_rank_zero:
             progress = self.progress
-            log.info("resuming from %s: epoch %d, batch %d, step %d", loaded.path, progress.epoch + 1,
+            log.info("resuming from %s: epoch %d, batch %d, step %d", path, progress.epoch + 1,
                      progress.batches_done, progress.global_step)
-        return loaded.path
+        return path
+
+    def _same_job(self, path: Path, state: Mapping[str, Any]) -> None:
+        ckpt.check_same_job((path, dict(state)), self.config.job.name)
 
     def _reshard(self, path: Path, change: Resharding) -> None:
         """Continue a checkpoint of another world size (or per-rank batch): the rest of the
