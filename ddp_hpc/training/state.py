@@ -29,7 +29,7 @@ from ddp_hpc.config import checkpoint_format as checkpoint_format_name
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
-from ddp_hpc.engine.checkpointer import CheckpointFormat, Checkpointer, make_format
+from ddp_hpc.engine.checkpointer import CheckpointFormat, Checkpointer, ShardedFormat, make_format
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import seed_everything
 from ddp_hpc.errors import UserError
@@ -39,7 +39,8 @@ from ddp_hpc.training.job import Job
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import Precision
 from ddp_hpc.training.run_folder import RunFolder
-from ddp_hpc.training.wrap import wrap_model
+from ddp_hpc.training.strategy import (full_tensor, is_sharded, load_optimizer_state, model_state,
+                                       optimizer_state, wrap_model)
 
 #: The lines users read in job logs keep the source name they always had.
 log = logging.getLogger("ddp_hpc.training.trainer")
@@ -69,9 +70,29 @@ class Kept:
         self.load(value)
 
 
+@dataclass
+class Gathered:
+    """A sharded (FSDP2) model's or optimizer's whole state for the single-file format:
+    gathered to rank 0 by collectives every rank joins (``consolidate_state_dict``, as
+    ZeRO's optimizer, which the ``Checkpointer`` calls on every rank before saving)."""
+
+    gather: Callable[[], Any]
+    load: Callable[[Any], None]
+    gathered: Any = None
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        self.gathered = self.gather()
+
+    def state_dict(self) -> Any:
+        return self.gathered
+
+    def load_state_dict(self, value: Any) -> None:
+        self.load(value)
+
+
 def parameter_checksum(model: nn.Module) -> float:
     with torch.no_grad():
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+        return float(sum(full_tensor(p.detach()).double().sum().item() for p in model.parameters()))
 
 
 def _ignore(value: Any) -> None:
@@ -121,9 +142,13 @@ class TrainingState:
         self.scheduler = build_scheduler(self.optimizer, sched,
                                          (lambda: self.total_steps) if sched.interval == "step" else training.epochs)
 
+        sharded_file = is_sharded(self.model) and not isinstance(file_format, ShardedFormat)
         objects: dict[str, Any] = {
-            "model": self.model,
-            "optimizer": self.optimizer,
+            # A sharded model in one file: its whole state, gathered (a plain model: itself).
+            "model": Gathered(lambda: model_state(self.model), self._load_whole_model) if sharded_file else self.model,
+            "optimizer": (Gathered(lambda: optimizer_state(self.model, self.optimizer, ctx),
+                                   lambda value: load_optimizer_state(self.model, self.optimizer, value))
+                          if sharded_file else self.optimizer),
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "ema": self.ema,
@@ -160,6 +185,12 @@ class TrainingState:
             total = (change.global_step + steps_left(rest, change.new, self.config.data.drop_last)
                      + self.steps_per_epoch * (training.epochs - change.epoch - 1))
         return min(total, training.max_steps) if training.max_steps else total
+
+    def _load_whole_model(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = ckpt.adapt_state_dict(state, self.model, "checkpoint")
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
 
     def _load_history(self, rows: list[dict[str, Any]]) -> None:
         self.history[:] = rows

@@ -41,6 +41,7 @@ from ddp_hpc.training.services.prestage import Prestage
 from ddp_hpc.training.services.tracking import TrackingService
 from ddp_hpc.training.services.watchdog import WatchdogService
 from ddp_hpc.training.state import Progress, TrainingState, parameter_checksum
+from ddp_hpc.training.strategy import state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,8 @@ class Trainer:
 
     def _summary(self, status: RunStatus, test: dict[str, float] | None, write: bool = True) -> RunSummary:
         progress = self.progress
-        gathered = self.ctx.all_gather_object((progress.epoch, parameter_checksum(self.model)))
+        gathered = self.ctx.all_gather_object((progress.epoch, parameter_checksum(self.model),
+                                               state_bytes(self.model, self.optimizer)))
         rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
         summary = RunSummary(
             status=status,
@@ -228,8 +230,9 @@ class Trainer:
             final=self.history[-1] if self.history else {},
             best=self.early_stopping.best(),
             test=test,
-            epochs_run_per_rank=[epoch for epoch, _ in gathered],
-            parameter_checksums_per_rank=[checksum for _, checksum in gathered],
+            epochs_run_per_rank=[epoch for epoch, _, _ in gathered],
+            parameter_checksums_per_rank=[checksum for _, checksum, _ in gathered],
+            state_bytes_per_rank=[size for _, _, size in gathered],
         )
         if self.ctx.is_rank_zero and write:
             self.run.write_summary(summary)
