@@ -26,8 +26,8 @@ _EXPORTS = {
     "Job": "ddp_hpc.training.job",
     "Datasets": "ddp_hpc.training.job",
     "StepOutput": "ddp_hpc.training.job",
-    "train": "ddp_hpc.train_job",
-    "TrainOptions": "ddp_hpc.train_job",
+    "train": "ddp_hpc.training.run_on_rank",
+    "TrainOptions": "ddp_hpc.training.run_on_rank",
     "RunSummary": "ddp_hpc.summary",
     # Your own loop: resumable checkpoints, agreed stops, the watchdog
     "Checkpointer": "ddp_hpc.engine.checkpointer",
@@ -76,5 +76,5 @@ if TYPE_CHECKING:
     from ddp_hpc.launch.request import SubmitRequest
     from ddp_hpc.schedulers import submit, wait
     from ddp_hpc.summary import RunSummary
-    from ddp_hpc.train_job import TrainOptions, train
+    from ddp_hpc.training.run_on_rank import TrainOptions, train
     from ddp_hpc.training.job import Datasets, Job, StepOutput

@@ -114,7 +114,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.engine.collectives import enable_flight_recorder
-    from ddp_hpc.train_job import TrainOptions, train
+    from ddp_hpc.training.run_on_rank import TrainOptions, train
 
     # Before the process group starts: the watchdog then names the collective each rank is at.
     enable_flight_recorder(os.environ)
