@@ -172,6 +172,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, format_table, inspect_checkpoints
+
+    if args.action == "inspect":
+        infos = inspect_checkpoints(args.run)
+        write_line(sys.stdout, json.dumps([asdict(i) for i in infos], indent=2) if args.json else format_table(infos))
+        return 0
+    write_line(sys.stdout, str(convert_checkpoint(args.run, args.output, step=args.step)))
+    return 0
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, build_local_command, run_with_restarts
 
@@ -299,6 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
+
+    checkpoint = sub.add_parser("checkpoint", help="inspect a run's checkpoints, or convert a sharded one to one file")
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    actions.required = True
+    inspect = actions.add_parser("inspect", parents=[common],
+                                 help="each checkpoint's step, format, size, world size, complete or not")
+    inspect.add_argument("run", metavar="RUN", help="a run folder, e.g. runs/digits")
+    inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
+    convert = actions.add_parser("convert", parents=[common],
+                                 help="a sharded (dcp) checkpoint as one torch.save file, for inference")
+    convert.add_argument("run", metavar="RUN", help="a run folder, e.g. runs/digits")
+    convert.add_argument("output", metavar="OUT.pt", help="the file to write")
+    convert.add_argument("--step", type=int, default=None, help="that step's checkpoint (default: the newest complete)")
+    for action in (inspect, convert):
+        action.set_defaults(func=_cmd_checkpoint)
 
     plot = sub.add_parser("plot", parents=[common],
                           help="draw a run folder's training curves as a PNG (also while it runs)")

@@ -132,6 +132,16 @@ CORPUS = [
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
     ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
+    # Checkpoints: the format, and the checkpoint commands.
+    ("unknown checkpoint format", {}, [*TRAIN, "checkpoint.format=zip"], {},
+     "checkpoint.format: expected 'file' | 'dcp' or null, got 'zip'"),
+    ("dcp checkpoints with ZeRO", {}, [*TRAIN, "checkpoint.format=dcp", "training.zero_optimizer=true"], {},
+     "checkpoint.format dcp cannot save training.zero_optimizer's state"),
+    ("checkpoint inspect of a folder that is no run", {"notes.txt": "x"}, ["checkpoint", "inspect", "{tmp}"], {},
+     "is not a run folder: it has no checkpoints/"),
+    ("checkpoint convert of an interrupted checkpoint", {"r/checkpoints/step-00000005/__0_0.distcp": "half"},
+     ["checkpoint", "convert", "{tmp}/r", "--step", "5", "{tmp}/model.pt"], {},
+     "step-00000005 is incomplete: it has no .metadata (its write was interrupted)"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;
@@ -164,6 +174,7 @@ FLAG_CORPUS = [
 
 def materialise(tmp_path: Path, files: dict, argv: list[str]) -> list[str]:
     for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         if text is None:
             np.savez(tmp_path / name, something=np.zeros(3))
         elif isinstance(text, bytes):
