@@ -7,6 +7,7 @@ cheap: torch is loaded on first use). docs/api.md describes each with an example
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -36,16 +37,22 @@ _EXPORTS = {
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
-    "JobRequest": "ddp_hpc.launch.request",
-    "submit": "ddp_hpc.launch.schedulers",
-    "wait": "ddp_hpc.launch.schedulers",
+    "SubmitRequest": "ddp_hpc.launch.request",
+    "submit": "ddp_hpc.schedulers",
+    "wait": "ddp_hpc.schedulers",
     "UserError": "ddp_hpc.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
+#: Old public name -> its new name (still answered, with a DeprecationWarning).
+_RENAMED = {"JobRequest": "SubmitRequest"}
+
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(f"ddp_hpc.{name} is now ddp_hpc.{_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        return __getattr__(_RENAMED[name])
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ddp_hpc' has no attribute {name!r}")
@@ -69,8 +76,8 @@ if TYPE_CHECKING:
     from ddp_hpc.engine.stop_agreement import StopAgreement
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
-    from ddp_hpc.launch.request import JobRequest
-    from ddp_hpc.launch.schedulers import submit, wait
+    from ddp_hpc.launch.request import SubmitRequest
+    from ddp_hpc.schedulers import submit, wait
     from ddp_hpc.summary import RunSummary
     from ddp_hpc.train_job import TrainOptions, train
     from ddp_hpc.training.job import Datasets, Job, StepOutput

@@ -105,7 +105,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.train_job import TrainOptions, train
+
+    # Before the process group starts: the watchdog then names the collective each rank is at.
+    enable_flight_recorder(os.environ)
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
                            verbose=args.verbose, report=True,
@@ -250,21 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_cmd_run)
 
-    from ddp_hpc.launch import commands
-
-    from ddp_hpc.launch.schedulers import FAMILIES, run_opts
+    from ddp_hpc.schedulers import backends, commands, families, run_opts
 
     for verb, func, help_text in (
             ("render", commands.cmd_render, "write the batch script for a scheduler (nothing is submitted)"),
-            ("submit", commands.cmd_submit, "submit a config or a command (qsub, sbatch or submitit)")):
+            ("submit", commands.cmd_submit, f"submit a config or a command ({', '.join(backends())})")):
         verb_parser = sub.add_parser(verb, help=help_text,
                                      description=f"ddp-hpc {verb} SCHEDULER [options] CONFIG [KEY=VALUE...], or "
                                                  f"ddp-hpc {verb} SCHEDULER [options] -- COMMAND [ARGS...]")
-        families = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
-        families.required = True
-        for family, backends in FAMILIES.items():
-            sched = families.add_parser(family, parents=[common],
-                                        help=f"{family.upper()} job ({', '.join(backends)})")
+        family_parsers = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
+        family_parsers.required = True
+        for family, names in families().items():
+            sched = family_parsers.add_parser(family, parents=[common],
+                                        help=f"{family.upper()} job ({', '.join(names)})")
             commands.add_job_flags(sched, family)
             sched.add_argument("-o", "--output", help="script path (render: default stdout)")
             if verb == "submit":

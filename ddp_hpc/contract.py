@@ -108,6 +108,8 @@ LAST_SHARDED_CHECKPOINT = "last.dcp"
 BEST_SHARDED_CHECKPOINT = "best.dcp"
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
+#: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).
+STRAGGLERS_FILE = "stragglers.json"
 #: What trackers write in the run folder; the CSV tracker's file inside it.
 TRACKING_DIR = "tracking"
 CSV_METRICS_FILE = "metrics.csv"
@@ -123,6 +125,12 @@ SUBMISSION_FILE = "submission.json"
 SUBMISSIONS_LOG = "submissions.jsonl"
 #: What a rendered script writes when the job ends: its exit status, for ``status``/``--wait``.
 EXIT_FILE_PREFIX = "exit-"
+#: The nodes a batch script left out of a restart (``--spare-nodes``), one JSON line each:
+#: ``{"host": ..., "attempt": N, "reason": ...}``; ``ddp-hpc status`` shows them.
+LEFT_OUT_FILE = "left-out-hosts.jsonl"
+#: ``rank-failures-<attempt>``: one line ``RANK STATUS`` per rank that failed in that attempt,
+#: in the order they failed (the first names the node a PBS restart leaves out).
+RANK_FAILURES_PREFIX = "rank-failures-"
 #: The hidden temporaries of :func:`atomic_write` (``.NAME.tmp-...``): a crash may leave one.
 TEMPORARY_GLOB = ".*.tmp-*"
 

@@ -16,10 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ddp_hpc.contract import DEADLINE_VAR, START_TIME_VAR, WALLTIME_VAR
+from ddp_hpc.environment.base import JOB_END_TIME_VARIABLES
 from ddp_hpc.errors import UserError
-
-#: Set by newer Slurm releases (not by 22.05) in the job's environment: the end time.
-SLURM_END_TIME_ENV = "SLURM_JOB_END_TIME"
 
 #: Signals that may ask the ranks to checkpoint and stop. Others are refused: KILL and STOP
 #: cannot be caught, and the rest (SEGV, CHLD, PIPE, ...) mean something else.
@@ -106,7 +104,7 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
     """The job's end in seconds since the epoch, or None where nothing says.
 
     ``DDP_HPC_DEADLINE`` wins; then ``DDP_HPC_START_TIME`` + ``DDP_HPC_WALLTIME_S``; then
-    Slurm's own ``SLURM_JOB_END_TIME`` where the Slurm release sets it. An empty value
+    the scheduler's own end time where it sets one (``JOB_END_TIME_VARIABLES``). An empty value
     counts as unset (a script's lookup that found nothing); a malformed one is a UserError.
     """
     deadline = _seconds(environ, DEADLINE_VAR)
@@ -118,21 +116,8 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
         raise UserError(f"{given} is set but {missing} is not: set both, or {DEADLINE_VAR} alone")
     if start is not None and walltime is not None:
         return start + walltime
-    return _seconds(environ, SLURM_END_TIME_ENV)
-
-
-#: Lines for a SLURM batch script (before the ranks start): export the job's end time,
-#: looked up once per job (and again after a requeue, which reruns the script). squeue
-#: prints the end in the controller's local time; an unknown end (no limit) leaves it unset.
-SLURM_DEADLINE_LINES = (
-    'ddp_hpc_end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null || true)',
-    'case "$ddp_hpc_end" in [0-9][0-9][0-9][0-9]-*) '
-    f'export {DEADLINE_VAR}=$(date -d "$ddp_hpc_end" +%s) ;; esac',
-)
-
-
-def pbs_deadline_lines(walltime_s: int) -> tuple[str, ...]:
-    """Lines for a PBS batch script: the job's end from its start and requested walltime
-    (PBS sends no signal before the walltime). The script starts a moment after the job,
-    so the deadline is late by that moment: ``checkpoint.deadline_margin_s`` covers it."""
-    return (f"export {START_TIME_VAR}=$(date +%s) {WALLTIME_VAR}={int(walltime_s)}",)
+    for name in JOB_END_TIME_VARIABLES:
+        end = _seconds(environ, name)
+        if end is not None:
+            return end
+    return None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
+from ddp_hpc.engine.collectives import flight_recorder_variables
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
 
@@ -96,12 +97,13 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
                        environ: Mapping[str, str], *, cpus: int | None = None) -> WorkerLaunch:
     """The command and what to export for it on this rank.
 
-    Under torchrun nothing is changed: its workers already have every variable.
+    Under torchrun only the flight recorder is switched on (so that a watchdog can tell
+    which collective each rank is at): its workers already have every other variable.
     """
     if not command:
         raise UserError("no command to run: give it after '--', e.g. ddp-hpc run -- python train.py")
     if dist_env.source == "torchrun":
-        return WorkerLaunch(tuple(command), {})
+        return WorkerLaunch(tuple(command), flight_recorder_variables(environ))
     restart = environ.get(RESTART_COUNT_VAR, "0").strip() or "0"
     if not restart.isdigit():
         raise UserError(f"environment variable {RESTART_COUNT_VAR}={restart!r} is not a whole number")
@@ -110,6 +112,7 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     exported = torchrun_variables(dist_env, run_id_for(dist_env, launch_id), int(restart))
     exported[DEVICE_VAR] = choice.device_type
     exported[BACKEND_VAR] = choice.backend
+    exported.update(flight_recorder_variables(environ))
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environ:
         exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     if not environ.get("OMP_NUM_THREADS", "").strip():

@@ -257,3 +257,18 @@ class KillLaunchDuringAsyncWrite(Callback):
             kill_tree(launch_root())
 
         checkpoint.os.fsync = fsync_then_die
+
+
+class CapCpuOfRank(Callback):
+    """At the start of training, ``rank`` moves into the cgroup v1 ``cpu`` group ``cgroup``
+    (made by the test), which gets ``quota_us`` of CPU time every ``period_us``."""
+
+    def __init__(self, rank: int, cgroup: str, quota_us: int, period_us: int) -> None:
+        self.rank, self.cgroup, self.quota_us, self.period_us = rank, Path(cgroup), quota_us, period_us
+
+    def on_fit_start(self, trainer) -> None:
+        if trainer.ctx.rank != self.rank:
+            return
+        (self.cgroup / "cpu.cfs_period_us").write_text(str(self.period_us))
+        (self.cgroup / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+        (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))

@@ -59,12 +59,16 @@ def test_process_group_and_resolve_env_on_one_process():
         assert str(ctx.torch_device) == "cpu"
 
 
-def test_job_request_build_and_dry_run_from_python(tmp_path):
-    from ddp_hpc.launch.schedulers import dry_run
+def test_submit_request_build_and_dry_run_from_python(tmp_path):
+    from ddp_hpc.schedulers import dry_run
 
-    request = ddp_hpc.JobRequest.build("polaris", 2, command=["python", "train.py"], account="PROJ")
+    request = ddp_hpc.SubmitRequest.build("polaris", 2, command=["python", "train.py"], account="PROJ")
     plan = dry_run(request, workdir=tmp_path)
     assert plan.scheduler == "pbs" and plan.rank_argv == ("ddp-hpc", "run", "--", "python", "train.py")
     assert "#PBS -A PROJ" in plan.script and plan.submit_argv[0] == "qsub"
     with pytest.raises(ddp_hpc.UserError, match="a config or a command"):
-        ddp_hpc.JobRequest.build("polaris", 2)
+        ddp_hpc.SubmitRequest.build("polaris", 2)
+    # The name it had before: still answered, with a warning that names the new one.
+    with pytest.warns(DeprecationWarning, match="ddp_hpc.JobRequest is now ddp_hpc.SubmitRequest"):
+        assert ddp_hpc.JobRequest is ddp_hpc.SubmitRequest
+    assert "JobRequest" not in ddp_hpc.__all__

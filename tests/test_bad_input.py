@@ -132,6 +132,8 @@ CORPUS = [
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
     ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
+    ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
+     "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
     # Checkpoints: the format, and the checkpoint commands.
     ("unknown checkpoint format", {}, [*TRAIN, "checkpoint.format=zip"], {},
      "checkpoint.format: expected 'file' | 'dcp' or null, got 'zip'"),

@@ -147,3 +147,43 @@ def test_submitting_a_config_with_trackers_needs_no_tracker_package(tmp_path):
     probe = run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('mlflow'))"],
                 env=env, cwd=tmp_path)
     assert probe.stdout.strip() == "None", probe.stderr
+
+
+def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, capsys, tmp_path):
+    """docs/architecture.md, "Adding a scheduler family": with its Scheduler subclass and one
+    REGISTRY line, render and submit offer the family, with the options its backend declares."""
+    from ddp_hpc import cli, schedulers
+    from ddp_hpc.schedulers.base import DryRun, RunOpt, Scheduler
+
+    class ToyScheduler(Scheduler):
+        name = family = "toy"
+        script_suffix = ".sh"
+        run_opts = (RunOpt(("--toy-queue",), "the toy backend's own option", "backend",
+                           {"metavar": "Q"}),)
+
+        def dry_run(self, request, workdir, script_path=None):
+            return DryRun(self.name, request, workdir, tuple(request.rank_command()),
+                          script=f"#!/bin/sh\n# toy script for {request.world_size} ranks\n",
+                          submit_argv=("toy-submit", "job.sh"))
+
+        def submit(self, dry_run):
+            raise AssertionError("--dry-run submits nothing")
+
+        def job_status(self, job_id, exit_file):
+            raise AssertionError("not asked")
+
+        def cancel_jobs(self, job_ids):
+            raise AssertionError("not asked")
+
+    monkeypatch.setitem(schedulers.REGISTRY, "toy", ((ToyScheduler,), "local"))
+    with pytest.raises(SystemExit):
+        cli.parse(["submit", "toy", "--help"])
+    assert "--toy-queue Q" in capsys.readouterr().out
+    args = cli.parse(["submit", "toy", "--dry-run", "--ranks-per-node", "2", "--run-dir", str(tmp_path),
+                      "--", "true"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/sh\n# toy script for 2 ranks\n"), out
+    assert "# per-rank command (2 ranks): ddp-hpc run -- true" in out and "# would run: toy-submit job.sh" in out
+    args = cli.parse(["render", "toy", "--run-dir", str(tmp_path), "--", "true"])
+    assert args.func(args) == 0 and capsys.readouterr().out == "#!/bin/sh\n# toy script for 2 ranks\n"

@@ -188,7 +188,7 @@ def test_the_job_is_named_once_by_the_launcher_class(capsys):
 
     from ddp_hpc.device import DeviceChoice
     from ddp_hpc.environment import derive_port, detect_launcher
-    from ddp_hpc.launch.commands import cmd_port
+    from ddp_hpc.schedulers.commands import cmd_port
     from ddp_hpc.rendezvous import job_identity
     from ddp_hpc.torchrun_env import worker_environment
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -93,6 +95,87 @@ def test_a_stuck_rank_is_detected_by_the_watchdog(request, tmp_path):
     assert "Stacks of every thread follow" in result.stderr and 'File "' in result.stderr
     # The hung rank's heartbeat still moves: nobody is gone (tests/test_multihost.py has a lost host).
     assert "watchdog: every rank's heartbeat still moves, so no rank is gone" in result.stderr
+    # ddp-hpc train switched the flight recorder on: rank 1 sits in its own code after a
+    # collective, rank 0 waits in the next one.
+    behind = re.search(r"watchdog: collectives: out of step: rank 1 \(host \S+\) is past collective #(\d+) "
+                       r"\(\w+.*\); every other rank is at collective #(\d+) ", result.stderr)
+    assert behind and int(behind[2]) == int(behind[1]) + 1, result.stderr[-3000:]
+
+
+SKIP_LOOP = str(REPO / "tests" / "scripts" / "skip_collective_loop.py")
+SKIP_WATCHDOG_S = 6
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich", "srun"])
+def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective_number(launcher, request, tmp_path):
+    """3 ranks (a majority to compare with): rank 1 skips the all_reduce of step 3 of 6, so
+    its final barrier meets the others' last all_reduce as collective #6; the watchdog
+    (6 s) ends the job and names rank 1 there."""
+    if launcher == "torchrun":
+        prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--no-python"]
+    elif launcher == "srun":
+        request.getfixturevalue("slurm_cluster")
+        prefix = ["srun", "-N2", "-n3", "--kill-on-bad-exit=1", "--wait=60"]
+    else:
+        prefix = [request.getfixturevalue(launcher), "-n", "3"]
+    marker = tmp_path / "skipped"
+    env = clean_env({"SKIP_RANK": "1", "SKIP_STEP": "3", "WATCHDOG_S": str(SKIP_WATCHDOG_S),
+                     "SKIP_MARKER": str(marker)})
+    result = subprocess.run([*prefix, *ddp_hpc_command(), "run", "--", sys.executable, SKIP_LOOP],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    seconds = time.time() - float(marker.read_text())
+    FIGURES.append(f"rank 1 skips an all_reduce under {launcher} (watchdog {SKIP_WATCHDOG_S}s): job ended "
+                   f"{seconds:.1f}s after the skip, exit {result.returncode}")
+    assert result.returncode != 0 and seconds < SKIP_WATCHDOG_S + 30, result.stderr[-3000:]
+    assert re.search(r"\[rank [02]\] watchdog: collectives: out of step: rank 1 \(host \S+\) is at collective #6 "
+                     r"\(barrier\); every other rank is at collective #6 \(all_reduce, 4\.0 KiB\)",
+                     result.stderr), result.stderr[-3000:]
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+def cpu_share_here(seconds: float = 1.0) -> float:
+    """The fraction of one CPU a busy process gets on this machine now (1.0 when idle)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        pass
+    return min(1.0, (time.process_time() - cpu) / (time.perf_counter() - wall))
+
+
+def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_keeps_it(tmp_path):
+    """Rank 1 capped by a cgroup v1 cpu quota to 30% of what a rank gets here (of one CPU
+    on an idle machine; less when other work shares it): rank 0 names it with its ratio
+    within 50 steps (each rank's median forward time over 20 steps, sent with its
+    heartbeat every second at watchdog_s=10); rank 0 itself, unperturbed, is not named.
+    A short period (>= 10 ms, quota >= the kernel's 1 ms) slows every forward pass alike."""
+    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists() or not os.access(CPU_CGROUP, os.W_OK):
+        pytest.skip("needs the cgroup v1 cpu controller, writable (root)")
+    share = 0.3 * cpu_share_here()
+    period_us = max(10_000, int(1000 / share))
+    cgroup = CPU_CGROUP / f"ddp-hpc-test-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        cap = (f"callbacks=[{{target: 'fault_injection:CapCpuOfRank', params: {{rank: 1, cgroup: '{cgroup}', "
+               f"quota_us: {max(1000, round(share * period_us))}, period_us: {period_us}}}}}]")
+        argv = [*launch_prefix("torchrun", None), *ddp_hpc_command(), "train",
+                str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=6400", "job.params.val_samples=0",
+                "training.epochs=1", "training.max_steps=50", "logging.progress=never", "checkpoint.every_n_epochs=null",
+                "distributed.watchdog_s=10", f"logging.run_dir={tmp_path / 'runs'}", "logging.name=capped", cap]
+        started = time.time()
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                                env=clean_env({"PYTHONPATH": str(REPO / "tests")}))
+    finally:
+        cgroup.rmdir()
+    assert result.returncode == 0, result.stderr[-3000:]
+    named = re.findall(r"straggler: rank (\d) \(host \S+\) takes ([\d.]+)x the median step time of the other "
+                       r"ranks \([\d.e-]+s vs [\d.e-]+s of its own work a step, at step (\d+)\)", result.stderr)
+    FIGURES.append(f"rank 1 capped to {share:.0%} of one CPU (torchrun, 2 ranks, 50 steps): named {named} "
+                   f"in a run of {time.time() - started:.0f}s")
+    assert [rank for rank, _, _ in named] == ["1"], result.stderr[-3000:]
+    assert float(named[0][1]) >= 2.0 and int(named[0][2]) <= 50
+    record = json.loads((tmp_path / "runs" / "capped" / "record" / "stragglers.json").read_text())
+    assert [(found["rank"], found["step"] <= 50, found["ratio"] >= 2.0) for found in record] == [(1, True, True)]
 
 
 @pytest.mark.mpi

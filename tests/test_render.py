@@ -13,18 +13,18 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from ddp_hpc.config_loader import ConfigError
-from ddp_hpc.launch.pbs import render_pbs
+from ddp_hpc.schedulers.pbs.render import render_pbs
 from ddp_hpc.launch.profiles import load_profile
-from ddp_hpc.launch.request import CommandPayload, JobRequest, TrainPayload, parse_walltime
-from ddp_hpc.launch.slurm import render_sbatch
+from ddp_hpc.launch.request import CommandPayload, SubmitRequest, TrainPayload, parse_walltime
+from ddp_hpc.schedulers.slurm.render import render_sbatch
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
 
 
-def request(cluster: str, nodes: int = 2, **kwargs) -> JobRequest:
+def request(cluster: str, nodes: int = 2, **kwargs) -> SubmitRequest:
     kwargs.setdefault("walltime", "00:30:00")
     payload = TrainPayload(kwargs.pop("config_path", DIGITS), tuple(kwargs.pop("overrides", ())))
-    return JobRequest(payload=payload, profile=load_profile(cluster), nodes=nodes, **kwargs)
+    return SubmitRequest(payload=payload, profile=load_profile(cluster), nodes=nodes, **kwargs)
 
 
 def launch_line(script: str) -> str:
@@ -227,7 +227,7 @@ def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub
     command = ("python", hostile(override_noise, payload, canary), f"--note={hostile(name_noise, payload, canary)}")
     payload_value = CommandPayload(command, run_dir=str(tmp_path / "runs")) if as_command else TrainPayload(
         str(config), overrides)
-    req = JobRequest(payload=payload_value,
+    req = SubmitRequest(payload=payload_value,
                      profile=load_profile("pbs-generic" if scheduler == "pbs" else "slurm-cpu"), nodes=1,
                      account=hostile(account_noise, payload, canary), job_name=hostile(name_noise, payload, canary),
                      env={"USER_NOTE": hostile(override_noise, payload, canary)})
@@ -268,7 +268,7 @@ def test_a_sweep_is_one_array_job_with_an_element_per_combination():
 def test_command_sweep_elements_get_their_index_and_values_as_variables(tmp_path, stub_bin):
     from ddp_hpc.launch.sweep import Sweep
 
-    req = JobRequest(payload=CommandPayload(("sh", "-c", "true"), run_dir=str(tmp_path / "runs")),
+    req = SubmitRequest(payload=CommandPayload(("sh", "-c", "true"), run_dir=str(tmp_path / "runs")),
                      profile=load_profile("slurm-cpu"), nodes=1, sweep=Sweep.parse(["lr=0.1,0.2"]))
     script = render_sbatch(req)
     assert "  1) sweep_args=(); export DDP_HPC_SWEEP_INDEX=1; export DDP_HPC_SWEEP_LR=0.2;" in script

@@ -3,6 +3,7 @@ rank once, resumes from its checkpoint and ends bit-identical to an uninterrupte
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -73,4 +74,32 @@ def test_a_restart_with_a_spare_node_leaves_out_the_node_where_a_rank_failed(slu
     failed = re.search(r"leaving out node\(s\) (n\d), where a rank failed", log)
     assert failed and places.get("0") == failed.group(1), log[-3000:]
     assert places.get("1") not in (None, failed.group(1)), log[-3000:]  # the restart ran on the spare node
+    recorded = [json.loads(line) for line in next(tmp_path.glob("runs/*/left-out-hosts.jsonl")).read_text().splitlines()]
+    assert [(r["host"], r["attempt"], r["reason"]) for r in recorded] == \
+        [(failed.group(1), 0, f"srun: error: {failed.group(1)}: task 1: Killed")]
     FIGURES.append(f"--spare-nodes 1 (sbatch): a rank killed on {failed.group(1)}, the restart ran on {places['1']}")
+
+
+@pytest.mark.slurm
+def test_a_qsub_restart_with_a_spare_node_runs_without_the_host_where_a_rank_died(reference, qsub, tmp_path):
+    """PBS (Slurm's qsub over n1, n2): 1 node + 1 spare; rank 1 SIGKILLed at step 12 on the
+    first host; the restart's mpiexec runs on the other host, rank 0's address with it, and
+    ends bit-identical; ``ddp-hpc status`` shows the host left out and why."""
+    result = run([*ddp_hpc_command(), "submit", "pbs", "--cluster", "pbs-generic", "--nodes", "1", "--spare-nodes", "1",
+                  "--max-restarts", "1", "--walltime", "10", "--wait", CONFIG, *COMMON,
+                  f"logging.run_dir={tmp_path / 'runs'}", "logging.name=r", kill_once(tmp_path)], cwd=tmp_path,
+                 timeout=500, env={"PYTHONPATH": str(REPO / "tests")})
+    log = "".join(p.read_text() for p in tmp_path.glob("*.[oe][0-9]*"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
+    left = re.search(r"leaving out node\(s\) (n\d), where a rank failed \(rank 1 exited with status 137\)", log)
+    assert left, log[-3000:]
+    first, other = left.group(1), {"n1": "n2", "n2": "n1"}[left.group(1)]
+    assert f"ddp_hpc: next attempt on {other}, rank 0 at {other}" in log, log[-3000:]
+    records = sorted((tmp_path / "runs" / "r" / "record").glob("*.json"))
+    assert len(records) == 2 and f'"MASTER_ADDR": "{other}"' in records[-1].read_text()
+    assert_same_training_state(reference, load_checkpoint(tmp_path / "runs" / "r" / "checkpoints" / "last.pt"))
+    status = run([*ddp_hpc_command(), "status", "runs/r"], cwd=tmp_path, timeout=60)
+    assert f"left out: {first} (attempt 0: rank 1 exited with status 137)" in status.stdout, status.stdout
+    assert [json.loads(line)["host"] for line in
+            (tmp_path / "runs" / "r" / "left-out-hosts.jsonl").read_text().splitlines()] == [first]
+    FIGURES.append(f"--spare-nodes 1 (qsub): rank 1 killed on {first}, the restart ran on {other}, bit-identical")

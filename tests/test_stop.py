@@ -20,14 +20,8 @@ from ddp_hpc.config import load_config
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.distributed import process_group
 from ddp_hpc.errors import UserError
-from ddp_hpc.stop import (
-    SLURM_DEADLINE_LINES,
-    StopSignal,
-    job_deadline,
-    parse_stop_signal,
-    pbs_deadline_lines,
-    stop_signal_arg,
-)
+from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
+from ddp_hpc.stop import StopSignal, job_deadline, parse_stop_signal, stop_signal_arg
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.deadline import DeadlinePolicy, Timings, must_stop_now
@@ -138,16 +132,6 @@ def test_slurm_script_lines_export_the_end_time_or_nothing(tmp_path, squeue_says
         assert float(result.stdout) == time.mktime(time.strptime(squeue_says, "%Y-%m-%dT%H:%M:%S"))
     else:
         assert result.stdout == "unset"
-
-
-def test_pbs_script_lines_export_start_and_walltime():
-    script = "\n".join([*pbs_deadline_lines(3600), 'printf "%s %s" "$DDP_HPC_START_TIME" "$DDP_HPC_WALLTIME_S"'])
-    before = time.time()
-    result = subprocess.run(["bash", "-euc", script], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stderr
-    start, walltime = result.stdout.split()
-    assert int(before) <= int(start) <= time.time() and walltime == "3600"
-    assert job_deadline({"DDP_HPC_START_TIME": start, "DDP_HPC_WALLTIME_S": walltime}) == int(start) + 3600
 
 
 # ----- deciding to stop ahead of it -----------------------------------------------------------

@@ -7,28 +7,102 @@ every ``interval_s``. The rank whose watchdog fires reads every counter twice,
 ``settle_s`` apart: ranks whose counter did not move are silent (their host lost the
 network, or the process is frozen); ranks whose counter moved are alive and waiting too.
 A rank that cannot reach the store itself is on the side that was cut off.
+
+With each beat a rank also publishes its status (``RankStatus``): the collective it is at
+(engine/collectives.py) and the median time of its own work per step. The firing rank
+names the ranks out of step in the collective sequence; rank 0's heartbeat compares the
+step times on every beat and names a straggler (a rank at least ``STRAGGLER_FACTOR``
+times the median of the others).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ddp_hpc.distributed import DistContext
+from ddp_hpc.engine.collectives import CollectivePosition, out_of_step, position
 from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 BEAT_KEY = "ddp_hpc/heartbeat/{rank}"
 HOST_KEY = "ddp_hpc/host/{rank}"
+STATUS_KEY = "ddp_hpc/status/{rank}"
+#: A rank whose step time is at least this many times the median of the others' is named.
+STRAGGLER_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What a rank's heartbeat publishes besides the beat itself."""
+
+    collective: CollectivePosition | None
+    #: The median seconds of the rank's own work per step (Watchdog.compute_s).
+    step_s: float | None
+    step: int
+
+    def to_text(self) -> str:
+        return json.dumps({"c": self.collective.to_text() if self.collective else None,
+                           "s": self.step_s, "n": self.step})
+
+    @classmethod
+    def from_text(cls, text: str) -> RankStatus | None:
+        try:
+            data = json.loads(text)
+            collective = CollectivePosition.from_text(data["c"]) if data.get("c") else None
+            return cls(collective, float(data["s"]) if data.get("s") is not None else None, int(data["n"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    host: str
+    #: Its step time over the median of the other ranks'.
+    ratio: float
+    step_s: float
+    others_s: float
+    #: Its step when rank 0 named it.
+    step: int
+
+    def describe(self) -> str:
+        return (f"straggler: rank {self.rank} (host {self.host}) takes {self.ratio:.1f}x the median step time of the "
+                f"other ranks ({self.step_s:.3g}s vs {self.others_s:.3g}s of its own work a step, at step {self.step})")
+
+
+def find_stragglers(step_s: dict[int, float], factor: float = STRAGGLER_FACTOR) -> list[tuple[int, float, float]]:
+    """``(rank, ratio, median of the others)`` for each rank at least ``factor`` times the
+    median of the others' step times. The others, not all: of two ranks, the median of
+    both would hide a rank 3x slower (3 / 2 = 1.5)."""
+    found = []
+    for rank, seconds in sorted(step_s.items()):
+        others = [value for other, value in step_s.items() if other != rank]
+        if not others:
+            continue
+        median = statistics.median(others)
+        if median > 0 and seconds / median >= factor:
+            found.append((rank, seconds / median, median))
+    return found
+
+
+def read_texts(store: dist.Store, keys: Sequence[str]) -> list[str | None]:
+    """Each key's value, None for one not set (yet)."""
+    if store.check(list(keys)):
+        return [value.decode() for value in store.multi_get(list(keys))]
+    return [store.get(key).decode() if store.check([key]) else None for key in keys]
 
 
 def describe_ranks(ranks: Sequence[int], hosts: dict[int, str]) -> str:
@@ -53,8 +127,14 @@ class Heartbeat:
     """A daemon thread that bumps this rank's counter; ``explain()`` names the silent ranks."""
 
     def __init__(self, rank: int, world_size: int, host: str, store_addr: str, store_port: int, *,
-                 interval_s: float = 2.0, store_timeout_s: float = 5.0) -> None:
+                 interval_s: float = 2.0, store_timeout_s: float = 5.0,
+                 status: Callable[[], RankStatus] | None = None,
+                 on_straggler: Callable[[Straggler], None] | None = None) -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
+        #: This rank's status, published with each beat; rank 0 checks for stragglers.
+        self.status, self.on_straggler = status, on_straggler
+        #: Rank 0: the stragglers named so far (each once, with its largest ratio).
+        self.stragglers: dict[int, Straggler] = {}
         self.store_addr, self.store_port = store_addr, store_port
         self.where = f"{store_addr}:{store_port}"
         self.interval_s, self.store_timeout_s = interval_s, store_timeout_s
@@ -97,11 +177,46 @@ class Heartbeat:
                     store.set(HOST_KEY.format(rank=self.rank), self.host)
                 if store is not None:
                     store.add(BEAT_KEY.format(rank=self.rank), 1)
+                    if self.status is not None:
+                        store.set(STATUS_KEY.format(rank=self.rank), self.status().to_text())
+                        if self.rank == 0:
+                            self._check_stragglers(store)
             except Exception as exc:  # unreachable store: keep trying; explain() tells the story
                 log.debug("heartbeat to %s failed: %s", self.where, exc)
                 store = None
             if self._stop.wait(self.interval_s):
                 return
+
+    def _check_stragglers(self, store: dist.Store) -> None:
+        keys = [STATUS_KEY.format(rank=r) for r in range(self.world_size)]
+        statuses = [RankStatus.from_text(text) if text else None for text in read_texts(store, keys)]
+        step_s = {rank: status.step_s for rank, status in enumerate(statuses)
+                  if status is not None and status.step_s is not None}
+        log.debug("median step times of the ranks' own work: %s", step_s)
+        for rank, ratio, others in find_stragglers(step_s):
+            known = self.stragglers.get(rank)
+            if known is not None and known.ratio >= ratio:
+                continue
+            host_key = HOST_KEY.format(rank=rank)
+            host = store.get(host_key).decode() if store.check([host_key]) else "?"
+            status = statuses[rank]
+            found = Straggler(rank, host, round(ratio, 2), step_s[rank], others, status.step if status else 0)
+            self.stragglers[rank] = found
+            if known is None:
+                log.warning("%s", found.describe())
+            if self.on_straggler is not None:
+                self.on_straggler(found)
+
+    def collectives(self, store: dist.Store) -> str:
+        """Which rank is out of step in the collective sequence (engine/collectives.py)."""
+        ranks = range(self.world_size)
+        statuses = read_texts(store, [STATUS_KEY.format(rank=r) for r in ranks])
+        hosts = read_texts(store, [HOST_KEY.format(rank=r) for r in ranks])
+        positions = {}
+        for rank, text in zip(ranks, statuses):
+            status = RankStatus.from_text(text) if text else None
+            positions[rank] = status.collective if status else None
+        return out_of_step(positions, {rank: host for rank, host in zip(ranks, hosts) if host})
 
     def explain(self) -> str:
         """One sentence: who went silent, or that nobody did, or that this rank is cut off."""
@@ -119,35 +234,45 @@ class Heartbeat:
             silent = [rank for rank in range(self.world_size) if before[rank] == after[rank]]
             hosts = {rank: store.get(HOST_KEY.format(rank=rank)).decode()
                      for rank in silent if store.check([HOST_KEY.format(rank=rank)])}
+            collectives = self.collectives(store) if self.status is not None else None
         except Exception as exc:
             text = str(exc).strip()
             return cut_off.format(text.splitlines()[0][:160] if text else type(exc).__name__)
         if not silent:
-            return ("every rank's heartbeat still moves, so no rank is gone: one is stuck in its own code "
-                    "(see the stacks below)")
-        return (f"silent: {describe_ranks(silent, hosts)} (no heartbeat for {self.settle_s:.0f}s, while the "
-                f"rendezvous store at {self.where} still answers this rank): that host has likely lost "
-                f"the network, or those processes are frozen")
+            liveness = ("every rank's heartbeat still moves, so no rank is gone: one is stuck in its own code "
+                        "or out of step (see the stacks below)")
+        else:
+            liveness = (f"silent: {describe_ranks(silent, hosts)} (no heartbeat for {self.settle_s:.0f}s, while the "
+                        f"rendezvous store at {self.where} still answers this rank): that host has likely lost "
+                        f"the network, or those processes are frozen")
+        return liveness if collectives is None else f"{liveness}\ncollectives: {collectives}"
 
 
 @contextmanager
-def watch_progress(ctx: DistContext, limit_s: float | None) -> Iterator[Watchdog | None]:
+def watch_progress(ctx: DistContext, limit_s: float | None,
+                   on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog | None]:
     """The Trainer's watchdog (None when ``limit_s`` is unset), with a heartbeat that lets
-    it name the silent ranks when the group spans several processes."""
+    it name the silent ranks, the ranks out of step and (rank 0) stragglers when the group
+    spans several processes."""
     if not limit_s:
         yield None
         return
     env = ctx.env
     spans = ctx.group_initialized and ctx.world_size > 1
-    with _watching(limit_s, env.rank, env.world_size, (env.master_addr, env.master_port) if spans else None) as dog:
+    with _watching(limit_s, env.rank, env.world_size, (env.master_addr, env.master_port) if spans else None,
+                   on_straggler=on_straggler) as dog:
         yield dog
 
 
 @contextmanager
-def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None) -> Iterator[Watchdog]:
+def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
+             on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
     """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
     makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
-    silent, every thread's stack, and exits (status 3) so the launcher ends the job.
+    silent, which ranks are out of step in the collectives (with ``TORCH_FR_BUFFER_SIZE``
+    set, as ``ddp-hpc run`` does), every thread's stack, and exits (status 3) so the
+    launcher ends the job. ``.beat(compute_s=...)`` with the seconds of the step's own
+    work lets rank 0 log stragglers (and call ``on_straggler``).
 
     The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
     default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group.
@@ -159,18 +284,31 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None) 
         rank, world_size = dist.get_rank(), dist.get_world_size()
         if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, "watchdog limit_s") as dog:
+    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, "watchdog limit_s",
+                   on_straggler=on_straggler) as dog:
         yield dog
+
+
+def rank_status(dog: Watchdog) -> RankStatus:
+    """What this rank's heartbeat publishes: its collective and its step time."""
+    try:
+        collective = position()
+    except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
+        log.debug("no flight record: %s", exc)
+        collective = None
+    return RankStatus(collective, dog.compute_s(), dog.step)
 
 
 @contextmanager
 def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int] | None,
-              limit_name: str = "distributed.watchdog_s") -> Iterator[Watchdog]:
+              limit_name: str = "distributed.watchdog_s",
+              on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
+    dog = Watchdog(limit_s, rank, limit_name=limit_name)
     heartbeat = None
     if store is not None:
         heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1],
-                              interval_s=min(max(limit_s / 10, 1.0), 10.0))
-    with heartbeat or nullcontext(), \
-            Watchdog(limit_s, rank, diagnose=heartbeat.explain if heartbeat else None,
-                     limit_name=limit_name) as dog:
+                              interval_s=min(max(limit_s / 10, 1.0), 10.0),
+                              status=lambda: rank_status(dog), on_straggler=on_straggler)
+        dog.diagnose = heartbeat.explain
+    with heartbeat or nullcontext(), dog:
         yield dog

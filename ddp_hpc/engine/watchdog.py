@@ -14,14 +14,18 @@ import faulthandler
 import logging
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 3
+#: How many recent steps a rank's step time is the median of (what the straggler check compares).
+STEP_WINDOW = 20
 
 
 class Watchdog:
@@ -29,12 +33,13 @@ class Watchdog:
                  diagnose: Callable[[], str] | None = None, limit_name: str = "distributed.watchdog_s") -> None:
         self.timeout_s, self.rank, self.poll_s = timeout_s, rank, min(poll_s, timeout_s / 4)
         #: Says who is to blame when the watchdog fires (liveness.Heartbeat.explain).
-        self._diagnose = diagnose
+        self.diagnose = diagnose
         #: What the user set the limit with, named in the message.
         self.limit_name = limit_name
         self._last = time.monotonic()
         self._phase = "start-up"
         self._step = 0
+        self._compute: deque[float] = deque(maxlen=STEP_WINDOW)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ddp-hpc-watchdog", daemon=True)
 
@@ -46,10 +51,26 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def beat(self, phase: str = "training", step: int | None = None) -> None:
-        """Progress: cheap enough to call every step (a few attribute stores)."""
+    def beat(self, phase: str = "training", step: int | None = None, compute_s: float | None = None) -> None:
+        """Progress: cheap enough to call every step (a few attribute stores).
+
+        ``compute_s``: the seconds of this step's own work, outside any collective (the
+        forward pass): what the straggler check compares between ranks. Wall time per step
+        would not do: every rank waits in the collectives for the slowest one.
+        """
         self._phase, self._step = phase, self._step + 1 if step is None else step
+        if compute_s is not None:
+            self._compute.append(compute_s)
         self._last = time.monotonic()
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def compute_s(self) -> float | None:
+        """The median of the last ``STEP_WINDOW`` steps' ``compute_s``; None before 3 of them."""
+        recent = list(self._compute)  # one C-level copy: safe against the loop's appends
+        return statistics.median(recent) if len(recent) >= 3 else None
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -58,14 +79,15 @@ class Watchdog:
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
-        if self._diagnose is not None:
+        if self.diagnose is not None:
             try:
-                cause = self._diagnose()
+                cause = self.diagnose()
             except Exception as exc:  # the diagnosis must never keep the process alive
                 cause = f"cannot tell which rank is to blame ({exc})"
-            line = f"[rank {self.rank}] watchdog: {cause}"
-            log.error(line)
-            print(line, file=sys.stderr, flush=True)
+            for part in cause.splitlines():
+                line = f"[rank {self.rank}] watchdog: {part}"
+                log.error(line)
+                print(line, file=sys.stderr, flush=True)
         message = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f}s on host {socket.gethostname()} "
                    f"during {self._phase} after step {self._step} (limit {self.limit_name}="
                    f"{self.timeout_s:g}); a collective is likely waiting for a rank that is stuck or gone. "

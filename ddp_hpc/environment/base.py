@@ -17,6 +17,10 @@ Env = Mapping[str, str]
 #: sacct, scontrol and scancel know.
 JOB_ID_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID")
 
+#: Where the scheduler says when the allocation ends (epoch seconds), first found wins: newer
+#: Slurm releases (not 22.05) set it. PBS sets none; its rendered scripts export the deadline.
+JOB_END_TIME_VARIABLES = ("SLURM_JOB_END_TIME",)
+
 
 def scheduler_job_id(env: Env) -> tuple[str, str] | None:
     """``(variable, job id)`` of the allocation this process runs in, or None outside one."""

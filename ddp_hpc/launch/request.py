@@ -1,6 +1,6 @@
 """What to run where: the typed request every script renderer takes, and shared pieces.
 
-Rendering is pure: a ``JobRequest`` in, script text out. Every user-supplied string that
+Rendering is pure: a ``SubmitRequest`` in, script text out. Every user-supplied string that
 reaches the shell goes through ``shell_quote`` (one physical line, whatever it holds);
 values in ``#PBS``/``#SBATCH`` directives (read by the scheduler, not the shell) are
 reduced to a safe character set.
@@ -137,8 +137,9 @@ Payload = TrainPayload | CommandPayload
 
 
 @dataclass(frozen=True)
-class JobRequest:
-    """What to run (a config or a command), on which cluster profile, in which shape."""
+class SubmitRequest:
+    """What to submit (scheduler side: what render and submit take): a config or a command,
+    on which cluster profile, in which shape."""
 
     payload: Payload
     profile: ClusterProfile
@@ -218,7 +219,7 @@ class JobRequest:
 
     @classmethod
     def build(cls, cluster: str, nodes: int = 1, *, config: str | None = None, overrides: Sequence[str] = (),
-              command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> JobRequest:
+              command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> SubmitRequest:
         """A request from plain values: a cluster profile's name (or YAML path) and either a
         config (with overrides) or a command; ``options`` are the other fields."""
         from ddp_hpc.launch.profiles import load_profile

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ddp_hpc import __version__
 from ddp_hpc.contract import (
     DEADLINE_VAR,
+    LEFT_OUT_FILE,
     MPIEXEC_VAR,
+    RANK_FAILURES_PREFIX,
     PREEMPTED_MARKER,
     RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
@@ -15,7 +18,7 @@ from ddp_hpc.contract import (
     exit_file_name,
 )
 from ddp_hpc.launch.mpi import PROGRAMS
-from ddp_hpc.launch.request import JobRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.launch.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 
 
 class ShellVar(str):
@@ -41,13 +44,13 @@ EXCLUDE_ARGS = "exclude_args"
 SWEEP_ARGS = ShellArray("sweep_args")
 
 
-def rank_argv(request: JobRequest) -> list[str]:
+def rank_argv(request: SubmitRequest) -> list[str]:
     """The per-rank command; in a sweep of a config, the element's overrides follow."""
     argv = request.rank_command()
     return [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
 
 
-def sweep_block(request: JobRequest, index_var: str, workdir_var: str) -> list[str]:
+def sweep_block(request: SubmitRequest, index_var: str, workdir_var: str) -> list[str]:
     """Pick this array task's element: its overrides, variables and run folder."""
     lines = ["", f"# Sweep: element ${index_var} of {len(request.elements)}", f'case "${{{index_var}}}" in']
     for element in request.elements:
@@ -66,12 +69,12 @@ def _folder_value(folder, workdir_var: str) -> str:
     return quoted if folder.is_absolute() else f'"${{{workdir_var}}}/"{quoted}'
 
 
-def header_comment(request: JobRequest, scheduler: str) -> str:
+def header_comment(request: SubmitRequest, scheduler: str) -> str:
     return (f"# Rendered by ddp-hpc {__version__} for cluster profile {request.profile.name!r} ({scheduler}): "
             f"{request.world_size} ranks = {request.nodes} node(s) x {request.per_node}")
 
 
-def environment_block(request: JobRequest) -> list[str]:
+def environment_block(request: SubmitRequest) -> list[str]:
     lines = []
     setup = request.setup_lines()
     if setup:
@@ -89,7 +92,7 @@ def mpiexec_lookup(flavour: str) -> str:
             f'exit {ExitStatus.FAILED:d}; }}')
 
 
-def run_folder_lines(request: JobRequest, workdir_var: str) -> list[str]:
+def run_folder_lines(request: SubmitRequest, workdir_var: str) -> list[str]:
     """``$DDP_HPC_RUN_FOLDER`` (relative folders are under the workdir), created, and named in
     the job's output."""
     value = _folder_value(request.run_folder, workdir_var)
@@ -113,18 +116,89 @@ def preflight_lines(command: str, job_key: str) -> list[str]:
     ]
 
 
-def deadline_line(request: JobRequest) -> str:
+def deadline_line(request: SubmitRequest) -> str:
     """The job's end as epoch seconds: the ranks stop and checkpoint before it (no signal needed)."""
     return f"export {DEADLINE_VAR}=$(( $(date +%s) + {request.walltime_s} ))"
 
 
-#: After a failed step: the node srun names first in ``srun: error: NODE: task N: ...``.
-_FAILED_NODE = '  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)'
+@dataclass(frozen=True)
+class LeaveOut:
+    """How a batch script finds the node where a rank failed and starts the next attempt
+    without it (``--spare-nodes``). The common launch loop adds the node to ``$excluded``
+    (comma-separated), records it in ``RUN/left-out-hosts.jsonl`` and says so."""
+
+    #: Before the first attempt.
+    setup: tuple[str, ...]
+    #: After a failed attempt ``$((attempt - 1))``: set ``failed`` (a node name, or empty) and ``reason``.
+    find: tuple[str, ...]
+    #: With ``$excluded`` updated: make the next attempt run without those nodes.
+    apply: tuple[str, ...]
+    #: Keep the attempt's stderr in ``$step_log`` (for ``find``).
+    capture_stderr: bool = False
 
 
-def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str | None, *,
+#: srun names the node of the failed task first in ``srun: error: NODE: task N: ...``.
+SRUN_LEAVE_OUT = LeaveOut(
+    setup=(f"{EXCLUDE_ARGS}=()",),
+    find=('  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)',
+          '  reason=$(grep -m 1 "^srun: error: $failed: task" "$step_log" || true)'),
+    apply=(f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',),
+    capture_stderr=True,
+)
+
+#: Wraps a rank's command under mpiexec: records ``RANK STATUS`` when it fails (SIGKILL
+#: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
+#: signals on. The first line names the rank that failed first: the launcher kills the
+#: others only after this wrapper has exited.
+RANK_FAILURE_WRAPPER = (
+    '"$@" & child=$!; '
+    'trap \'kill -USR2 "$child" 2>/dev/null\' USR2; trap \'kill -TERM "$child" 2>/dev/null\' TERM; '
+    'status=0; wait "$child" || status=$?; '
+    'while kill -0 "$child" 2>/dev/null; do wait "$child" || status=$?; done; '
+    f'if [ "$status" != 0 ] && [ "$status" != {ExitStatus.REQUEUE:d} ]; then '
+    'printf \'%s %s\\n\' "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}" "$status" '
+    f'>>"${RUN_FOLDER_VAR}/{RANK_FAILURES_PREFIX}${{{RESTART_COUNT_VAR}:-0}}"; fi; '
+    'exit "$status"')
+
+
+def recording_rank_failures(argv: Sequence[str]) -> list[str]:
+    return ["sh", "-c", RANK_FAILURE_WRAPPER, "ddp-hpc-rank", *argv]
+
+
+def hostfile_leave_out(hostfile_var: str, nodes: int, per_node: int, master_lines: Sequence[str]) -> LeaveOut:
+    """For mpiexec over a hostfile (PBS): the job's hosts stay in ``$job_hosts``; each
+    attempt's hostfile is the first ``nodes`` of them not left out, rank 0's host the first
+    of those (``master_lines`` export ``MASTER_ADDR`` from ``$first_host``). The failed
+    rank's host is its line of the attempt's hostfile (ranks are placed ``per_node`` a host,
+    in order)."""
+    return LeaveOut(
+        setup=("job_hosts=$(mktemp)", f"trap 'rm -f \"${hostfile_var}\" \"$job_hosts\"' EXIT",
+               f'cp "${hostfile_var}" "$job_hosts"',
+               f'head -n {nodes} "$job_hosts" >"${hostfile_var}"'),
+        find=("  failed=; reason=",
+              f'  failures="${RUN_FOLDER_VAR}/{RANK_FAILURES_PREFIX}$((attempt - 1))"',
+              '  if [ -s "$failures" ]; then',
+              '    read -r failed_rank failed_status <"$failures" || true',
+              '    case "$failed_rank" in',
+              f'      *[!0-9]*|"") ;;',
+              f'      *) failed=$(sed -n "$((failed_rank / {per_node} + 1))p" "${hostfile_var}")',
+              '         reason="rank $failed_rank exited with status $failed_status" ;;',
+              "    esac",
+              "  fi"),
+        apply=("    awk -v out=\"$excluded\" 'BEGIN { n = split(out, x, \",\"); for (i = 1; i <= n; i++) skip[x[i]] = 1 } "
+               f"!skip[$0]' \"$job_hosts\" | head -n {nodes} >\"${hostfile_var}\"",
+               f'    if [ "$(wc -l <"${hostfile_var}")" -lt {nodes} ]; then '
+               f'echo "ddp_hpc: no spare node left: the restart gets fewer than {nodes} node(s)" >&2; fi',
+               f'    first_host=$(head -n 1 "${hostfile_var}")',
+               *(f"    {line}" for line in master_lines),
+               f'    echo "ddp_hpc: next attempt on $(paste -sd, "${hostfile_var}"), rank 0 at $MASTER_ADDR" >&2'),
+    )
+
+
+def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: str | None, *,
                  restarts: int | None = None, forward_signal: str = "USR2",
-                 trap_signals: str = "USR2", leave_out_failed_node: bool = False) -> list[str]:
+                 trap_signals: str = "USR2", leave_out_failed_node: bool = False,
+                 leave_out: LeaveOut | None = None) -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
@@ -132,10 +206,13 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
     ``ExitStatus.REQUEUE`` means the ranks checkpointed and stopped on request: no restart;
     ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
-    With ``leave_out_failed_node`` (srun with spare nodes), the node where a rank failed is
-    added to ``EXCLUDE_ARGS`` for the next attempt.
+    With ``leave_out`` (spare nodes), the node where a rank failed is left out of the next
+    attempt and recorded; ``leave_out_failed_node`` is srun's (``SRUN_LEAVE_OUT``).
     """
     restarts = request.max_restarts if restarts is None else restarts
+    if leave_out is None and leave_out_failed_node:
+        leave_out = SRUN_LEAVE_OUT
+    capture = leave_out is not None and leave_out.capture_stderr
     lines = [
         "stop_requested=0",
         "on_stop_signal() {",
@@ -145,11 +222,12 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
         "}",
         f"trap on_stop_signal {trap_signals}",
         "attempt=0",
-        *([f"{EXCLUDE_ARGS}=()", "excluded=", "step_log=$(mktemp)"] if leave_out_failed_node else []),
+        *([*leave_out.setup, "excluded="] if leave_out else []),
+        *(["step_log=$(mktemp)"] if capture else []),
         "while :; do",
         f"  export {RESTART_COUNT_VAR}=$attempt",
         "  step_started=$(date +%s)",
-        f'  {command} 2> >(tee "$step_log" >&2) &' if leave_out_failed_node else f"  {command} &",
+        f'  {command} 2> >(tee "$step_log" >&2) &' if capture else f"  {command} &",
         "  step_pid=$!",
         "  status=0",
         '  wait "$step_pid" || status=$?',
@@ -161,11 +239,14 @@ def launch_lines(request: JobRequest, command: str, job_key: str, requeue: str |
         f'  if [ "$status" = {ExitStatus.OK:d} ] || [ "$status" = {ExitStatus.REQUEUE:d} ] || '
         f'[ "$stop_requested" = 1 ] || [ "$attempt" -ge {restarts} ]; then break; fi',
         "  attempt=$((attempt + 1))",
-        *([_FAILED_NODE, '  if [ -n "$failed" ]; then',
+        *([*leave_out.find, '  if [ -n "$failed" ]; then',
            '    excluded="${excluded:+$excluded,}$failed"',
-           f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',
-           '    echo "ddp_hpc: leaving out node(s) $excluded, where a rank failed" >&2',
-           "  fi"] if leave_out_failed_node else []),
+           # The reason goes into a JSON string: no quotes or backslashes.
+           '    printf \'{"host": "%s", "attempt": %d, "reason": "%s"}\\n\' "$failed" "$((attempt - 1))" '
+           f'"$(printf %s "$reason" | tr -d \'"\\\\\')" >>"${RUN_FOLDER_VAR}/{LEFT_OUT_FILE}"',
+           *leave_out.apply,
+           '    echo "ddp_hpc: leaving out node(s) $excluded, where a rank failed ($reason)" >&2',
+           "  fi"] if leave_out else []),
         f'  echo "ddp_hpc: the ranks failed (exit $status): restart $attempt of {restarts}, '
         f'resuming from the newest checkpoint" >&2',
         "done",

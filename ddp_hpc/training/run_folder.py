@@ -16,6 +16,8 @@ from ddp_hpc.contract import (
     CONFIG_FILE,
     METRICS_FILE,
     PREEMPTED_MARKER,
+    RECORD_DIR,
+    STRAGGLERS_FILE,
     SUMMARY_FILE,
     atomic_write,
 )
@@ -77,6 +79,15 @@ class RunFolder:
 
     def mark_preempted(self) -> None:
         atomic_write(self.preempted_marker, b"")
+
+    @property
+    def stragglers_file(self) -> Path:
+        return self.path / RECORD_DIR / STRAGGLERS_FILE
+
+    def write_stragglers(self, stragglers: list[dict[str, Any]]) -> None:
+        """Rank 0: every straggler named so far (rank, host, ratio, step), replaced whole."""
+        self.stragglers_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.stragglers_file, json.dumps(stragglers, indent=1, sort_keys=True) + "\n")
 
     def write_summary(self, summary: RunSummary) -> None:
         atomic_write(self.summary_file, summary.to_json())

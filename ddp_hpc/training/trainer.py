@@ -32,7 +32,7 @@ from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.early_stopping import EarlyStoppingState, Verdict, update
 from ddp_hpc.training.job import Datasets, Job, StepOutput
-from ddp_hpc.engine.liveness import watch_progress
+from ddp_hpc.engine.liveness import Straggler, watch_progress
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
 from ddp_hpc.training.precision import resolve_precision
@@ -77,6 +77,8 @@ class Trainer:
         self.preempted = False
         self._step_save_pending = False
         self.watchdog: Watchdog | None = None
+        #: Rank 0: the stragglers its heartbeat named, by rank (kept in the run record).
+        self.stragglers: dict[int, Straggler] = {}
         self.tracking = Tracking(config, ctx, run)
         #: Seconds rank 0's latest checkpoint write took (the deadline stop uses it).
         self.last_checkpoint_s = 0.0
@@ -171,9 +173,14 @@ class Trainer:
 
     # ----- the run ----------------------------------------------------------------------
 
-    def _beat(self, phase: str) -> None:
+    def _beat(self, phase: str, compute_s: float | None = None) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(phase, self.progress.global_step)
+            self.watchdog.beat(phase, self.progress.global_step, compute_s)
+
+    def _record_straggler(self, straggler: Straggler) -> None:
+        """Rank 0's heartbeat thread: keep what it found in the run record."""
+        self.stragglers[straggler.rank] = straggler
+        self.run.write_stragglers([asdict(found) for found in self.stragglers.values()])
 
     def fit(self) -> RunSummary:
         started = time.perf_counter()
@@ -236,7 +243,8 @@ class Trainer:
 
         # Watched from the first step on: set-up (datasets, resume) may take long legitimately.
         limit = self.config.distributed.watchdog_s
-        with watch_progress(self.ctx, limit) as self.watchdog, self._checkpoint_writes():
+        straggling = self._record_straggler if self.ctx.is_rank_zero else None
+        with watch_progress(self.ctx, limit, straggling) as self.watchdog, self._checkpoint_writes():
             status = self._train_epochs(datasets)
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
@@ -345,6 +353,7 @@ class Trainer:
         self._step_save_pending = False
         batches = self._progress_bar(self.loader, epoch, start_batch, total_batches)
         batch_index = start_batch
+        forward_s = 0.0  # the step's own work, which no collective waits in (the straggler check)
         for batch in batches:
             window_start = (batch_index // accum) * accum
             window = min(accum, total_batches - window_start)
@@ -352,8 +361,10 @@ class Trainer:
             sync = closes_window or not isinstance(self.ddp_model, DistributedDataParallel)
             batch = self.job.move_batch(batch, self.device, non_blocking=self.pin_memory)
             with nullcontext() if sync else self.ddp_model.no_sync():
+                forward_started = time.perf_counter()
                 with self.precision.autocast():
                     output = self.job.training_step(self.ddp_model, batch)
+                forward_s += time.perf_counter() - forward_started
                 self.scaler.scale(output.loss / window).backward()
             sums.add(self._per_sample(output))
             batch_index += 1
@@ -363,7 +374,8 @@ class Trainer:
             self.progress = replace(self.progress, batches_done=batch_index, global_step=self.progress.global_step + 1)
             if self.checkpoint_writer is not None and not self.checkpoint_writer.staged and self.ctx.is_rank_zero:
                 self._prestage_checkpoint()
-            self._beat("training")
+            self._beat("training", forward_s)
+            forward_s = 0.0
             for callback in self.callbacks:
                 callback.on_step_end(self)
             self._maybe_log_step(sums)

@@ -4,9 +4,11 @@ one) still report the end: torchx added the same fallback for the same reason.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.launch.schedulers.base import JobState, JobStatus, query_tool, read_exit_file
+from ddp_hpc.schedulers.base import JobState, JobStatus, query_tool, read_exit_file, run_tool
+from ddp_hpc.schedulers.slurm.job_key import element_key
 
 #: SLURM's job states (``man squeue``, JOB STATE CODES) onto ours.
 SLURM_STATES: dict[str, JobState] = {
@@ -82,3 +84,17 @@ def slurm_status(job_id: str, exit_file: Path | None) -> JobStatus:
     if code is not None:
         return JobStatus(JobState.COMPLETED if code == 0 else JobState.FAILED, code, f"exit {code}", "exit file")
     return JobStatus(JobState.UNKNOWN)
+
+
+class SlurmJobs:
+    """What both SLURM backends (sbatch, submitit) answer alike: a job's state, an array
+    element's id, and cancelling."""
+
+    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
+        return slurm_status(job_id, exit_file)
+
+    def element_id(self, job_id: str, index: int) -> str:
+        return element_key(job_id, index)
+
+    def cancel_jobs(self, job_ids: Sequence[str]) -> None:
+        run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ddp_hpc.contract import DEADLINE_VAR
 from ddp_hpc.launch.local import FRESH_STORE_PER_ATTEMPT
-from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime
-from ddp_hpc.stop import SLURM_DEADLINE_LINES
+from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
     EXCLUDE_ARGS,
     ShellArray,
@@ -20,6 +20,7 @@ from ddp_hpc.launch.script import (
     run_folder_lines,
     sweep_block,
 )
+from ddp_hpc.schedulers.slurm.job_key import script_job_key
 
 LOG_DIR = "logs"
 
@@ -31,12 +32,22 @@ LOG_DIR = "logs"
 REQUEUE = 'scontrol requeue "$SLURM_JOB_ID"'
 
 
-def job_key(request: JobRequest) -> str:
+def job_key(request: SubmitRequest) -> str:
     """The job's id as ``sacct``/``scancel`` name it: ``ID``, or ``ARRAYID_INDEX`` in a sweep."""
-    return "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if request.sweep is not None else "${SLURM_JOB_ID}"
+    return script_job_key(array=request.sweep is not None)
 
 
-def sbatch_directives(request: JobRequest) -> list[str]:
+#: Lines for a SLURM batch script (before the ranks start): export the job's end time,
+#: looked up once per job (and again after a requeue, which reruns the script). squeue
+#: prints the end in the controller's local time; an unknown end (no limit) leaves it unset.
+SLURM_DEADLINE_LINES = (
+    'ddp_hpc_end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null || true)',
+    'case "$ddp_hpc_end" in [0-9][0-9][0-9][0-9]-*) '
+    f'export {DEADLINE_VAR}=$(date -d "$ddp_hpc_end" +%s) ;; esac',
+)
+
+
+def sbatch_directives(request: SubmitRequest) -> list[str]:
     profile = request.profile
     hms, _ = parse_walltime(request.walltime)
     torchrun = request.torchrun_per_node
@@ -67,7 +78,7 @@ def sbatch_directives(request: JobRequest) -> list[str]:
     return lines
 
 
-def step_argv(request: JobRequest) -> list[str]:
+def step_argv(request: SubmitRequest) -> list[str]:
     srun = ["srun", "--kill-on-bad-exit=1", "--wait=60"]
     if request.spare_nodes:
         # The allocation has spare nodes: the step takes the nodes it needs, not the failed ones.
@@ -83,7 +94,7 @@ def step_argv(request: JobRequest) -> list[str]:
             "--no-python", *rank_argv(request)]
 
 
-def render_sbatch(request: JobRequest) -> str:
+def render_sbatch(request: SubmitRequest) -> str:
     """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
     torchrun = request.torchrun_per_node
     command = render_argv(step_argv(request))

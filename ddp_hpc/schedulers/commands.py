@@ -1,6 +1,6 @@
 """``ddp-hpc render|submit|status|logs|cancel``: from CLI arguments to the scheduler layer.
 
-A thin adapter: arguments become a ``JobRequest``, the registry picks the backend, and the
+A thin adapter: arguments become a ``SubmitRequest``, the registry picks the backend, and the
 ``DryRun``/``Submission``/``JobResult`` values are printed. No scheduler's name is compared
 here.
 """
@@ -15,11 +15,12 @@ from pathlib import Path
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, SWEEP_INDEX_VAR, SWEEP_VAR_PREFIX
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch import schedulers
+from ddp_hpc import schedulers
+from ddp_hpc.launch.left_out import left_out_line
 from ddp_hpc.launch.profiles import load_profile
 from ddp_hpc.launch.request import (
     CommandPayload,
-    JobRequest,
+    SubmitRequest,
     TrainPayload,
     current_python_env,
     parse_env_assignments,
@@ -40,7 +41,7 @@ class JobFailed(UserError):
 def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("config", nargs="?", help="training config (YAML); or give a command after '--'")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the job")
-    default = schedulers.DEFAULT_PROFILES[family]
+    default = schedulers.default_profile(family)
     parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: {default})")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--ranks-per-node", "--tasks-per-node", dest="ranks_per_node", type=int,
@@ -90,12 +91,12 @@ def _payload(args: argparse.Namespace) -> TrainPayload | CommandPayload:
     return TrainPayload(args.config, tuple(args.overrides))
 
 
-def job_request(args: argparse.Namespace) -> JobRequest:
+def submit_request(args: argparse.Namespace) -> SubmitRequest:
     payload = _payload(args)
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = payload.config.distributed.max_restarts if isinstance(payload, TrainPayload) else 0
-    return JobRequest(
+    return SubmitRequest(
         payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
@@ -111,7 +112,7 @@ def _scheduler(args: argparse.Namespace) -> str:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    request = job_request(args)
+    request = submit_request(args)
     plan = schedulers.dry_run(request, schedulers.scheduler_for(args.scheduler, batch_script=True).name)
     if args.output:
         schedulers.base.write_script(plan.script, Path(args.output))
@@ -151,15 +152,15 @@ def sweep_table(result: schedulers.JobResult) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    request = job_request(args)
+    request = submit_request(args)
     scheduler = _scheduler(args)
     script_path = Path(args.output).resolve() if args.output else None
     if args.dry_run:
         sys.stdout.write(schedulers.dry_run(request, scheduler, script_path=script_path).describe())
         return 0
     submission = schedulers.submit(request, scheduler, script_path=script_path)
-    where = f"script {submission.script}" if submission.script else f"logs in {Path(submission.run_folder) / 'submitit'}"
-    print(f"submitted job {submission.job_id} ({where}; run folder {submission.run_folder})", flush=True)
+    print(f"submitted job {submission.job_id} ({submission.location}; run folder {submission.run_folder})",
+          flush=True)
     if not args.wait:
         return 0
     return _report_end(schedulers.wait(submission, poll_s=args.poll))
@@ -210,6 +211,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           (f", exit status {status.exit_code}" if status.exit_code is not None else "") +
           (f" [{status.source}: {status.raw}]" if status.raw else ""))
     print(f"run folder: {submission.run_folder}")
+    left_out = left_out_line(Path(submission.run_folder))
+    if left_out:
+        print(left_out)
     if result is not None and result.summary is not None:
         print(f"result: {result.summary.headline()}")
     if result is not None and result.failure:

@@ -2,7 +2,8 @@
 
 As in torchx (``schedule(submit_dryrun(app, cfg))``), what ``--dry-run`` prints is the very
 ``DryRun`` that ``submit`` executes. A backend is one module with one ``Scheduler``
-subclass, listed in ``registry.py``; nothing else branches on a scheduler's name.
+subclass in its family's package, listed in ``REGISTRY`` (``schedulers/__init__.py``);
+nothing else branches on a scheduler's name.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, BinaryIO, ClassVar
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, atomic_write, exit_file_name
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.request import JobRequest, quote_command
+from ddp_hpc.launch.request import SubmitRequest, quote_command
 
 
 class JobState(str, Enum):
@@ -57,7 +58,7 @@ class DryRun:
     """Everything ``submit`` will do, as data: printed by ``--dry-run``."""
 
     scheduler: str
-    request: JobRequest
+    request: SubmitRequest
     workdir: Path
     #: The per-rank command (``ddp-hpc train ...`` or ``ddp-hpc run -- ...``).
     rank_argv: tuple[str, ...]
@@ -152,6 +153,13 @@ class Submission:
         """Written by the rendered script when the job ends (see ``script.launch_lines``)."""
         return Path(self.run_folder) / exit_file_name(self.job_id)
 
+    @property
+    def location(self) -> str:
+        """Where to look first: the submitted script, else the folder of the job's output."""
+        if self.script:
+            return f"script {self.script}"
+        return f"logs in {Path(self.logs[0]).parent}" if self.logs else f"run folder {self.run_folder}"
+
 
 
 def fold(statuses: Sequence[JobStatus]) -> JobStatus:
@@ -245,7 +253,7 @@ class Scheduler(ABC):
     run_opts: ClassVar[tuple[RunOpt, ...]] = ()
 
     @abstractmethod
-    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
+    def dry_run(self, request: SubmitRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
         """What submitting ``request`` from ``workdir`` would do (pure: nothing runs)."""
 
     @abstractmethod
@@ -261,8 +269,9 @@ class Scheduler(ABC):
         """Ask the scheduler to end these jobs."""
 
     def element_id(self, job_id: str, index: int) -> str:
-        """An array job's element, as the status and cancel tools name it."""
-        return f"{job_id}_{index}"
+        """An array job's element, as the status and cancel tools name it (backends that
+        submit sweeps as array jobs fill this in)."""
+        raise NotImplementedError(f"the {self.name} scheduler submits no array jobs")
 
     def status(self, submission: Submission) -> JobStatus:
         """The job's state; for a sweep, every element's folded into one."""
@@ -284,20 +293,20 @@ class Scheduler(ABC):
         """The job's output files that exist now."""
         return [Path(p) for p in submission.logs if Path(p).exists()]
 
-    def check_profile(self, request: JobRequest) -> None:
+    def check_profile(self, request: SubmitRequest) -> None:
         if request.profile.scheduler != self.family:
             raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
                             f"use 'ddp-hpc render {request.profile.scheduler}' or another --cluster")
 
     def _submission(self, dry_run: DryRun, job_ids: Sequence[str], logs: Sequence[str],
-                    command_line: Sequence[str], element_ids: Sequence[str] = ()) -> Submission:
+                    command_line: Sequence[str]) -> Submission:
         """Record what was submitted: a job, a chain's links (``job_ids``), or an array job
-        (``element_ids`` name its elements)."""
+        (``element_id`` names its elements)."""
         from ddp_hpc.launch.request import CommandPayload
 
         request = dry_run.request
         elements = tuple(
-            ElementRecord(e.index, element_ids[e.index] if element_ids else self.element_id(job_ids[-1], e.index),
+            ElementRecord(e.index, self.element_id(job_ids[-1], e.index),
                           str(_under(dry_run.workdir, request.element_run_folder(e))), e.describe())
             for e in request.elements)
         submission = Submission(
@@ -321,7 +330,7 @@ class ScriptScheduler(Scheduler):
     where: ClassVar[str]
 
     @abstractmethod
-    def render(self, request: JobRequest) -> str:
+    def render(self, request: SubmitRequest) -> str:
         """The script (pure)."""
 
     @abstractmethod
@@ -342,7 +351,7 @@ class ScriptScheduler(Scheduler):
     def prepare(self, dry_run: DryRun) -> None:
         """Anything the submit command needs to exist first."""
 
-    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
+    def dry_run(self, request: SubmitRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
         self.check_profile(request)
         script_path = script_path or workdir / request.run_folder / f"job{self.script_suffix}"
         return DryRun(self.name, request, workdir, tuple(request.rank_command()), script=self.render(request),

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.launch.request import JobRequest, directive_value, job_name_directive, parse_walltime, shell_quote
+from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
     deadline_line,
     environment_block,
     header_comment,
+    hostfile_leave_out,
     PREFLIGHT_ARGV,
     launch_lines,
     preflight_lines,
     mpiexec_lookup,
     rank_argv,
+    recording_rank_failures,
     render_argv,
     run_folder_lines,
     sweep_block,
@@ -40,10 +42,10 @@ export PBS_O_WORKDIR="${PBS_O_WORKDIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 cd "$PBS_O_WORKDIR"'''
 
 
-def pbs_directives(request: JobRequest) -> list[str]:
+def pbs_directives(request: SubmitRequest) -> list[str]:
     profile = request.profile
     hms, _ = parse_walltime(request.walltime)
-    select = f"select={request.nodes}"
+    select = f"select={request.nodes + request.spare_nodes}"
     if profile.system:
         select += f":system={directive_value(profile.system, 'system')}"
     lines = [f"#PBS -N {job_name_directive(request.name)}"]
@@ -63,17 +65,20 @@ def pbs_directives(request: JobRequest) -> list[str]:
     return lines
 
 
-def mpiexec_argv(request: JobRequest, *, preflight: bool = False) -> list[str]:
+def mpiexec_argv(request: SubmitRequest, *, preflight: bool = False) -> list[str]:
     """The ranks' mpiexec line; with ``preflight``, the pre-flight check's (one rank per node)."""
     profile = request.profile
+    argv = rank_argv(request)
+    if request.spare_nodes:  # the first rank to fail names the node a restart leaves out
+        argv = recording_rank_failures(argv)
     launch = MpiLaunch(profile.launcher, request.nodes, 1 if preflight else request.per_node,
-                       list(PREFLIGHT_ARGV) if preflight else rank_argv(request),
+                       list(PREFLIGHT_ARGV) if preflight else argv,
                        hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind,
                        depth=None if preflight else profile.depth)
     return build_mpiexec(launch, program=ShellVar(MPIEXEC_VAR))
 
 
-def render_pbs(request: JobRequest) -> str:
+def render_pbs(request: SubmitRequest) -> str:
     """The complete PBS script for ``request`` (pure: nothing is read or run)."""
     suffix = request.profile.host_suffix
     master = f'"${{first_host%%.*}}"{shell_quote(suffix)}' if suffix else '"$first_host"'
@@ -109,7 +114,10 @@ def render_pbs(request: JobRequest) -> str:
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.
         *launch_lines(request, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
-                      trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name)))),
+                      trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name))),
+                      leave_out=hostfile_leave_out(HOSTFILE_VAR, request.nodes, request.per_node,
+                                                   [f"export MASTER_ADDR={master}"])
+                      if request.spare_nodes else None),
         "",
     ]
     return "\n".join(lines)

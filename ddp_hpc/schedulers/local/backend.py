@@ -2,8 +2,8 @@
 this machine, in the background: no scheduler, and the same script pieces as the others
 (run folder, the stop signal, restarts, the exit file that ``status`` reads).
 
-A whole scheduler family in one module: the ``Scheduler`` subclass below, plus one line in
-``SCHEDULERS`` and one ``Family`` in ``FAMILIES`` (``launch/schedulers/__init__.py``).
+A whole scheduler family: this package (the ``Scheduler`` subclass below, exported by its
+``__init__.py``) plus one line in ``REGISTRY`` (``ddp_hpc/schedulers/__init__.py``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pathlib import Path
 
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.local import build_torchrun
-from ddp_hpc.launch.request import JobRequest
-from ddp_hpc.launch.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
+from ddp_hpc.launch.request import SubmitRequest
 from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
+from ddp_hpc.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
 
 #: The profiles this family serves: ``scheduler: local`` (``none`` is the older spelling).
 PROFILE_SCHEDULERS = ("local", "none")
 
 
-def render_local(request: JobRequest) -> str:
+def render_local(request: SubmitRequest) -> str:
     """A bash script that runs every rank on this machine with ``torchrun --standalone``."""
     argv = build_torchrun(request.per_node, rank_argv(request))
     lines = [
@@ -46,7 +46,7 @@ class LocalScheduler(Scheduler):
     family = "local"
     script_suffix = ".sh"
 
-    def check_profile(self, request: JobRequest) -> None:
+    def check_profile(self, request: SubmitRequest) -> None:
         if request.profile.scheduler not in PROFILE_SCHEDULERS:
             raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
                             f"use 'ddp-hpc render {request.profile.scheduler}' or --cluster local")
@@ -54,7 +54,7 @@ class LocalScheduler(Scheduler):
             raise UserError("the local scheduler runs one job on this machine: --nodes 1, "
                             "no --sweep, --chain or --spare-nodes")
 
-    def dry_run(self, request: JobRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
+    def dry_run(self, request: SubmitRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
         self.check_profile(request)
         script_path = script_path or workdir / request.run_folder / f"job{self.script_suffix}"
         return DryRun(self.name, request, workdir, tuple(request.rank_command()), script=render_local(request),

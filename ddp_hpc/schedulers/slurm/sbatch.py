@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.launch.request import JobRequest, job_name_directive
-from ddp_hpc.launch.schedulers.base import DryRun, JobStatus, RunOpt, ScriptScheduler, run_tool
-from ddp_hpc.launch.schedulers.slurm_state import slurm_status
-from ddp_hpc.launch.slurm import LOG_DIR, render_sbatch
+from ddp_hpc.launch.request import SubmitRequest, job_name_directive
+from ddp_hpc.schedulers.base import DryRun, RunOpt, ScriptScheduler
+from ddp_hpc.schedulers.slurm.job_key import element_key
+from ddp_hpc.schedulers.slurm.render import LOG_DIR, render_sbatch
+from ddp_hpc.schedulers.slurm.state import SlurmJobs
 
 
-class SbatchScheduler(ScriptScheduler):
+class SbatchScheduler(SlurmJobs, ScriptScheduler):
     name = "sbatch"
     family = "slurm"
     script_suffix = ".sbatch"
@@ -26,7 +27,7 @@ class SbatchScheduler(ScriptScheduler):
                "(a batch script)", "backend", {"action": "store_true"}),
     )
 
-    def render(self, request: JobRequest) -> str:
+    def render(self, request: SubmitRequest) -> str:
         return render_sbatch(request)
 
     def submit_argv(self, script_path: Path) -> list[str]:
@@ -44,11 +45,5 @@ class SbatchScheduler(ScriptScheduler):
     def log_paths(self, dry_run: DryRun, job_ids: Sequence[str]) -> list[Path]:
         logs, name = dry_run.workdir / LOG_DIR, job_name_directive(dry_run.request.name)
         if dry_run.request.sweep is not None:
-            return [logs / f"{name}-{job_ids[0]}_{e.index}.out" for e in dry_run.request.elements]
+            return [logs / f"{name}-{element_key(job_ids[0], e.index)}.out" for e in dry_run.request.elements]
         return [logs / f"{name}-{job_id}.out" for job_id in job_ids]
-
-    def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
-        return slurm_status(job_id, exit_file)
-
-    def cancel_jobs(self, job_ids) -> None:
-        run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")

@@ -1,8 +1,9 @@
-"""Schedulers: one registry of backends, and what every verb needs from them.
+"""Schedulers: one package per family (both sides: render, submit, state, and what runs
+inside the job), one registry of backends, and what every verb needs from them.
 
-Adding a scheduler is one module with a ``Scheduler`` subclass plus one line in
-``REGISTRY`` (``local.py`` is the smallest example). Backends declare their own
-command-line options (``Scheduler.run_opts``); the CLI asks ``run_opts`` and ``backend_for``.
+Adding a family is one package with a ``Scheduler`` subclass plus one line in ``REGISTRY``
+(``local/`` is the smallest example). Backends declare their own command-line options
+(``Scheduler.run_opts``); the CLI asks ``run_opts`` and ``backend_for``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUMMARY_FILE
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.request import JobRequest
-from ddp_hpc.launch.schedulers.base import (
+from ddp_hpc.launch.request import SubmitRequest
+from ddp_hpc.schedulers.base import (
     ElementRecord,
     DryRun,
     JobState,
@@ -25,10 +26,9 @@ from ddp_hpc.launch.schedulers.base import (
     Scheduler,
     Submission,
 )
-from ddp_hpc.launch.schedulers.local import LocalScheduler
-from ddp_hpc.launch.schedulers.pbs import PbsScheduler
-from ddp_hpc.launch.schedulers.sbatch import SbatchScheduler
-from ddp_hpc.launch.schedulers.submitit_backend import SubmititScheduler
+from ddp_hpc.schedulers.local import LocalScheduler
+from ddp_hpc.schedulers.pbs import PbsScheduler
+from ddp_hpc.schedulers.slurm import SbatchScheduler, SubmititScheduler
 from ddp_hpc.summary import RunSummary
 
 #: A profile's scheduler family -> (its backends, the default first; the cluster profile
@@ -38,37 +38,50 @@ REGISTRY: dict[str, tuple[tuple[type[Scheduler], ...], str]] = {
     "slurm": ((SubmititScheduler, SbatchScheduler), "slurm-cpu"),
     "local": ((LocalScheduler,), "local"),
 }
-SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for classes, _ in REGISTRY.values() for cls in classes}
-FAMILIES: dict[str, tuple[str, ...]] = {family: tuple(cls.name for cls in classes)
-                                        for family, (classes, _) in REGISTRY.items()}
-DEFAULT_PROFILES: dict[str, str] = {family: profile for family, (_, profile) in REGISTRY.items()}
 
-__all__ = ["DEFAULT_PROFILES", "FAMILIES", "REGISTRY", "SCHEDULERS", "DryRun", "RunOpt", "backend_for", "run_opts", "ElementResult", "JobResult", "JobState", "JobStatus", "Scheduler", "Submission",
-           "dry_run", "get_scheduler", "read_submission", "scheduler_for", "submit", "wait"]
+__all__ = ["REGISTRY", "DryRun", "ElementResult", "JobResult", "JobState", "JobStatus", "RunOpt", "Scheduler",
+           "Submission", "backend_for", "backends", "default_profile", "dry_run", "families", "get_scheduler",
+           "read_submission", "run_opts", "scheduler_for", "submit", "wait"]
+
+
+def backends() -> dict[str, type[Scheduler]]:
+    """Every backend by its name (``pbs``, ``submitit``, ...), in registry order."""
+    return {cls.name: cls for classes, _ in REGISTRY.values() for cls in classes}
+
+
+def families() -> dict[str, tuple[str, ...]]:
+    """Each family's backend names, the default first."""
+    return {family: tuple(cls.name for cls in classes) for family, (classes, _) in REGISTRY.items()}
+
+
+def default_profile(family: str) -> str:
+    """The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``."""
+    return REGISTRY[family][1]
 
 
 def get_scheduler(name: str) -> Scheduler:
+    known = backends()
     try:
-        return SCHEDULERS[name]()
+        return known[name]()
     except KeyError:
-        raise UserError(f"unknown scheduler {name!r}: choose one of {', '.join(SCHEDULERS)}") from None
+        raise UserError(f"unknown scheduler {name!r}: choose one of {', '.join(known)}") from None
 
 
 def scheduler_for(family: str, *, batch_script: bool = False) -> Scheduler:
     """The family's default backend, or its first that submits a rendered batch script."""
-    names = FAMILIES.get(family)
+    names = families().get(family)
     if not names:
-        raise UserError(f"no scheduler submits to {family!r} clusters: choose one of {', '.join(FAMILIES)}")
+        raise UserError(f"no scheduler submits to {family!r} clusters: choose one of {', '.join(REGISTRY)}")
     if batch_script:
-        names = tuple(n for n in names if SCHEDULERS[n].script_suffix) or names
+        names = tuple(n for n in names if backends()[n].script_suffix) or names
     return get_scheduler(names[0])
 
 
 def run_opts(family: str, group: str) -> list[RunOpt]:
     """The options the family's backends declare in ``group``, each once, in backend order."""
     found: dict[tuple[str, ...], RunOpt] = {}
-    for name in FAMILIES[family]:
-        for opt in SCHEDULERS[name].run_opts:
+    for cls in REGISTRY[family][0]:
+        for opt in cls.run_opts:
             if opt.group == group:
                 found.setdefault(opt.flags, opt)
     return list(found.values())
@@ -77,20 +90,20 @@ def run_opts(family: str, group: str) -> list[RunOpt]:
 def backend_for(family: str, options: Mapping[str, Any]) -> Scheduler:
     """The backend that declares a backend option set in ``options`` (``--sbatch``), else
     the family's default."""
-    for name in FAMILIES[family]:
-        if any(options.get(opt.dest) for opt in SCHEDULERS[name].run_opts if opt.group == "backend"):
-            return get_scheduler(name)
+    for cls in REGISTRY[family][0]:
+        if any(options.get(opt.dest) for opt in cls.run_opts if opt.group == "backend"):
+            return cls()
     return scheduler_for(family)
 
 
-def dry_run(request: JobRequest, scheduler: str | None = None, *, workdir: Path | None = None,
+def dry_run(request: SubmitRequest, scheduler: str | None = None, *, workdir: Path | None = None,
             script_path: Path | None = None) -> DryRun:
     """What submitting would do, as data (the script, the submit command, the per-rank command)."""
     backend = get_scheduler(scheduler) if scheduler else scheduler_for(request.profile.scheduler)
     return backend.dry_run(request, (workdir or Path.cwd()).resolve(), script_path)
 
 
-def submit(request: JobRequest, scheduler: str | None = None, *, workdir: Path | None = None,
+def submit(request: SubmitRequest, scheduler: str | None = None, *, workdir: Path | None = None,
            script_path: Path | None = None) -> Submission:
     """Submit ``request`` (to ``scheduler``, default: the profile's default backend) and
     record the submission in the run folder. ``wait`` follows it to the end."""

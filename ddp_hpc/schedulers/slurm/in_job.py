@@ -1,0 +1,144 @@
+"""What runs inside a SLURM job submitted with submitit, on every task: the callables
+submitit pickles (a training config, or the user's command), and the requeue after a
+checkpoint taken on request. The batch-script backend's in-job side is its rendered script
+(``render.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ddp_hpc.contract import ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.launch.request import CommandPayload, TrainPayload
+from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
+
+log = logging.getLogger(__name__)
+
+#: How long a command job's checkpoint() waits for the command to stop, at most.
+COMMAND_STOP_WAIT_S = 80
+
+
+class SubmititTrainTask:
+    """What each SLURM task runs for a training config: ``train`` on this rank.
+
+    submitit's own handler for its signal (SIGUSR2) would requeue at once, killing the
+    ranks wherever they are. Instead the ranks take the signal as under sbatch: they agree
+    on a step, checkpoint there and stop; only then is submitit's handler called, which
+    calls ``checkpoint`` and requeues. A stop for the job's deadline is handed over the
+    same way. After SIGTERM (scancel, preemption; submitit ignores it) the ranks stop
+    and the scheduler decides what comes next.
+    """
+
+    def __init__(self, payload: TrainPayload, workdir: str, requeue: bool = True) -> None:
+        self.payload, self.workdir = payload, workdir
+        #: Off in a chain: the next link resumes the run, a requeue would run it twice.
+        self.requeue = requeue
+
+    def __call__(self) -> dict[str, Any]:
+        from ddp_hpc.train_job import TrainOptions, train
+
+        os.chdir(self.workdir)
+        options = TrainOptions(configure_logs=True, handle_signals=True)
+        summary = train(self.payload.config_path, self.payload.overrides, options=options)
+        if not summary.preempted:
+            return summary.to_dict()
+        if not self.requeue:  # a chain's next link continues the run
+            raise SystemExit(summary.exit_status)
+        hand_over_to_submitit(signal.Signals[summary.stopped_by] if summary.stopped_by else None)
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        import submitit
+
+        # Requeued with the same task: it resumes from the run's newest checkpoint (resume: auto).
+        if not self.requeue:
+            return None
+        return submitit.helpers.DelayedSubmission(SubmititTrainTask(self.payload, self.workdir))
+
+
+class SubmititCommandTask:
+    """What each SLURM task runs for a command job: the command, as a child with torchrun's
+    variables. A child that exits with ``ExitStatus.REQUEUE`` (checkpointed on request) gets the
+    job requeued."""
+
+    def __init__(self, payload: CommandPayload, workdir: str, run_folder: str,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.payload, self.workdir, self.run_folder = payload, workdir, run_folder
+        self.extra_env = dict(extra_env or {})  # a sweep element's variables
+        self._child: subprocess.Popen | None = None
+
+    def __call__(self) -> int:
+        from ddp_hpc.api import command_environment
+
+        os.chdir(self.workdir)
+        launch = command_environment(self.payload.argv)
+        sys.stdout.flush()
+        self._child = subprocess.Popen(list(launch.argv), env={**launch.environment(os.environ), **self.extra_env})
+        code = self._child.wait()
+        rank = int(launch.environment(os.environ).get("RANK", "0"))
+        job_id = job_key(os.environ)
+        if rank == 0 and job_id and code != ExitStatus.REQUEUE:
+            Path(self.run_folder).mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(self.run_folder) / exit_file_name(job_id), f"{code}\n")
+        if code == ExitStatus.REQUEUE:
+            requeue_from_rank_zero()  # the command checkpointed and asked to be run again
+        if code != 0:
+            raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """submitit's time-limit/preemption hook: pass the signal on, let the command
+        checkpoint and exit, then requeue the same task."""
+        import submitit
+
+        if self._child is not None and self._child.poll() is None:
+            self._child.send_signal(signal.SIGUSR2)
+            try:
+                self._child.wait(timeout=COMMAND_STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        return submitit.helpers.DelayedSubmission(
+            SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env))
+
+
+#: How long the other ranks wait for rank 0's requeue to end them.
+REQUEUE_WAIT_S = 120.0
+
+
+def hand_over_to_submitit(signum: int | None) -> NoReturn:
+    """After the agreed-step checkpoint: let submitit do what its signal handler is for.
+
+    Every rank calls submitit's handler for its preemption signal (now restored): rank 0's
+    calls ``checkpoint()``, requeues the job and exits; the others' only log. They then
+    wait to be ended by the requeue rather than exit first (a task that ends with an error
+    would report the job as failed, and ``--kill-on-bad-exit`` would stop the requeue).
+    ``SystemExit`` leaves no submitit result behind, as submitit's own exit does.
+    """
+    import submitit
+
+    preemption = submitit.JobEnvironment._usr_sig()
+    if signum not in (None, preemption):
+        log.warning("stopped after %s: not requeueing (the scheduler decides)", signal.Signals(signum).name)
+        raise SystemExit(ExitStatus.REQUEUE)
+    handler = signal.getsignal(preemption)
+    if callable(handler):
+        handler(preemption, None)  # rank 0: checkpoint(), scontrol requeue, sys.exit
+    deadline = time.monotonic() + REQUEUE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+    log.error("the job was not requeued within %.0f s of the checkpoint; stopping", REQUEUE_WAIT_S)
+    raise SystemExit(ExitStatus.REQUEUE)
+
+
+def requeue_from_rank_zero() -> None:
+    """Requeue this job (which ends it) from the task of rank 0; submitit requeues only from
+    its signal handler, and a run that stops by itself at its deadline needs it too."""
+    job_id = os.environ.get(JOB_ID_VAR, "")
+    if job_id and os.environ.get("SLURM_PROCID", "0") == "0":
+        subprocess.run(["scontrol", "requeue", job_id], check=False)

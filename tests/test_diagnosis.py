@@ -1,0 +1,78 @@
+"""Who is out of step in the collectives, and who is a straggler: the reports' logic, and
+the heartbeats that carry what they compare (the launches are in test_reliability.py)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ddp_hpc.engine.collectives import CollectivePosition, entry_position, out_of_step
+from ddp_hpc.engine.liveness import Heartbeat, RankStatus, find_stragglers
+from ddp_hpc.environment.ports import free_port
+
+HOSTS = {0: "h1", 1: "h1", 2: "h2", 3: "h2"}
+AR = CollectivePosition(813, "all_reduce", 4 << 20, done=False)
+
+
+def test_the_rank_behind_is_named_with_its_collective_and_the_others():
+    behind = CollectivePosition(812, "all_reduce", 4 << 20, done=False)
+    assert out_of_step({0: AR, 1: AR, 2: AR, 3: behind}, HOSTS) == (
+        "out of step: rank 3 (host h2) is at collective #812 (all_reduce, 4.0 MiB); "
+        "every other rank is at collective #813 (all_reduce, 4.0 MiB)")
+
+
+def test_a_rank_in_its_own_code_after_a_collective_is_named_past_it():
+    done = CollectivePosition(812, "all_reduce", 4 << 20, done=True)
+    assert out_of_step({0: AR, 1: done}, HOSTS).startswith(
+        "out of step: rank 1 (host h1) is past collective #812 (all_reduce, 4.0 MiB); every other rank is at "
+        "collective #813")
+
+
+def test_a_different_op_at_the_same_number_is_named_and_ranks_without_a_record_are_listed():
+    barrier = CollectivePosition(813, "barrier", 0, done=False)
+    assert out_of_step({0: AR, 1: barrier, 2: AR, 3: None}, HOSTS) == (
+        "out of step: rank 1 (host h1) is at collective #813 (barrier); every other rank is at collective #813 "
+        "(all_reduce, 4.0 MiB) (no flight record from rank 3 (host h2))")
+
+
+def test_ranks_in_step_are_said_to_be_so_and_no_record_says_how_to_get_one():
+    assert out_of_step({0: AR, 1: AR}, HOSTS) == \
+        "every rank is at collective #813 (all_reduce, 4.0 MiB): none is out of step"
+    assert "set TORCH_FR_BUFFER_SIZE=64 before the process group starts" in out_of_step({0: None, 1: None}, HOSTS)
+
+
+def test_a_flight_recorder_entry_gives_op_bytes_and_state():
+    entry = {"collective_seq_id": 6, "profiling_name": "gloo:all_reduce", "input_sizes": [[1024], [2, 3]],
+             "input_dtypes": ["Float", "BFloat16"], "retired": False, "record_id": 5}
+    assert entry_position(entry) == CollectivePosition(6, "all_reduce", 1024 * 4 + 6 * 2, done=False)
+    assert CollectivePosition.from_text(entry_position(entry).to_text()) == entry_position(entry)
+
+
+def test_stragglers_are_compared_with_the_median_of_the_others():
+    # Of two ranks, one 3x slower is named (against the median of both it would be 1.5x).
+    assert [(rank, round(ratio, 2)) for rank, ratio, _ in find_stragglers({0: 0.1, 1: 0.3})] == [(1, 3.0)]
+    assert find_stragglers({0: 0.1, 1: 0.12, 2: 0.15, 3: 0.11}) == []
+
+
+def test_rank_zeros_heartbeat_names_a_straggler_with_its_host_and_ratio_and_nobody_else():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    step_s = {0: 0.10, 1: 0.11, 2: 0.35}
+    found = []
+    beats = [Heartbeat(rank, 3, f"host{rank}", "127.0.0.1", port, interval_s=0.1,
+                       status=lambda rank=rank: RankStatus(None, step_s[rank], 40),
+                       on_straggler=found.append if rank == 0 else None) for rank in range(3)]
+    with ExitStack() as stack:
+        for beat in beats:
+            stack.enter_context(beat)
+        deadline = time.monotonic() + 5
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.05)
+    del server
+    assert found, "rank 0 named no straggler"
+    assert (found[0].rank, found[0].host, found[0].step) == (2, "host2", 40)
+    assert abs(found[0].ratio - 0.35 / 0.105) < 0.01
+    assert set(beats[0].stragglers) == {2} and not beats[1].stragglers  # only rank 0 checks
