@@ -158,6 +158,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.checkpoints:
+        from ddp_hpc.bench.checkpoint_formats import run_checkpoint_formats
+
+        output = Path(args.output)
+        run_checkpoint_formats(parse_sizes(args.checkpoint_sizes, flag="--checkpoint-sizes"), args.checkpoint_mb,
+                               output, output.parent / "checkpoint-formats")
+        return 0
     if args.own_cpu:
         from ddp_hpc.bench.runner import run_own_cpu
 
@@ -311,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--own-cpu", action="store_true",
                        help="instead: ddp_hpc's own CPU per rank before the first step at 2 ranks (Trainer minus "
                             "a hand-written loop); merged into --output")
+    bench.add_argument("--checkpoints", action="store_true",
+                       help="instead: checkpoint stall and write time, file vs dcp, sync vs background, next to the "
+                            "disk's sequential write bandwidth; merged into --output")
+    bench.add_argument("--checkpoint-sizes", metavar="N,N,...", default="2,4",
+                       help="with --checkpoints: world sizes (default: 2,4)")
+    bench.add_argument("--checkpoint-mb", type=int, default=400, metavar="MB",
+                       help="with --checkpoints: the model's weights in MB (default: 400)")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
