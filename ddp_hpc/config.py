@@ -77,6 +77,9 @@ class TrainingConfig:
     ema_decay: float | None = None
     #: Shard optimizer state over ranks (torch's ZeroRedundancyOptimizer).
     zero_optimizer: bool = False
+    #: ``ddp``: every rank holds the whole model; ``fsdp2``: parameters, gradients and
+    #: optimizer state sharded over the ranks (``fully_shard``; the ``fsdp`` section).
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
     seed: int = 0
     #: Deterministic kernels (torch.use_deterministic_algorithms): slower, repeatable.
     deterministic: bool = False
@@ -181,6 +184,32 @@ class DistributedConfig:
             positive(self.weights_check_every, "distributed.weights_check_every")
         positive(self.bucket_cap_mb, "distributed.bucket_cap_mb")
         non_negative(self.max_restarts, "distributed.max_restarts")
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """``training.strategy: fsdp2`` only. The whole model is always one sharded unit; the
+    units below it gather their parameters one at a time in forward and backward."""
+
+    #: Module class names sharded as units of their own (e.g. ``[TransformerBlock]``).
+    wrap: list[str] = field(default_factory=list)
+    #: Also a unit: every submodule holding at least this many parameters outside the
+    #: units inside it (null: by ``wrap`` only).
+    min_params: int | None = None
+    #: Free each unit's gathered parameters after its forward (gather them again in
+    #: backward): less memory, one more all-gather per unit and step.
+    reshard_after_forward: bool = True
+    #: ``bf16``: units compute in bfloat16, gradients are reduced and parameters kept in fp32.
+    mixed_precision: Literal["none", "bf16"] = "none"
+    #: Recompute each ``wrap``/``min_params`` unit's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_params is not None:
+            positive(self.min_params, "fsdp.min_params")
+        if self.activation_checkpointing and not self.wrap and self.min_params is None:
+            raise ConfigError("fsdp.activation_checkpointing recomputes the units that fsdp.wrap or "
+                              "fsdp.min_params name: set one of them")
 
 
 @dataclass(frozen=True)
@@ -296,6 +325,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     callbacks: list[CallbackConfig] = field(default_factory=list)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+
+    def __post_init__(self) -> None:
+        check_strategy(self)
 
     def run_name(self, config_path: str | Path | None) -> str:
         if self.logging.name:
@@ -308,6 +341,34 @@ class Config:
     def with_overrides(self, overrides: list[str]) -> Config:
         """A copy with ``key=value`` overrides applied (and checked like a file's)."""
         return build(Config, apply_overrides(self.to_dict(), list(overrides))) if overrides else self
+
+
+def check_strategy(config: Config) -> None:
+    """Options that the chosen ``training.strategy`` cannot honour, refused in one line."""
+    if config.training.strategy == "ddp":
+        if config.fsdp != FsdpConfig():
+            raise ConfigError("the fsdp section is set but training.strategy is ddp: set training.strategy=fsdp2")
+        return
+    refused = {
+        "training.zero_optimizer": (config.training.zero_optimizer,
+                                    "fsdp2 shards the optimizer state already"),
+        "training.ema_decay": (config.training.ema_decay is not None,
+                               "an average of sharded weights is not supported"),
+        "training.precision=fp16": (config.training.precision == "fp16",
+                                    "its gradient scaler does not handle sharded gradients; use bf16"),
+        "distributed.comm_hook": (config.distributed.comm_hook != "none",
+                                  "it is a DDP all-reduce hook; fsdp2 reduce-scatters"),
+        "distributed.find_unused_parameters": (config.distributed.find_unused_parameters, "it is a DDP option"),
+        "distributed.static_graph": (config.distributed.static_graph, "it is a DDP option"),
+        "distributed.weights_check_every": (config.distributed.weights_check_every is not None,
+                                            "it compares whole replicas; under fsdp2 each rank holds other shards"),
+        "checkpoint.async with checkpoint.format=file": (
+            config.checkpoint.async_write and checkpoint_format(config) == "file",
+            "its background writer copies one rank's whole model; the dcp format saves shards in the background"),
+    }
+    for key, (is_set, why) in refused.items():
+        if is_set:
+            raise ConfigError(f"{key} cannot be used with training.strategy=fsdp2: {why}")
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

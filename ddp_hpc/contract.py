@@ -43,6 +43,13 @@ WALLTIME_VAR = "DDP_HPC_WALLTIME_S"
 SWEEP_INDEX_VAR = "DDP_HPC_SWEEP_INDEX"
 SWEEP_VAR_PREFIX = "DDP_HPC_SWEEP_"
 
+#: ``--stage-env``: the node-local folder holding each node's copy of the environment
+#: (``ROOT/<node name>``); set by the rendered script, read by ``ddp-hpc stage fan-out``.
+STAGE_ROOT_VAR = "DDP_HPC_STAGE_ROOT"
+#: ``ddp-hpc stage fan-out``: modules (comma-separated) each node then imports from the
+#: shared environment and from its copy, timing both (``--env DDP_HPC_STAGE_TIME_IMPORT=torch``).
+STAGE_TIME_IMPORT_VAR = "DDP_HPC_STAGE_TIME_IMPORT"
+
 # Shell variables that live only inside a rendered PBS script.
 #: The job's hosts, one per line, duplicates removed.
 HOSTFILE_VAR = "DDP_HPC_HOSTFILE"

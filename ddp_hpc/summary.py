@@ -41,6 +41,8 @@ class RunSummary:
     test: dict[str, float] | None = None
     epochs_run_per_rank: list[int] = field(default_factory=list)
     parameter_checksums_per_rank: list[float] = field(default_factory=list)
+    #: Bytes of parameters plus optimizer state each rank holds (a shard of them under fsdp2).
+    state_bytes_per_rank: list[int] = field(default_factory=list)
     #: For a preempted run: the signal this rank received (``SIGUSR2``), or None (the
     #: job's deadline, or another rank's signal).
     stopped_by: str | None = None

@@ -89,6 +89,11 @@ CORPUS = [
     ("negative watchdog", {}, [*TRAIN, "distributed.watchdog_s=-1"], {}, "distributed.watchdog_s must be > 0"),
     ("weights check every 0 steps", {}, [*TRAIN, "distributed.weights_check_every=0"], {},
      "distributed.weights_check_every must be > 0"),
+    # training.strategy=fsdp2 with what cannot work on shards.
+    ("ZeRO under fsdp2", {}, [*TRAIN, "training.strategy=fsdp2", "training.zero_optimizer=true"], {},
+     "training.zero_optimizer cannot be used with training.strategy=fsdp2: fsdp2 shards the optimizer state already"),
+    ("fsdp.wrap names a class the model lacks", {}, [*TRAIN, "training.strategy=fsdp2", "fsdp.wrap=[Block]"], {},
+     "fsdp.wrap names Block, which the model does not contain (its module classes: "),
     # A run folder that cannot be created.
     ("run folder under a file", {"afile": "x"}, [*TRAIN, "logging.run_dir={tmp}/afile/runs"], {},
      "afile/runs/digits cannot be created: {tmp}/afile is not a folder"),
@@ -129,6 +134,12 @@ CORPUS = [
     ("--device unknown", {}, [*TRAIN, "--device", "tpu"], {}, "unknown device 'tpu'"),
     ("--backend unknown", {}, [*TRAIN, "--backend", "mpi"], {}, "unknown backend 'mpi'"),
     ("--nodes zero", {}, ["render", "slurm", DIGITS, "--nodes", "0"], {}, "--nodes 0 must be >= 1"),
+    ("--stage-dir relative", {}, ["render", "slurm", DIGITS, "--stage-env", "--stage-dir", "scratch"], {},
+     "--stage-dir 'scratch' must be an absolute path"),
+    ("--stage-env with submitit", {}, ["submit", "slurm", DIGITS, "--stage-env", "--dry-run"], {},
+     "--stage-env copies the environment in a step before the ranks in a batch script"),
+    ("stage fan-out without a root", {}, ["stage", "fan-out", "{tmp}/env.tar", "--rendezvous", "{tmp}"], {},
+     "no node-local folder: give --root DIR or set $DDP_HPC_STAGE_ROOT"),
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
     ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
@@ -144,6 +155,9 @@ CORPUS = [
     ("checkpoint convert of an interrupted checkpoint", {"r/checkpoints/step-00000005/__0_0.distcp": "half"},
      ["checkpoint", "convert", "{tmp}/r", "--step", "5", "{tmp}/model.pt"], {},
      "step-00000005 is incomplete: it has no .metadata (its write was interrupted)"),
+    ("a launcher its scheduler does not run", {"srun-pbs.yaml": "scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n"},
+     ["render", "pbs", DIGITS, "--cluster", "{tmp}/srun-pbs.yaml"], {},
+     "launcher 'srun' does not run under scheduler 'pbs': use one of pals, mpich, openmpi"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

@@ -151,19 +151,23 @@ def test_submitting_a_config_with_trackers_needs_no_tracker_package(tmp_path):
 
 def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, capsys, tmp_path):
     """docs/architecture.md, "Adding a scheduler family": with its Scheduler subclass and one
-    REGISTRY line, render and submit offer the family, with the options its backend declares."""
+    REGISTRY line, render and submit offer the family (and its profiles load), with the options
+    its backend declares, whose values reach the request field they name."""
     from ddp_hpc import cli, schedulers
     from ddp_hpc.schedulers.base import DryRun, RunOpt, Scheduler
 
     class ToyScheduler(Scheduler):
         name = family = "toy"
         script_suffix = ".sh"
-        run_opts = (RunOpt(("--toy-queue",), "the toy backend's own option", "backend",
-                           {"metavar": "Q"}),)
+        launchers = ("torchrun",)
+        run_opts = (RunOpt(("--toy-torchrun",), "the toy backend's own option", "backend",
+                           {"action": "store_true"}, request_field="torchrun_per_node"),)
 
         def dry_run(self, request, workdir, script_path=None):
+            self.check_profile(request)
             return DryRun(self.name, request, workdir, tuple(request.rank_command()),
-                          script=f"#!/bin/sh\n# toy script for {request.world_size} ranks\n",
+                          script=f"#!/bin/sh\n# toy script for {request.world_size} ranks, "
+                                 f"torchrun {request.torchrun_per_node}\n",
                           submit_argv=("toy-submit", "job.sh"))
 
         def submit(self, dry_run):
@@ -175,15 +179,17 @@ def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, 
         def cancel_jobs(self, job_ids):
             raise AssertionError("not asked")
 
-    monkeypatch.setitem(schedulers.REGISTRY, "toy", ((ToyScheduler,), "local"))
+    profile = tmp_path / "toy-cluster.yaml"
+    profile.write_text("scheduler: toy\nlauncher: torchrun\nranks_per_node: 2\n")
+    monkeypatch.setitem(schedulers.REGISTRY, "toy", ((ToyScheduler,), str(profile)))
     with pytest.raises(SystemExit):
         cli.parse(["submit", "toy", "--help"])
-    assert "--toy-queue Q" in capsys.readouterr().out
-    args = cli.parse(["submit", "toy", "--dry-run", "--ranks-per-node", "2", "--run-dir", str(tmp_path),
-                      "--", "true"])
+    assert "--toy-torchrun" in capsys.readouterr().out
+    args = cli.parse(["submit", "toy", "--dry-run", "--toy-torchrun", "--ranks-per-node", "2",
+                      "--run-dir", str(tmp_path), "--", "true"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert out.startswith("#!/bin/sh\n# toy script for 2 ranks\n"), out
+    assert out.startswith("#!/bin/sh\n# toy script for 2 ranks, torchrun True\n"), out
     assert "# per-rank command (2 ranks): ddp-hpc run -- true" in out and "# would run: toy-submit job.sh" in out
     args = cli.parse(["render", "toy", "--run-dir", str(tmp_path), "--", "true"])
-    assert args.func(args) == 0 and capsys.readouterr().out == "#!/bin/sh\n# toy script for 2 ranks\n"
+    assert args.func(args) == 0 and capsys.readouterr().out == "#!/bin/sh\n# toy script for 2 ranks, torchrun False\n"

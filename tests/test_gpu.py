@@ -53,7 +53,7 @@ def test_doctor_on_cuda_and_nccl():
 
 class _ActivationDtypes(Callback):
     """Records the dtype of every Linear and Conv2d output during training steps, and the
-    parameters' dtype (autocast leaves them in float32)."""
+    parameters' dtype (autocast leaves them in float32) and type (DTensor under fsdp2)."""
 
     def __init__(self) -> None:
         self.activations: set[torch.dtype] = set()
@@ -68,6 +68,8 @@ class _ActivationDtypes(Callback):
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
                 module.register_forward_hook(record)
         self.parameters = {p.dtype for p in trainer.model.parameters()}
+        self.model = trainer.model
+        self.parameter_types = {type(p).__name__ for p in trainer.model.parameters()}
 
 
 def test_bf16_autocast_runs_the_activations_in_bf16(tmp_path):
@@ -247,6 +249,43 @@ def test_two_ranks_share_one_gpu_through_gloo_and_the_trainer(tmp_path):
 @TWO_GPUS
 def test_nccl_between_two_gpus_all_reduce_and_a_ddp_step():
     _assert_a_real_two_rank_ddp(_two_ranks("nccl", (0, 1)), "nccl", ("cuda:0", "cuda:1"))
+
+
+def test_fsdp2_on_one_gpu_computes_in_bf16_and_keeps_fp32_shards(tmp_path):
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16 support")
+    from torch.distributed.fsdp import FSDPModule
+
+    probe = _ActivationDtypes()
+    # precision fp32: no autocast, so bf16 activations can only come from the MixedPrecisionPolicy.
+    summary = _fit_on_one_gpu(tmp_path, ["training.strategy=fsdp2", "fsdp.wrap=[Linear, Conv2d]",
+                                         "fsdp.mixed_precision=bf16", "training.precision=fp32"], [probe])
+    assert probe.activations == {torch.bfloat16} and probe.parameters == {torch.float32}
+    assert isinstance(probe.model, FSDPModule) and probe.parameter_types == {"DTensor"}
+    assert summary.final["val_accuracy"] > 0.5
+    # The checkpoint holds the whole model in fp32: it loads into the plain model.
+    state = load_checkpoint(tmp_path / "gpu" / "checkpoints" / "last.pt")
+    plain = create_job("digits", {"channels": 16, "hidden": 64}).build_model()
+    plain.load_state_dict(state["model"])
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
+
+
+@pytest.mark.gpu2
+@TWO_GPUS
+def test_fsdp2_over_nccl_between_two_gpus_holds_half_the_state_on_each(tmp_path):
+    result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", "ddp-hpc", "train", DIGITS,
+                  "training.epochs=2", "distributed.device=cuda", "training.strategy=fsdp2", "fsdp.wrap=[Linear]",
+                  "fsdp.mixed_precision=bf16", f"logging.run_dir={tmp_path}", "logging.name=fsdp2",
+                  "logging.progress=never"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "fsdp2" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == "nccl" and summary["device"] == "cuda:0"
+    checksums = summary["parameter_checksums_per_rank"]
+    assert checksums[0] == checksums[1]  # each rank's checksum is of the gathered model
+    # Adam: the parameters and two moments, each of them halved over the two GPUs.
+    whole = 3 * 4 * sum(p.numel() for p in create_job("digits", {"channels": 16, "hidden": 64}).build_model().parameters())
+    assert all(0.45 * whole <= held <= 1.1 * whole / 2 for held in summary["state_bytes_per_rank"]), summary
+    assert summary["final"]["val_accuracy"] > 0.5
 
 
 def _launch_train(tmp_path: Path, name: str, config: list[str], env: dict[str, str]):

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FIGURES, REPO, assert_same_model_and_optimizer, ddp_hpc_command, run
+from conftest import FIGURES, REPO, assert_same_model_and_optimizer, clean_env, ddp_hpc_command, run
 from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
@@ -220,3 +222,131 @@ def test_dcp_stopped_on_2_ranks_resumed_on_3_then_on_1_trains_every_sample_once_
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     model.load_state_dict(state["model"])  # for inference: no process group, no module. prefix
     assert state["step"] == STEPS_1_RANK and state["sampler"]["epoch"] == 5 and state["sampler"]["world_size"] == 1
+def _requeued_and_released(job_id: str) -> None:
+    """Wait for the requeue, then start the job now rather than after Slurm's requeue delay.
+    Not ``test_preemption.release_requeued``, which first waits for idle nodes: other jobs
+    may hold them, and by then the job may have started by itself (the update then fails)."""
+    from test_preemption import job_state, wait_for
+
+    wait_for(lambda: "PENDING" in job_state(job_id), 120, "the requeue")
+    time.sleep(2.0)  # the revoked credential must be over a second old (slurmd's 1-second resolution)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+
+
+def _restores(log: str, rank: int = 0) -> list[str]:
+    """What each attempt of ``rank`` restored, in order: a step number, or None."""
+    found = re.findall(rf"rank {rank}: restored (\S+) at step (\d+)", log)
+    return [None if path == "None" else int(step) for path, step in found]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)  # three launches and a requeue: 4-5 minutes on the loaded 2-core machine
+def test_sbatch_job_killed_once_then_signalled_requeues_and_ends_bit_identical(tmp_path, uninterrupted, slurm_cluster):
+    """ONE rendered sbatch job (``--max-restarts 1``): rank 1 SIGKILLs itself after step 35,
+    the script restarts both ranks in the allocation (resume from step 30); later the batch
+    shell gets SIGUSR2 as from ``--signal`` (``scancel --signal=USR2 --batch``), the ranks
+    stop at an agreed step with a checkpoint, the script requeues the job, and the requeued
+    job finishes bit-identical to the uninterrupted run."""
+    from test_preemption import wait_for
+
+    run_dir, marker = tmp_path / "run", tmp_path / "killed"
+    submit = subprocess.Popen(
+        [*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
+         "--max-restarts", "1", "--walltime", "20", "--job-name", "own-loop", "--run-dir", str(tmp_path / "runs"),
+         "--wait", "--", "python", FAULTS, EXAMPLE],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env({"RUN_DIR": str(run_dir), "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
+                       "FAULT_MARKER": str(marker), "FAULT_STEP_SLEEP": "0.1"}))
+    job_id = re.search(r"submitted job (\d+)", submit.stdout.readline()).group(1)
+    try:
+        # Signal once the restarted ranks have checkpointed past the kill.
+        wait_for(lambda: marker.exists() and (run_dir / "checkpoints" / "step-00000050.pt").exists(), 240,
+                 "the restarted ranks' checkpoint at step 50")
+        subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
+        _requeued_and_released(job_id)
+        out, err = submit.communicate(timeout=300)
+    finally:  # a failed test leaves no job behind (a requeued one would wait for ever)
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert submit.returncode == 0, out[-2000:] + err[-3000:]
+    log = next((tmp_path / "logs").glob(f"own-loop-{job_id}.out")).read_text()
+    assert "restart 1 of 1" in log and "requeueing job" in log, log[-3000:]
+    stopped = int(re.search(r"stopped on request at step (\d+)", log).group(1))
+    # The first attempt, the restart after the kill, the requeued job after the stop.
+    assert _restores(log) == _restores(log, rank=1) == [None, 30, stopped], log[-3000:]
+    assert stopped >= 50
+    assert_bit_identical(uninterrupted, final_state(run_dir))
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)  # two launches and a requeue: about 5 minutes on the loaded 2-core machine
+def test_submitit_command_job_signalled_requeues_and_ends_bit_identical(tmp_path, uninterrupted, slurm_cluster):
+    """The example as a submitit command job: SIGUSR2 to the tasks (what submitit's
+    ``--signal=USR2@90`` sends), the ranks checkpoint at an agreed step and exit 75, the job
+    is requeued and finishes bit-identical."""
+    from test_preemption import wait_for
+
+    run_dir = tmp_path / "run"
+    submit = subprocess.Popen(
+        [*ddp_hpc_command(), "submit", "slurm", "--nodes", "1", "--tasks-per-node", "2", "--walltime", "20",
+         "--job-name", "own-loop", "--run-dir", str(tmp_path / "runs"), "--wait", "--", "python", FAULTS, EXAMPLE],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env({"RUN_DIR": str(run_dir), "FAULT_STEP_SLEEP": "0.1"}))
+    job_id = re.search(r"submitted job (\d+)", submit.stdout.readline()).group(1)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step-00000030.pt").exists(), 240, "the checkpoint at step 30")
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        _requeued_and_released(job_id)
+        out, err = submit.communicate(timeout=300)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert submit.returncode == 0, out[-2000:] + err[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "own-loop" / "submitit").glob("*_0_log.err"))
+    stopped = int(re.search(r"stopped on request at step (\d+)", logs).group(1))
+    assert _restores(logs) == [None, stopped] and stopped >= 30, logs[-3000:]
+    assert_bit_identical(uninterrupted, final_state(run_dir))
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)  # 2 links on a quiet machine, up to 8 when start-up takes 40 s of each minute
+def test_pbs_chain_of_short_jobs_stops_at_each_deadline_and_ends_bit_identical(tmp_path, uninterrupted, qsub):
+    """qsub --chain 8 of 1-minute jobs, no signal at all: a link's ranks stop ahead of
+    $DDP_HPC_DEADLINE (margin 5 s) at an agreed step with a checkpoint (exit 75), the next
+    link resumes, links that find the run finished train nothing. 120 steps of at least
+    0.4 s are longer than one link leaves after start-up on a quiet machine (about 47 s);
+    loaded by other jobs, start-up took 40 s of each minute here, hence 8 links."""
+    run_dir = tmp_path / "run"
+    result = run([*ddp_hpc_command(), "submit", "pbs", "--cluster", "pbs-generic", "--nodes", "1",
+                  "--ranks-per-node", "2", "--walltime", "1", "--chain", "8", "--job-name", "own-chain",
+                  "--run-dir", str(tmp_path / "runs"), "--wait", "--", "python", FAULTS, EXAMPLE],
+                 cwd=tmp_path, timeout=840,
+                 env={"RUN_DIR": str(run_dir), "FAULT_STEP_SLEEP": "0.4", "FAULT_DEADLINE_MARGIN": "5"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The ranks' stderr, link after link (job.pbs.e<job id>).
+    logs = "".join(path.read_text() for path in sorted(tmp_path.glob("job.pbs.e*"), key=lambda p: int(p.suffix[2:])))
+    stops = [int(step) for step in re.findall(r"stopped on request at step (\d+)", logs)]
+    assert stops, logs[-3000:]  # at least one link stopped itself before its walltime
+    assert _restores(logs)[:len(stops) + 1] == [None, *stops]
+    assert_bit_identical(uninterrupted, final_state(run_dir))
+
+
+@pytest.mark.timeout(1200)  # 11 launches of 2 ranks: over 5 minutes on the loaded 2-core machine
+def test_rank_0_killed_10_times_during_background_saves_resumes_each_time_from_the_previous_checkpoint(
+        tmp_path, uninterrupted):
+    """``torchrun --max-restarts 10``; checkpoints every 10 steps, in the background. Kill k
+    (k = 0..9) hits rank 0 while its writer thread is writing the checkpoint of step
+    10 (k + 2), at a random byte. Each restart resumes from the previous checkpoint (step
+    10 (k + 1), whole), never an older one, and the run ends bit-identical."""
+    kill_log = tmp_path / "kills"
+    done = run(torchrun(2, max_restarts=10), timeout=900, env={
+        "RUN_DIR": str(tmp_path / "run"), "FAULT_SAVE_KILLS": "10", "FAULT_SAVE_KILL_LOG": str(kill_log),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    kills = [line.split() for line in kill_log.read_text().splitlines()]
+    assert [int(step) for step, *_ in kills] == list(range(20, 120, 10))
+    for step, temporary, written, size in kills:  # each kill hit a half-written temporary file
+        assert re.fullmatch(rf"\.step-{int(step):08d}\.pt\.tmp-\S+", Path(temporary).name), temporary
+        assert 0 < int(written) < int(size)
+    assert len({int(w) / int(s) for _, _, w, s in kills}) == 10  # random points
+    assert _restores(done.stderr) == [None, *range(10, 110, 10)], done.stderr[-3000:]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*.tmp-*"))  # the restarts removed the leftovers
+    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))

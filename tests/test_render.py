@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from ddp_hpc.config_loader import ConfigError
-from ddp_hpc.schedulers.pbs.render import render_pbs
+from ddp_hpc.errors import UserError
 from ddp_hpc.launch.profiles import load_profile
 from ddp_hpc.launch.request import CommandPayload, SubmitRequest, TrainPayload, parse_walltime
+from ddp_hpc.schedulers import dry_run
+from ddp_hpc.schedulers.pbs.render import render_pbs
 from ddp_hpc.schedulers.slurm.render import render_sbatch
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -144,8 +146,7 @@ def test_profile_by_path_and_its_errors(tmp_path):
     good = tmp_path / "mine.yaml"
     good.write_text("scheduler: slurm\nlauncher: srun\nranks_per_node: 8\n")
     assert load_profile(str(good)).name == "mine"
-    for text, fragment in [("scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n", "does not run under"),
-                           ("scheduler: slurm\nlauncher: srun\nranks_per_node: 0\n", "ranks_per_node must be > 0"),
+    for text, fragment in [("scheduler: slurm\nlauncher: srun\nranks_per_node: 0\n", "ranks_per_node must be > 0"),
                            ("scheduler: slurm\nlauncher: srun\n", "ranks_per_node"),
                            ("scheduler: slurm\nlauncher: srun\nranks_per_node: 1\nenv: {'1X': a}\n",
                             "not a valid environment variable"),
@@ -154,6 +155,12 @@ def test_profile_by_path_and_its_errors(tmp_path):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=fragment):
             load_profile(str(bad))
+    # A launcher its scheduler does not run: the family's backend refuses it before rendering.
+    bad.write_text("scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n")
+    srun_under_pbs = SubmitRequest(payload=CommandPayload(("true",)), profile=load_profile(str(bad)), nodes=1)
+    with pytest.raises(UserError, match="cluster profile 'bad': launcher 'srun' does not run under scheduler 'pbs': "
+                                        "use one of pals, mpich, openmpi"):
+        dry_run(srun_under_pbs, workdir=tmp_path)
 
 
 def test_a_bad_training_config_fails_at_render_time():
@@ -348,3 +355,56 @@ def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no
     assert "pre-flight link check failed" in result.stderr
     exit_files = list((tmp_path / "runs").rglob("exit-*"))
     assert [f.read_text() for f in exit_files] == ["1\n"]
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "slurm"])
+def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_path, scheduler):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra", "srun", "scontrol"):
+        (folder / name).write_text(PREFLIGHT_STUB.replace("*--links*", "*fan-out*"))
+        (folder / name).chmod(0o755)
+    (folder / "ddp-hpc").write_text(PORT_STUB)
+    (folder / "ddp-hpc").chmod(0o755)
+    req = request("pbs-generic" if scheduler == "pbs" else "slurm-cpu", nodes=2, ranks_per_node=2, stage_env=True,
+                  stage_dir=str(tmp_path / "local"), overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
+    script = (render_pbs if scheduler == "pbs" else render_sbatch)(req)
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "PBS_NODEFILE": str(tmp_path / "nodefile"), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    (tmp_path / "nodefile").write_text("n1\nn2\n")
+
+    def calls(fan_out_exit: int) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+        (tmp_path / "record").unlink(missing_ok=True)
+        result = subprocess.run(["bash", "-c", script], env={**env, "PREFLIGHT_EXIT": str(fan_out_exit)},
+                                cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        found, current = [], []
+        for word in (tmp_path / "record").read_bytes().decode().split("\0")[:-1]:
+            if word.startswith(("mpiexec", "srun")):  # the pack call comes first, alone
+                found += [current] if current else []
+                current = []
+            current.append(word)
+        return result, [*found, current]
+
+    result, (pack, fan_out, ranks) = calls(0)
+    assert result.returncode == 0, result.stderr
+    assert pack == ["ddp-hpc", "stage", "pack"]
+    assert fan_out[-6:-3] == ["ddp-hpc", "stage", "fan-out"] and fan_out[-2] == "--rendezvous"
+    assert ("-ppn" in fan_out and fan_out[fan_out.index("-ppn") + 1] == "1") if scheduler == "pbs" else \
+        "--ntasks-per-node=1" in fan_out and "--nodes=2" in fan_out
+    # The rank's command, run as the launcher would on node n2: `ddp-hpc` is the node's copy's.
+    wrapped = ranks[ranks.index("bash"):]
+    assert wrapped[3:5] == ["ddp-hpc-staged", "ddp-hpc"] and "train" in wrapped
+    job_root = tmp_path / "local" / ("ddp_hpc-env-1.server" if scheduler == "pbs" else "ddp_hpc-env-7")
+    (job_root / "n2" / "bin").mkdir(parents=True)
+    (job_root / "n2" / "bin" / "ddp-hpc").write_text('#!/bin/sh\necho "copy of $VIRTUAL_ENV: $*"\n')
+    (job_root / "n2" / "bin" / "ddp-hpc").chmod(0o755)
+    ran = subprocess.run(wrapped, env={**env, "DDP_HPC_STAGE_ROOT": str(job_root), "SLURMD_NODENAME": "n2"},
+                         capture_output=True, text=True, check=True)
+    assert ran.stdout.startswith(f"copy of {job_root / 'n2'}: train ")
+    assert f'export DDP_HPC_STAGE_ROOT={tmp_path / "local"}/ddp_hpc-env-"${{' in script
+
+    result, found = calls(1)  # the fan-out fails: no rank starts, the job records exit 1
+    assert result.returncode == 1 and "staging the environment failed" in result.stderr
+    assert len(found) == 2 and "train" not in found[-1]
+    assert [f.read_text() for f in (tmp_path / "runs").rglob("exit-*")] == ["1\n"]

@@ -20,17 +20,13 @@ from ddp_hpc.config_loader import ConfigError, build, positive
 from ddp_hpc.contract import CLUSTERS_DIR_VAR
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-LAUNCHERS_BY_SCHEDULER = {
-    "pbs": ("pals", "mpich", "openmpi"),
-    "slurm": ("srun", "torchrun", "mpich", "openmpi"),
-    "none": ("torchrun", "mpich", "openmpi"),
-    "local": ("torchrun",),
-}
 
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    scheduler: Literal["pbs", "slurm", "local", "none"]
+    #: The scheduler family (``pbs``, ``slurm``, ``local``: a key of ``schedulers.REGISTRY``).
+    #: Its backend checks the profile when it renders: which launchers run under it, too.
+    scheduler: str
     launcher: Literal["pals", "mpich", "openmpi", "srun", "torchrun"]
     ranks_per_node: int
     devices_per_node: int = 0
@@ -57,9 +53,6 @@ class ClusterProfile:
         positive(self.ranks_per_node, "ranks_per_node")
         if self.devices_per_node < 0:
             raise ConfigError(f"devices_per_node must be >= 0, got {self.devices_per_node}")
-        if self.launcher not in LAUNCHERS_BY_SCHEDULER[self.scheduler]:
-            raise ConfigError(f"launcher {self.launcher!r} does not run under scheduler {self.scheduler!r}: "
-                              f"use one of {', '.join(LAUNCHERS_BY_SCHEDULER[self.scheduler])}")
         for name, value in self.env.items():
             if not _ENV_NAME.match(str(name)):
                 raise ConfigError(f"env: {name!r} is not a valid environment variable name")

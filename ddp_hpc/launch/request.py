@@ -168,6 +168,10 @@ class SubmitRequest:
     chain: int = 1
     #: The signal the scheduler sends ahead of the time limit, and how far ahead (SLURM).
     stop_signal: StopSignal = field(default_factory=StopSignal.default)
+    #: Copy the job's Python environment to every node's ``stage_dir`` and run the ranks from there.
+    stage_env: bool = False
+    #: Node-local folder for the copy (``--stage-dir``).
+    stage_dir: str = "/tmp"
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -182,6 +186,8 @@ class SubmitRequest:
             raise ConfigError(f"--spare-nodes {self.spare_nodes} must be >= 0")
         if self.spare_nodes and not self.max_restarts:
             raise ConfigError("--spare-nodes needs --max-restarts: spare nodes are used by a restart")
+        if self.stage_env and not Path(self.stage_dir).is_absolute():
+            raise ConfigError(f"--stage-dir {self.stage_dir!r} must be an absolute path (node-local, e.g. /tmp)")
         if self.chain < 1:
             raise ConfigError(f"--chain {self.chain} must be >= 1")
         if self.sweep is not None and self.chain > 1:

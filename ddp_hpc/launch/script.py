@@ -14,11 +14,13 @@ from ddp_hpc.contract import (
     PREEMPTED_MARKER,
     RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
+    STAGE_ROOT_VAR,
     ExitStatus,
     exit_file_name,
 )
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.launch.request import SubmitRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.staging.fanout import NODE_NAME_SHELL
 
 
 class ShellVar(str):
@@ -38,8 +40,6 @@ def render_argv(argv: Sequence[str]) -> str:
     return " ".join(word(a) for a in argv)
 
 
-#: The shell array of srun options that leave failed nodes out (``--spare-nodes``).
-EXCLUDE_ARGS = "exclude_args"
 #: The shell array holding a sweep element's overrides in a rendered array job.
 SWEEP_ARGS = ShellArray("sweep_args")
 
@@ -47,7 +47,45 @@ SWEEP_ARGS = ShellArray("sweep_args")
 def rank_argv(request: SubmitRequest) -> list[str]:
     """The per-rank command; in a sweep of a config, the element's overrides follow."""
     argv = request.rank_command()
-    return [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
+    argv = [*argv, SWEEP_ARGS] if request.sweep is not None and isinstance(request.payload, TrainPayload) else argv
+    return staged_argv(request, argv)
+
+
+#: ``--stage-env``: a rank (or torchrun) starts with its node's copy of the environment
+#: first on PATH, so ``ddp-hpc``, ``python`` and ``torchrun`` are the copy's. Plain shell:
+#: nothing is imported from the shared file system to find the copy.
+STAGED_WRAPPER = (f'd="${{{STAGE_ROOT_VAR}}}/{NODE_NAME_SHELL}"; export PATH="$d/bin:$PATH" VIRTUAL_ENV="$d"; '
+                  'exec "$@"')
+
+
+def staged_argv(request: SubmitRequest, argv: Sequence[str]) -> list[str]:
+    """``argv``, run from the node-local copy of the environment when the job stages it."""
+    return ["bash", "-c", STAGED_WRAPPER, "ddp-hpc-staged", *argv] if request.stage_env else list(argv)
+
+
+#: What each node runs to get its copy (one process per node).
+STAGE_FAN_OUT_ARGV = ("ddp-hpc", "stage", "fan-out", ShellVar("stage_archive"), "--rendezvous",
+                      ShellVar("stage_rendezvous"))
+
+
+def stage_lines(request: SubmitRequest, fan_out_command: str, job_id_var: str, job_key: str) -> list[str]:
+    """``--stage-env``: pack the environment once (reused while unchanged), copy it to every
+    node's ``--stage-dir`` over a tree of the nodes, and end the job (exit 1) if that fails."""
+    if not request.stage_env:
+        return []
+    root = f'{shell_quote(request.stage_dir.rstrip("/") or "/")}/ddp_hpc-env-"${{{job_id_var}}}"'
+    return [
+        "# Environment staging (--stage-env): packed once, copied to node-local disk on every node (each node",
+        "# that has it sends it to two more), the ranks run from there",
+        f"export {STAGE_ROOT_VAR}={root}",
+        f'stage_rendezvous=$(mktemp -d "${RUN_FOLDER_VAR}/.stage.XXXXXX")',
+        f"if ! stage_archive=$(ddp-hpc stage pack) || ! {fan_out_command}; then",
+        '  echo "ddp_hpc: staging the environment failed (see above): the ranks were not started" >&2',
+        f'  printf \'%s\\n\' {ExitStatus.FAILED:d} >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
+        f"  exit {ExitStatus.FAILED:d}",
+        "fi",
+        'rm -rf "$stage_rendezvous"',
+    ]
 
 
 def sweep_block(request: SubmitRequest, index_var: str, workdir_var: str) -> list[str]:
@@ -137,15 +175,6 @@ class LeaveOut:
     capture_stderr: bool = False
 
 
-#: srun names the node of the failed task first in ``srun: error: NODE: task N: ...``.
-SRUN_LEAVE_OUT = LeaveOut(
-    setup=(f"{EXCLUDE_ARGS}=()",),
-    find=('  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)',
-          '  reason=$(grep -m 1 "^srun: error: $failed: task" "$step_log" || true)'),
-    apply=(f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',),
-    capture_stderr=True,
-)
-
 #: Wraps a rank's command under mpiexec: records ``RANK STATUS`` when it fails (SIGKILL
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
@@ -197,8 +226,7 @@ def hostfile_leave_out(hostfile_var: str, nodes: int, per_node: int, master_line
 
 def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: str | None, *,
                  restarts: int | None = None, forward_signal: str = "USR2",
-                 trap_signals: str = "USR2", leave_out_failed_node: bool = False,
-                 leave_out: LeaveOut | None = None) -> list[str]:
+                 trap_signals: str = "USR2", leave_out: LeaveOut | None = None) -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
@@ -207,11 +235,9 @@ def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: st
     ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
     With ``leave_out`` (spare nodes), the node where a rank failed is left out of the next
-    attempt and recorded; ``leave_out_failed_node`` is srun's (``SRUN_LEAVE_OUT``).
+    attempt and recorded (the family says how: srun's ``--exclude``, a hostfile).
     """
     restarts = request.max_restarts if restarts is None else restarts
-    if leave_out is None and leave_out_failed_node:
-        leave_out = SRUN_LEAVE_OUT
     capture = leave_out is not None and leave_out.capture_stderr
     lines = [
         "stop_requested=0",

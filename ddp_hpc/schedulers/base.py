@@ -231,6 +231,8 @@ class RunOpt:
     group: str = "job"
     #: More ``add_argument`` keywords (``type``, ``default``, ``action``, ``metavar``).
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: The ``SubmitRequest`` field the option's value goes to (``spare_nodes``), if any.
+    request_field: str | None = None
 
     @property
     def dest(self) -> str:
@@ -243,14 +245,16 @@ class RunOpt:
 class Scheduler(ABC):
     """One way of submitting. Subclasses fill in a few hooks."""
 
-    #: The registry key (``pbs``, ``sbatch``, ``submitit``).
+    #: The backend's name (``pbs``, ``sbatch``, ``submitit``, ``local``): what ``submit`` records.
     name: ClassVar[str]
-    #: The profile's ``scheduler`` family this backend submits to (``pbs`` or ``slurm``).
+    #: The family this backend belongs to: its REGISTRY key and the profiles' ``scheduler``.
     family: ClassVar[str]
     #: The batch script's file suffix, where there is a script.
     script_suffix: ClassVar[str] = ""
     #: Command-line options this backend adds to its family's ``render``/``submit``.
     run_opts: ClassVar[tuple[RunOpt, ...]] = ()
+    #: The profile launchers (``launcher:``) that run under this backend.
+    launchers: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def dry_run(self, request: SubmitRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
@@ -297,6 +301,13 @@ class Scheduler(ABC):
         if request.profile.scheduler != self.family:
             raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
                             f"use 'ddp-hpc render {request.profile.scheduler}' or another --cluster")
+        self.check_launcher(request)
+
+    def check_launcher(self, request: SubmitRequest) -> None:
+        profile = request.profile
+        if profile.launcher not in self.launchers:
+            raise UserError(f"cluster profile {profile.name!r}: launcher {profile.launcher!r} does not run under "
+                            f"scheduler {profile.scheduler!r}: use one of {', '.join(self.launchers)}")
 
     def _submission(self, dry_run: DryRun, job_ids: Sequence[str], logs: Sequence[str],
                     command_line: Sequence[str]) -> Submission:

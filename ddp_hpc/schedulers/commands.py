@@ -75,6 +75,11 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--preflight", action="store_true",
                         help="before the ranks start, measure the links between the nodes (ddp-hpc doctor --links, "
                              "one rank per node); a slow or broken link ends the job with exit 1")
+    parser.add_argument("--stage-env", action="store_true",
+                        help="pack the job's Python environment once, copy it to node-local disk on every node "
+                             "(a tree over the nodes) and run the ranks from there (rendered PBS/SLURM scripts)")
+    parser.add_argument("--stage-dir", default="/tmp", metavar="DIR",
+                        help="with --stage-env: the node-local folder for the copy (default: /tmp)")
     parser.add_argument("--no-venv", action="store_true",
                         help="do not activate the current Python environment in the job")
     parser.set_defaults(command=[])
@@ -96,15 +101,17 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = payload.config.distributed.max_restarts if isinstance(payload, TrainPayload) else 0
+    # What the family's backends declared (--spare-nodes), into the request fields they name.
+    declared = {opt.request_field: getattr(args, opt.dest) for group in ("job", "backend")
+                for opt in schedulers.run_opts(args.scheduler, group) if opt.request_field}
     return SubmitRequest(
         payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
-        torchrun_per_node=getattr(args, "torchrun", False), max_restarts=max_restarts,
-        sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
-        stop_signal=args.signal or StopSignal.default(), spare_nodes=getattr(args, "spare_nodes", 0),
-        preflight=args.preflight)
+        max_restarts=max_restarts, sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
+        stop_signal=args.signal or StopSignal.default(), preflight=args.preflight, stage_env=args.stage_env,
+        stage_dir=args.stage_dir, **declared)
 
 
 def _scheduler(args: argparse.Namespace) -> str:

@@ -39,6 +39,8 @@ from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import capture_rng, restore_rng, seed_everything
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.strategy import (full_tensor, load_optimizer_state, model_state, optimizer_state,
+                                       state_bytes, wrap_model)
 from ddp_hpc.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Progress:
 
 def parameter_checksum(model: nn.Module) -> float:
     with torch.no_grad():
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+        return float(sum(full_tensor(p.detach()).double().sum().item() for p in model.parameters()))
 
 
 class Trainer:
@@ -129,24 +131,6 @@ class Trainer:
                         "DDP copies rank 0's", checksums)
         return model
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if not self.ctx.group_initialized:
-            return model
-        dist = self.config.distributed
-        wrapped = DistributedDataParallel(
-            model, device_ids=self.ctx.device.ddp_device_ids,
-            find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
-            bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
-        if dist.comm_hook == "bf16" and self.ctx.device.backend not in ("nccl", "xccl"):
-            raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
-                            f"{self.ctx.device.backend}: use comm_hook=fp16")
-        if dist.comm_hook != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-            wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
-        return wrapped
-
     def _find_resume_state(self) -> tuple[Path, dict[str, Any]] | None:
         resume = self.config.checkpoint.resume
         if resume == "never":
@@ -195,7 +179,7 @@ class Trainer:
         self.model = self._build_model()
         if resume and not resume[0].is_dir():
             self.model.load_state_dict(ckpt.adapt_state_dict(resume[1]["model"], self.model, str(resume[0])))
-        self.ddp_model = self._wrap(self.model)
+        self.ddp_model = wrap_model(self.model, self.config, self.ctx)
         self.lr = scaled_lr(self.training, self.ctx.world_size)
         self.optimizer = build_optimizer(self.model.parameters(), self.training, self.lr,
                                          shard_state=self.training.zero_optimizer and self.ctx.group_initialized)
@@ -479,12 +463,6 @@ class Trainer:
 
     # ----- checkpoints ----------------------------------------------------------------------
 
-    def _optimizer_state(self) -> dict[str, Any] | None:
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
-            self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank calls it
-            return self.optimizer.state_dict() if self.ctx.is_rank_zero else None
-        return self.optimizer.state_dict()
-
     def _prestage_checkpoint(self) -> None:
         """checkpoint.async: host buffers for the largest parts of a checkpoint, allocated in
         the background once the optimizer has state (after the first step)."""
@@ -534,15 +512,16 @@ class Trainer:
             self.last_checkpoint_s = time.perf_counter() - started
             self._checkpoints_written(self.sharded.take_finished())
             return path
-        optimizer_state = self._optimizer_state()
+        model = model_state(self.model)  # with the optimizer's: collectives under ZeRO and fsdp2
+        optimizer = optimizer_state(self.model, self.optimizer, self.ctx)
         ckpt.save_rank_part(self.run.checkpoints, self.progress.global_step, self.ctx.rank, {"rng": capture_rng()})
         self.ctx.barrier()  # every rank's part is on disk before the file that makes the checkpoint count
         if not self.ctx.is_rank_zero:
             return None
         state = {
             **shared,
-            "model": self.model.state_dict(),
-            "optimizer": optimizer_state,
+            "model": model,
+            "optimizer": optimizer,
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
         path = ckpt.step_path(self.run.checkpoints, self.progress.global_step)
@@ -597,7 +576,7 @@ class Trainer:
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
         if not path.is_dir():  # a dcp folder's optimizer and EMA are loaded already
             if state["optimizer"] is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
+                load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             if self.ema is not None and state["ema"] is not None:
                 self.ema.load_state_dict(state["ema"])
         if self.scheduler and state["scheduler"] is not None:
@@ -648,9 +627,10 @@ class Trainer:
 
     def _summary(self, started: float, status: RunStatus, test: dict[str, float] | None,
                  write: bool = True) -> RunSummary:
-        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model)))
-        epochs_per_rank = [epoch for epoch, _ in gathered]
-        checksums = [checksum for _, checksum in gathered]
+        gathered = self.ctx.all_gather_object((self.progress.epoch, parameter_checksum(self.model),
+                                               state_bytes(self.model, self.optimizer)))
+        epochs_per_rank = [epoch for epoch, _, _ in gathered]
+        checksums = [checksum for _, checksum, _ in gathered]
         rates = [row["samples_per_s"] for row in self.history if row.get("samples_per_s")]
         metric = self.config.validation.early_stopping.metric
         summary = RunSummary(
@@ -670,6 +650,7 @@ class Trainer:
             test=test,
             epochs_run_per_rank=epochs_per_rank,
             parameter_checksums_per_rank=checksums,
+            state_bytes_per_rank=[size for _, _, size in gathered],
         )
         if self.ctx.is_rank_zero and write:
             self.run.write_summary(summary)

@@ -15,22 +15,35 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
   checkpoint's metadata does not); the third right after a step. Each kill appends to
   FAULT_LOG what it saw: the shard's size, the same file's size in the newest complete
   checkpoint, whether metadata existed, and the newest complete step.
+- FAULT_STEP_SLEEP=S: every step takes S seconds longer (a job that outlasts its walltime).
+- FAULT_DEADLINE_MARGIN=S: the StopAgreement's margin before $DDP_HPC_DEADLINE (default 60 s,
+  longer than a 1-minute test job).
+- FAULT_SAVE_KILLS=K + FAULT_SAVE_KILL_LOG=FILE: checkpoints are saved in the background, and
+  K times rank 0 SIGKILLs itself while the background writer is writing one: kill k (counted
+  by FILE's lines) during the save of step 10 * (k + 2), after a random number of the file's
+  bytes reached the checkpoint's temporary file. Each kill appends "STEP TEMPORARY WRITTEN
+  SIZE" to FILE first.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import runpy
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.engine.stop_agreement import StopAgreement
 
 
 def _once(marker: str) -> bool:
@@ -118,7 +131,11 @@ def _inject() -> None:
     kill_rank, at_step = os.environ.get("FAULT_KILL_RANK"), os.environ.get("FAULT_AT_STEP")
     signal_step, marker = os.environ.get("FAULT_SIGNAL_AT_STEP"), os.environ.get("FAULT_MARKER", "")
 
+    sleep_s = float(os.environ.get("FAULT_STEP_SLEEP", "0"))
+
     def step_done(self, batches: int = 1):
+        if sleep_s:
+            time.sleep(sleep_s)
         path = real_step_done(self, batches)
         rank = dist.get_rank() if dist.is_initialized() else 0
         if kill_rank is not None and rank == int(kill_rank) and self.step == int(at_step) and _once(marker):
@@ -138,6 +155,19 @@ def _inject() -> None:
 
     Checkpointer.restore = restore
 
+    margin = os.environ.get("FAULT_DEADLINE_MARGIN")
+    if margin is not None:
+        real_stop_init = StopAgreement.__init__
+
+        def stop_init(self, *args, **kwargs):
+            kwargs["margin_s"] = float(margin)
+            real_stop_init(self, *args, **kwargs)
+
+        StopAgreement.__init__ = stop_init
+
+    if os.environ.get("FAULT_SAVE_KILLS"):
+        _kill_during_background_saves(int(os.environ["FAULT_SAVE_KILLS"]), Path(os.environ["FAULT_SAVE_KILL_LOG"]))
+
     folder = os.environ.get("RECORD_IDS")
     if folder:
         real_iter = ResumableSampler.__iter__
@@ -150,6 +180,34 @@ def _inject() -> None:
                     yield index
 
         ResumableSampler.__iter__ = recording_iter
+
+
+def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
+    real_init, real_save = Checkpointer.__init__, torch.save
+
+    def init(self, *args, **kwargs):
+        kwargs["background"] = True
+        real_init(self, *args, **kwargs)
+
+    def save(obj, f, *args, **kwargs):
+        done = len(kill_log.read_text().splitlines()) if kill_log.exists() else 0
+        due = (threading.current_thread() is not threading.main_thread() and isinstance(obj, dict)
+               and done < kills and obj.get("step") == 10 * (done + 2))
+        if not due:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        written = random.SystemRandom().randrange(1, len(data))
+        f.write(data[:written])
+        f.flush()
+        temporary = os.readlink(f"/proc/self/fd/{f.fileno()}")
+        with open(kill_log, "a") as out:
+            out.write(f"{obj['step']} {temporary} {os.path.getsize(temporary)} {len(data)}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Checkpointer.__init__ = init
+    torch.save = save
 
 
 if __name__ == "__main__":

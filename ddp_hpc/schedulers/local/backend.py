@@ -45,14 +45,17 @@ class LocalScheduler(Scheduler):
     name = "local"
     family = "local"
     script_suffix = ".sh"
+    launchers = ("torchrun",)
 
     def check_profile(self, request: SubmitRequest) -> None:
         if request.profile.scheduler not in PROFILE_SCHEDULERS:
             raise UserError(f"cluster profile {request.profile.name!r} is a {request.profile.scheduler} cluster: "
                             f"use 'ddp-hpc render {request.profile.scheduler}' or --cluster local")
-        if request.nodes != 1 or request.sweep is not None or request.chain != 1 or request.spare_nodes:
+        self.check_launcher(request)
+        if (request.nodes != 1 or request.sweep is not None or request.chain != 1 or request.spare_nodes
+                or request.stage_env):
             raise UserError("the local scheduler runs one job on this machine: --nodes 1, "
-                            "no --sweep, --chain or --spare-nodes")
+                            "no --sweep, --chain, --spare-nodes or --stage-env")
 
     def dry_run(self, request: SubmitRequest, workdir: Path, script_path: Path | None = None) -> DryRun:
         self.check_profile(request)

@@ -17,9 +17,11 @@ class PbsScheduler(ScriptScheduler):
     script_suffix = ".pbs"
     tool = "qsub"
     where = "PBS"
+    launchers = ("pals", "mpich", "openmpi")
     run_opts = (
         RunOpt(("--spare-nodes",), "request K extra nodes; a restart (--max-restarts) runs mpiexec without the "
-               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"}),
+               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"},
+               request_field="spare_nodes"),
     )
 
     def render(self, request: SubmitRequest) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
 from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
@@ -19,6 +21,8 @@ from ddp_hpc.launch.script import (
     recording_rank_failures,
     render_argv,
     run_folder_lines,
+    stage_lines,
+    STAGE_FAN_OUT_ARGV,
     sweep_block,
 )
 
@@ -65,16 +69,17 @@ def pbs_directives(request: SubmitRequest) -> list[str]:
     return lines
 
 
-def mpiexec_argv(request: SubmitRequest, *, preflight: bool = False) -> list[str]:
-    """The ranks' mpiexec line; with ``preflight``, the pre-flight check's (one rank per node)."""
+def mpiexec_argv(request: SubmitRequest, *, per_node: Sequence[str] | None = None) -> list[str]:
+    """The ranks' mpiexec line; with ``per_node``, that command once per node instead (the
+    pre-flight check, the environment's fan-out)."""
     profile = request.profile
     argv = rank_argv(request)
     if request.spare_nodes:  # the first rank to fail names the node a restart leaves out
         argv = recording_rank_failures(argv)
-    launch = MpiLaunch(profile.launcher, request.nodes, 1 if preflight else request.per_node,
-                       list(PREFLIGHT_ARGV) if preflight else argv,
+    launch = MpiLaunch(profile.launcher, request.nodes, 1 if per_node else request.per_node,
+                       list(per_node) if per_node else argv,
                        hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind,
-                       depth=None if preflight else profile.depth)
+                       depth=None if per_node else profile.depth)
     return build_mpiexec(launch, program=ShellVar(MPIEXEC_VAR))
 
 
@@ -108,8 +113,10 @@ def render_pbs(request: SubmitRequest) -> str:
         f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
         *(sweep_block(request, "PBS_ARRAY_INDEX", "PBS_O_WORKDIR") if request.sweep is not None
           else run_folder_lines(request, "PBS_O_WORKDIR")),
-        *(preflight_lines(render_argv(mpiexec_argv(request, preflight=True)), "${PBS_JOBID}")
+        *(preflight_lines(render_argv(mpiexec_argv(request, per_node=PREFLIGHT_ARGV)), "${PBS_JOBID}")
           if request.preflight else []),
+        *stage_lines(request, render_argv(mpiexec_argv(request, per_node=STAGE_FAN_OUT_ARGV)), "PBS_JOBID",
+                     "${PBS_JOBID}"),
         deadline_line(request),
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.

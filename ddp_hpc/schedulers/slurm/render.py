@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ddp_hpc.contract import DEADLINE_VAR
 from ddp_hpc.launch.local import FRESH_STORE_PER_ATTEMPT
 from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
-    EXCLUDE_ARGS,
+    LeaveOut,
     ShellArray,
     ShellVar,
     deadline_line,
@@ -18,11 +20,26 @@ from ddp_hpc.launch.script import (
     rank_argv,
     render_argv,
     run_folder_lines,
+    stage_lines,
+    STAGE_FAN_OUT_ARGV,
+    staged_argv,
     sweep_block,
 )
 from ddp_hpc.schedulers.slurm.job_key import script_job_key
 
 LOG_DIR = "logs"
+
+#: The shell array of srun options that leave failed nodes out (``--spare-nodes``).
+EXCLUDE_ARGS = "exclude_args"
+
+#: srun names the node of the failed task first in ``srun: error: NODE: task N: ...``.
+SRUN_LEAVE_OUT = LeaveOut(
+    setup=(f"{EXCLUDE_ARGS}=()",),
+    find=('  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)',
+          '  reason=$(grep -m 1 "^srun: error: $failed: task" "$step_log" || true)'),
+    apply=(f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',),
+    capture_stderr=True,
+)
 
 # The batch shell gets the stop signal (SIGUSR2, 90 s ahead by default; --signal) before the time limit (or on
 # preemption with a grace time). It passes the signal to the ranks, which agree on a step,
@@ -88,10 +105,15 @@ def step_argv(request: SubmitRequest) -> list[str]:
     if not request.torchrun_per_node:
         return [*srun, *rank_argv(request)]
     fresh_store = ["env", "=".join(FRESH_STORE_PER_ATTEMPT)] if request.max_restarts else []
-    return [*srun, *fresh_store, "torchrun", "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
+    return [*srun, *fresh_store, *staged_argv(request, ["torchrun"]), "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
             "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", str(request.max_restarts),
             "--no-python", *rank_argv(request)]
+
+
+def _one_task_per_node(request: SubmitRequest, argv: Sequence[str], *, spare_too: bool = False) -> list[str]:
+    nodes = request.nodes + (request.spare_nodes if spare_too else 0)
+    return ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", *argv]
 
 
 def render_sbatch(request: SubmitRequest) -> str:
@@ -117,16 +139,18 @@ def render_sbatch(request: SubmitRequest) -> str:
         f'echo "ddp_hpc: job $SLURM_JOB_ID: {request.world_size} ranks on {request.nodes} node(s)"',
         *(sweep_block(request, "SLURM_ARRAY_TASK_ID", "PWD") if request.sweep is not None
           else run_folder_lines(request, "PWD")),
-        *(preflight_lines(render_argv(["srun", "--kill-on-bad-exit=1", f"--nodes={request.nodes}",
-                                       f"--ntasks={request.nodes}", "--ntasks-per-node=1", *PREFLIGHT_ARGV]),
-                          job_key(request)) if request.preflight else []),
+        *(preflight_lines(render_argv(_one_task_per_node(request, PREFLIGHT_ARGV)), job_key(request))
+          if request.preflight else []),
+        *stage_lines(request, render_argv(_one_task_per_node(request, STAGE_FAN_OUT_ARGV, spare_too=True)), "SLURM_JOB_ID",
+                     job_key(request)),
         deadline_line(request),
         *SLURM_DEADLINE_LINES,
         # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
         # SIGUSR2, which would kill the agent) on to them.
         *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
                       restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2",
-                      trap_signals=request.stop_signal.name, leave_out_failed_node=request.spare_nodes > 0),
+                      trap_signals=request.stop_signal.name,
+                      leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None),
         "",
     ]
     return "\n".join(lines)

@@ -20,11 +20,13 @@ class SbatchScheduler(SlurmJobs, ScriptScheduler):
     where = "SLURM"
     run_opts = (
         RunOpt(("--spare-nodes",), "allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
-               "rank failed (a batch script)", "job", {"type": int, "default": 0, "metavar": "K"}),
+               "rank failed (a batch script)", "job", {"type": int, "default": 0, "metavar": "K"},
+               request_field="spare_nodes"),
         RunOpt(("--sbatch",), "submit a rendered batch script instead of using submitit", "backend",
                {"action": "store_true"}),
         RunOpt(("--torchrun",), "one torchrun per node with a c10d rendezvous, instead of one task per rank "
-               "(a batch script)", "backend", {"action": "store_true"}),
+               "(a batch script)", "backend", {"action": "store_true"},
+               request_field="torchrun_per_node"),
     )
 
     def render(self, request: SubmitRequest) -> str:

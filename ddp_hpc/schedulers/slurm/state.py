@@ -87,8 +87,10 @@ def slurm_status(job_id: str, exit_file: Path | None) -> JobStatus:
 
 
 class SlurmJobs:
-    """What both SLURM backends (sbatch, submitit) answer alike: a job's state, an array
-    element's id, and cancelling."""
+    """What both SLURM backends (sbatch, submitit) answer alike: the launchers a profile may
+    name, a job's state, an array element's id, and cancelling."""
+
+    launchers = ("srun", "torchrun", "mpich", "openmpi")
 
     def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
         return slurm_status(job_id, exit_file)

@@ -51,6 +51,9 @@ class SubmititScheduler(SlurmJobs, Scheduler):
                             "--sbatch")
         if request.preflight:
             raise UserError("--preflight runs a step before the ranks in a batch script: use it with --sbatch")
+        if request.stage_env:
+            raise UserError("--stage-env copies the environment in a step before the ranks in a batch script: use it "
+                            "with --sbatch")
         if request.stop_signal.name != "USR2":
             raise UserError(f"--signal {request.stop_signal}: submitit's tasks take SIGUSR2 only; give USR2@SECONDS, "
                             "or use --sbatch")

@@ -1,0 +1,204 @@
+"""``training.strategy``: how the model is spread over the ranks (DDP replicas or FSDP2
+shards), and the model and optimizer state a checkpoint holds under each.
+
+Under ``fsdp2`` the model is sharded in place by ``fully_shard``: the module the Trainer
+built is the one it trains, its parameters are DTensors of which each rank holds one
+slice, and the optimizer built on them keeps state for that slice only. A checkpoint in
+the single-file format holds the whole (unsharded) state, gathered to rank 0, so it loads
+on any world size and into a plain model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_hpc.config import Config, FsdpConfig
+from ddp_hpc.distributed import DistContext
+from ddp_hpc.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def wrap_model(model: nn.Module, config: Config, ctx: DistContext) -> nn.Module:
+    """The module the training step calls: DDP around ``model``, or ``model`` itself
+    sharded by FSDP2. Without a process group (one plain process) ``model`` unchanged."""
+    if config.training.strategy == "fsdp2":
+        units = shard_units(model, config.fsdp)  # checks fsdp.wrap with or without a group
+        return shard_model(model, units, config.fsdp, ctx) if ctx.group_initialized else model
+    return _wrap_ddp(model, config, ctx) if ctx.group_initialized else model
+
+
+def _wrap_ddp(model: nn.Module, config: Config, ctx: DistContext) -> DistributedDataParallel:
+    dist = config.distributed
+    wrapped = DistributedDataParallel(
+        model, device_ids=ctx.device.ddp_device_ids,
+        find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
+        bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
+    if dist.comm_hook == "bf16" and ctx.device.backend not in ("nccl", "xccl"):
+        raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
+                        f"{ctx.device.backend}: use comm_hook=fp16")
+    if dist.comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
+    return wrapped
+
+
+def shard_units(model: nn.Module, fsdp: FsdpConfig) -> list[nn.Module]:
+    """The submodules sharded as units of their own, innermost first (the order
+    ``fully_shard`` needs): classes named in ``fsdp.wrap``, and modules holding at least
+    ``fsdp.min_params`` parameters outside the units inside them. The root is not listed."""
+    wanted = set(fsdp.wrap)
+    present = {type(module).__name__ for module in model.modules()}
+    missing = sorted(wanted - present)
+    if missing:
+        raise UserError(f"fsdp.wrap names {', '.join(missing)}, which the model does not contain "
+                        f"(its module classes: {', '.join(sorted(present))})")
+    units: list[nn.Module] = []
+    in_units: set[int] = set()  # ids of parameters already inside a unit
+    for module in _post_order(model):
+        if module is model:
+            continue
+        own = [p for p in module.parameters() if id(p) not in in_units]
+        by_size = fsdp.min_params is not None and sum(p.numel() for p in own) >= fsdp.min_params
+        if type(module).__name__ in wanted or by_size:
+            units.append(module)
+            in_units.update(id(p) for p in own)
+    return units
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def shard_model(model: nn.Module, units: list[nn.Module], fsdp: FsdpConfig, ctx: DistContext) -> nn.Module:
+    """``model`` sharded in place over every rank by ``fully_shard`` (and returned), each
+    of ``units`` (``shard_units``) a unit of its own."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # The mesh on the ranks' own device type: torch's default would take the accelerator
+    # even where the ranks train on CPU.
+    mesh = init_device_mesh(ctx.device.device_type, (ctx.world_size,))
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward}
+    if fsdp.mixed_precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    names = ", ".join(sorted({type(unit).__name__ for unit in units})) or "the whole model only"
+    for unit in units:
+        if fsdp.activation_checkpointing:
+            checkpoint(unit)
+        fully_shard(unit, **options)
+    fully_shard(model, **options)  # torch keeps the root's parameters gathered from forward to backward
+    if ctx.is_rank_zero:
+        log.info("fsdp2: %d units sharded over %d ranks (%s)%s%s", len(units) + 1, ctx.world_size,
+                 names,
+                 ", bf16 compute" if fsdp.mixed_precision == "bf16" else "",
+                 ", activations recomputed" if fsdp.activation_checkpointing else "")
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(model: nn.Module) -> dict[str, Any] | None:
+    """The whole model's state dict. Sharded: a collective (every rank calls it), gathered
+    to host memory on rank 0 only; other ranks get None."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_full_options())
+    return state or None
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any] | None:
+    """The whole optimizer state, on rank 0 at least (None where a rank has none to give).
+    ZeRO and FSDP2 gather it: collectives every rank calls."""
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if ctx.is_rank_zero else None
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=_full_options())
+    return _numbered(state) if state else None
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a whole optimizer state (every rank holds it) into ``optimizer``; sharded, each
+    rank keeps its slice."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, _named(state, model, optimizer),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+# torch names a sharded optimizer's parameters by their module paths, ``optimizer.state_dict()``
+# numbers them in ``param_groups`` order; checkpoints keep the numbers, so that a checkpoint
+# resumes under either strategy.
+
+def _numbered(state: dict[str, Any]) -> dict[str, Any]:
+    number = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
+    return {"state": {number[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [number[n] for n in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _named(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {names[int(i)]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds (a DTensor's local shard, else the tensor)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor`` (a DTensor is gathered: a collective every rank calls)."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if gather is not None else tensor
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters plus optimizer state this rank holds (its shards under fsdp2)."""
+    tensors = [*model.parameters(), *_tensors(list(optimizer.state.values()))]
+    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
