@@ -34,6 +34,8 @@ _EXPORTS = {
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
     "watchdog": "ddp_hpc.engine.liveness",
+    "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
+    "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
     "SubmitRequest": "ddp_hpc.launch.request",
     "submit": "ddp_hpc.schedulers",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from ddp_hpc.api import command_environment, process_group, resolve_env
     from ddp_hpc.config import Config, load_config
     from ddp_hpc.distributed import DistContext
+    from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
     from ddp_hpc.engine.liveness import watchdog
     from ddp_hpc.engine.sampler import ResumableSampler
