@@ -218,6 +218,13 @@ class Heartbeat:
             positions[rank] = status.collective if status else None
         return out_of_step(positions, {rank: host for rank, host in zip(ranks, hosts) if host})
 
+    def explain_collectives(self) -> str:
+        """The collectives line alone, for a collective that timed out (nothing to settle)."""
+        try:
+            return self.collectives(self._connect())
+        except Exception as exc:
+            return f"cannot read the ranks' collectives from the rendezvous store at {self.where} ({exc})"
+
     def explain(self) -> str:
         """One sentence: who went silent, or that nobody did, or that this rank is cut off."""
         keys = [BEAT_KEY.format(rank=r) for r in range(self.world_size)]
@@ -289,13 +296,17 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
         yield dog
 
 
-def rank_status(dog: Watchdog) -> RankStatus:
-    """What this rank's heartbeat publishes: its collective and its step time."""
-    try:
-        collective = position()
-    except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
-        log.debug("no flight record: %s", exc)
-        collective = None
+def rank_status(dog: Watchdog, interval_s: float) -> RankStatus:
+    """What this rank's heartbeat publishes: its step time, and its collective once it has
+    made no progress for a beat. Only then: a dump of the flight recorder costs ~40 us an
+    entry (80 ms with the 2,000 entries torch suggests for NCCL), and a rank that beats has
+    nothing to explain."""
+    collective = None
+    if dog.idle_s() >= interval_s:
+        try:
+            collective = position()
+        except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
+            log.debug("no flight record: %s", exc)
     return RankStatus(collective, dog.compute_s(), dog.step)
 
 
@@ -306,9 +317,21 @@ def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int]
     dog = Watchdog(limit_s, rank, limit_name=limit_name)
     heartbeat = None
     if store is not None:
-        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1],
-                              interval_s=min(max(limit_s / 10, 1.0), 10.0),
-                              status=lambda: rank_status(dog), on_straggler=on_straggler)
+        interval_s = min(max(limit_s / 10, 1.0), 10.0)
+        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1], interval_s=interval_s,
+                              status=lambda: rank_status(dog, interval_s), on_straggler=on_straggler)
         dog.diagnose = heartbeat.explain
     with heartbeat or nullcontext(), dog:
-        yield dog
+        try:
+            yield dog
+        except Exception as exc:
+            if heartbeat is not None and is_collective_timeout(exc):
+                log.error("a collective timed out; collectives: %s", heartbeat.explain_collectives())
+            raise
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """gloo's ``Timed out waiting 600000ms for recv operation``, NCCL's ``Watchdog caught
+    collective operation timeout``: the process group's own timeout (distributed.timeout_s)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
