@@ -31,7 +31,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddp_hpc.distributed import DistContext
 from ddp_hpc.engine.collectives import CollectivePosition, out_of_step, position
 from ddp_hpc.engine.watchdog import Watchdog
 
@@ -256,24 +255,9 @@ class Heartbeat:
 
 
 @contextmanager
-def watch_progress(ctx: DistContext, limit_s: float | None,
-                   on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog | None]:
-    """The Trainer's watchdog (None when ``limit_s`` is unset), with a heartbeat that lets
-    it name the silent ranks, the ranks out of step and (rank 0) stragglers when the group
-    spans several processes."""
-    if not limit_s:
-        yield None
-        return
-    env = ctx.env
-    spans = ctx.group_initialized and ctx.world_size > 1
-    with _watching(limit_s, env.rank, env.world_size, (env.master_addr, env.master_port) if spans else None,
-                   on_straggler=on_straggler) as dog:
-        yield dog
-
-
-@contextmanager
 def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
-             on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
+             on_straggler: Callable[[Straggler], None] | None = None,
+             limit_name: str = "watchdog limit_s") -> Iterator[Watchdog]:
     """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
     makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
     silent, which ranks are out of step in the collectives (with ``TORCH_FR_BUFFER_SIZE``
@@ -282,7 +266,8 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
     work lets rank 0 log stragglers (and call ``on_straggler``).
 
     The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
-    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group.
+    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name``
+    is how the message names the limit (the Trainer's: ``distributed.watchdog_s``).
     """
     if limit_s <= 0:
         raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
@@ -291,7 +276,7 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
         rank, world_size = dist.get_rank(), dist.get_world_size()
         if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, "watchdog limit_s",
+    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, limit_name,
                    on_straggler=on_straggler) as dog:
         yield dog
 
