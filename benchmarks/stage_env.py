@@ -3,7 +3,7 @@
 node-local copy, and whose ranks report where torch came from and how long it took.
 
     python benchmarks/stage_env.py                                      # the n1/n2 test cluster
-    SLURM_CONF=/etc/slurm-mh/slurm.conf python benchmarks/stage_env.py --world multihost   # h1/h2
+    SLURM_CONF=/etc/slurm-mh/slurm.conf python benchmarks/stage_env.py --world multihost --partition hosts
 
 Prints the job's staging lines and merges the figures into bench.json (key ``stage``, one
 entry per ``--world``). The pack is timed apart (``ddp-hpc stage pack`` into a fresh cache
@@ -42,6 +42,7 @@ _RANK = re.compile(r"rank (\d+) node (\S+) import torch ([\d.]+) s from (\S+)")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", default="n1n2", help="name of the entry in bench.json (n1n2, multihost)")
+    parser.add_argument("--partition", default=None, help="default: the slurm-cpu profile's (debug)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "bench.json"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc-stage-bench-", dir="/tmp"))
@@ -56,12 +57,16 @@ def main() -> None:
                         "--walltime", "20", "--stage-env", "--stage-dir", str(work / "node-local"),
                         "--run-dir", str(work / "runs"), "--job-name", "stage-bench",
                         "--env", "DDP_HPC_STAGE_TIME_IMPORT=torch", "-o", str(script),
+                        *(["--partition", args.partition] if args.partition else []),
                         "--", "python", str(work / "probe.py")], env=env, check=True, cwd=work)
         (work / "logs").mkdir()
         started = time.monotonic()
-        subprocess.run(["sbatch", "--wait", str(script)], env=env, check=True, cwd=work, capture_output=True)
+        job = subprocess.run(["sbatch", "--wait", str(script)], env=env, cwd=work, capture_output=True, text=True)
         job_s = time.monotonic() - started
-        log = next((work / "logs").glob("stage-bench-*.out")).read_text()
+        logs = list((work / "logs").glob("stage-bench-*.out"))
+        log = logs[0].read_text() if logs else ""
+        if job.returncode != 0:
+            raise SystemExit(f"the job failed ({job.stderr.strip()}):\n{log[-3000:]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(line for line in log.splitlines() if line.startswith(("ddp_hpc: stage", "rank "))))

@@ -26,14 +26,16 @@ _EXPORTS = {
     "Job": "ddp_hpc.training.job",
     "Datasets": "ddp_hpc.training.job",
     "StepOutput": "ddp_hpc.training.job",
-    "train": "ddp_hpc.train_job",
-    "TrainOptions": "ddp_hpc.train_job",
+    "train": "ddp_hpc.training.run_on_rank",
+    "TrainOptions": "ddp_hpc.training.run_on_rank",
     "RunSummary": "ddp_hpc.summary",
     # Your own loop: resumable checkpoints, agreed stops, the watchdog
     "Checkpointer": "ddp_hpc.engine.checkpointer",
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
     "watchdog": "ddp_hpc.engine.liveness",
+    "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
+    "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
     "SubmitRequest": "ddp_hpc.launch.request",
     "submit": "ddp_hpc.schedulers",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from ddp_hpc.api import command_environment, process_group, resolve_env
     from ddp_hpc.config import Config, load_config
     from ddp_hpc.distributed import DistContext
+    from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
     from ddp_hpc.engine.liveness import watchdog
     from ddp_hpc.engine.sampler import ResumableSampler
@@ -76,5 +79,5 @@ if TYPE_CHECKING:
     from ddp_hpc.launch.request import SubmitRequest
     from ddp_hpc.schedulers import submit, wait
     from ddp_hpc.summary import RunSummary
-    from ddp_hpc.train_job import TrainOptions, train
+    from ddp_hpc.training.run_on_rank import TrainOptions, train
     from ddp_hpc.training.job import Datasets, Job, StepOutput

@@ -119,7 +119,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # train_job imports torch (seconds), then loaded again by train().
     load_config(args.config, list(args.overrides))
     from ddp_hpc.engine.collectives import enable_flight_recorder
-    from ddp_hpc.train_job import TrainOptions, train
+    from ddp_hpc.training.run_on_rank import TrainOptions, train
 
     # Before the process group starts: the watchdog then names the collective each rank is at.
     enable_flight_recorder(os.environ)
@@ -171,6 +171,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.checkpoints:
+        from ddp_hpc.bench.checkpoint_formats import run_checkpoint_formats
+
+        output = Path(args.output)
+        run_checkpoint_formats(parse_sizes(args.checkpoint_sizes, flag="--checkpoint-sizes"), args.checkpoint_mb,
+                               output, output.parent / "checkpoint-formats")
+        return 0
     if args.own_cpu:
         from ddp_hpc.bench.runner import run_own_cpu
 
@@ -186,6 +193,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None,
               startup_sizes=parse_sizes(args.startup_sizes) if args.startup_sizes else None)
+    return 0
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, format_table, inspect_checkpoints
+
+    if args.action == "inspect":
+        infos = inspect_checkpoints(args.run)
+        write_line(sys.stdout, json.dumps([asdict(i) for i in infos], indent=2) if args.json else format_table(infos))
+        return 0
+    write_line(sys.stdout, str(convert_checkpoint(args.run, args.output, step=args.step)))
     return 0
 
 
@@ -370,9 +390,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--own-cpu", action="store_true",
                        help="instead: ddp_hpc's own CPU per rank before the first step at 2 ranks (Trainer minus "
                             "a hand-written loop); merged into --output")
+    bench.add_argument("--checkpoints", action="store_true",
+                       help="instead: checkpoint stall and write time, file vs dcp, sync vs background, next to the "
+                            "disk's sequential write bandwidth; merged into --output")
+    bench.add_argument("--checkpoint-sizes", metavar="N,N,...", default="2,4",
+                       help="with --checkpoints: world sizes (default: 2,4)")
+    bench.add_argument("--checkpoint-mb", type=int, default=400, metavar="MB",
+                       help="with --checkpoints: the model's weights in MB (default: 400)")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
+
+    checkpoint = sub.add_parser("checkpoint", help="inspect a run's checkpoints, or convert a sharded one to one file")
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    actions.required = True
+    inspect = actions.add_parser("inspect", parents=[common],
+                                 help="each checkpoint's step, format, size, world size, complete or not")
+    inspect.add_argument("run", metavar="RUN", help="a run folder, e.g. runs/digits")
+    inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
+    convert = actions.add_parser("convert", parents=[common],
+                                 help="a sharded (dcp) checkpoint as one torch.save file, for inference")
+    convert.add_argument("run", metavar="RUN", help="a run folder, e.g. runs/digits")
+    convert.add_argument("output", metavar="OUT.pt", help="the file to write")
+    convert.add_argument("--step", type=int, default=None, help="that step's checkpoint (default: the newest complete)")
+    for action in (inspect, convert):
+        action.set_defaults(func=_cmd_checkpoint)
 
     plot = sub.add_parser("plot", parents=[common],
                           help="draw a run folder's training curves as a PNG (also while it runs)")

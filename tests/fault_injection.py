@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from ddp_hpc.jobs.synthetic import SyntheticJob
+from ddp_hpc.builtin_jobs.synthetic import SyntheticJob
 from ddp_hpc.training import Callback
 
 

@@ -145,6 +145,16 @@ CORPUS = [
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
     ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
      "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
+    # Checkpoints: the format, and the checkpoint commands.
+    ("unknown checkpoint format", {}, [*TRAIN, "checkpoint.format=zip"], {},
+     "checkpoint.format: expected 'file' | 'dcp' or null, got 'zip'"),
+    ("dcp checkpoints with ZeRO", {}, [*TRAIN, "checkpoint.format=dcp", "training.zero_optimizer=true"], {},
+     "checkpoint.format dcp cannot save training.zero_optimizer's state"),
+    ("checkpoint inspect of a folder that is no run", {"notes.txt": "x"}, ["checkpoint", "inspect", "{tmp}"], {},
+     "is not a run folder: it has no checkpoints/"),
+    ("checkpoint convert of an interrupted checkpoint", {"r/checkpoints/step-00000005/__0_0.distcp": "half"},
+     ["checkpoint", "convert", "{tmp}/r", "--step", "5", "{tmp}/model.pt"], {},
+     "step-00000005 is incomplete: it has no .metadata (its write was interrupted)"),
     ("a launcher its scheduler does not run", {"srun-pbs.yaml": "scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n"},
      ["render", "pbs", DIGITS, "--cluster", "{tmp}/srun-pbs.yaml"], {},
      "launcher 'srun' does not run under scheduler 'pbs': use one of pals, mpich, openmpi"),
@@ -180,6 +190,7 @@ FLAG_CORPUS = [
 
 def materialise(tmp_path: Path, files: dict, argv: list[str]) -> list[str]:
     for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         if text is None:
             np.savez(tmp_path / name, something=np.zeros(3))
         elif isinstance(text, bytes):

@@ -52,7 +52,7 @@ def test_under_torchrun_only_the_flight_recorder_is_switched_on():
     env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     launch = worker_environment(["python", "t.py"], resolve_env(env), CPU, env)
-    assert launch.exported == {"TORCH_FR_BUFFER_SIZE": "64"}
+    assert launch.exported == {"TORCH_FR_BUFFER_SIZE": "16"}
     # A size the user chose is kept.
     assert worker_environment(["python", "t.py"], resolve_env(env), CPU,
                               {**env, "TORCH_FR_BUFFER_SIZE": "8"}).exported == {}

@@ -92,7 +92,7 @@ def test_yaml_tags_that_build_objects_are_refused(tmp_path):
 
 @pytest.mark.parametrize("name,params,fragment", [
     ("nosuchpackage.jobs:Job", {}, "cannot import module 'nosuchpackage.jobs'"),
-    ("ddp_hpc.jobs.digits:Nope", {}, "module 'ddp_hpc.jobs.digits' has no 'Nope'"),
+    ("ddp_hpc.builtin_jobs.digits:Nope", {}, "module 'ddp_hpc.builtin_jobs.digits' has no 'Nope'"),
     ("os:path", {}, "is not a ddp_hpc Job subclass"),
     ("digits", {"layers": 3}, "job.params for 'digits'"),
     ("justaname", {}, "is not 'package.module:Name'"),

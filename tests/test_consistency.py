@@ -75,7 +75,7 @@ def test_bit_flipped_in_rank_1_ends_the_job_naming_rank_host_and_step(tmp_path):
     assert [f.name for f in files] == ["rank-00000.log", "rank-00001.log", "rank-00002.log"]
     for rank, path in enumerate(files):
         text = path.read_text()
-        assert re.search(rf"\[rank {rank}\] INFO ddp_hpc\.train_job: rank {rank} of 3 on host", text), text
+        assert re.search(rf"\[rank {rank}\] INFO ddp_hpc\.training\.run_on_rank: rank {rank} of 3 on host", text), text
         assert re.search(rf"\[rank {rank}\] ERROR .*silent data corruption: rank 1 ", text), text
     # The console shows rank 0's INFO lines and the other ranks' errors only.
     assert "[rank 0] INFO" in result.stderr and "[rank 2] INFO" not in result.stderr

@@ -125,15 +125,17 @@ def test_no_bare_requeue_or_sigterm_status_outside_the_contract():
 
 def test_files_are_replaced_only_through_atomic_write():
     """``os.replace`` appears in the contract, in ``link_atomic`` (a rename of a hard link,
-    no bytes written) and where a dcp checkpoint folder of the same step is moved aside (a
-    folder, no bytes written), nowhere else."""
+    no bytes written) where a dcp checkpoint folder of the same step is moved aside, and where a
+    staged environment's unpacked folder is renamed into place (folders, no bytes written),
+    nowhere else."""
     found = []
     for path, tree in _modules():
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename") and \
                     isinstance(node.value, ast.Name) and node.value.id == "os":
                 found.append(str(path.relative_to(REPO)))
-    assert sorted(found) == ["ddp_hpc/engine/checkpoint_files.py", "ddp_hpc/engine/dcp_format.py"]
+    assert sorted(found) == ["ddp_hpc/engine/checkpoint_files.py", "ddp_hpc/engine/dcp_format.py",
+                             "ddp_hpc/staging/fanout.py"]
 
 
 def test_a_stop_on_request_is_a_status_not_an_error():

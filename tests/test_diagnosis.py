@@ -3,13 +3,16 @@ the heartbeats that carry what they compare (the launches are in test_reliabilit
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from ddp_hpc.engine.collectives import CollectivePosition, entry_position, out_of_step
+from ddp_hpc.engine import liveness
 from ddp_hpc.engine.liveness import Heartbeat, RankStatus, find_stragglers
 from ddp_hpc.environment.ports import free_port
 
@@ -41,7 +44,7 @@ def test_a_different_op_at_the_same_number_is_named_and_ranks_without_a_record_a
 def test_ranks_in_step_are_said_to_be_so_and_no_record_says_how_to_get_one():
     assert out_of_step({0: AR, 1: AR}, HOSTS) == \
         "every rank is at collective #813 (all_reduce, 4.0 MiB): none is out of step"
-    assert "set TORCH_FR_BUFFER_SIZE=64 before the process group starts" in out_of_step({0: None, 1: None}, HOSTS)
+    assert "set TORCH_FR_BUFFER_SIZE=16 before the process group starts" in out_of_step({0: None, 1: None}, HOSTS)
 
 
 def test_a_flight_recorder_entry_gives_op_bytes_and_state():
@@ -76,3 +79,29 @@ def test_rank_zeros_heartbeat_names_a_straggler_with_its_host_and_ratio_and_nobo
     assert (found[0].rank, found[0].host, found[0].step) == (2, "host2", 40)
     assert abs(found[0].ratio - 0.35 / 0.105) < 0.01
     assert set(beats[0].stragglers) == {2} and not beats[1].stragglers  # only rank 0 checks
+
+
+def test_a_collective_timeout_inside_the_watchdog_logs_who_is_out_of_step(monkeypatch, caplog):
+    """The process group's own timeout (a RuntimeError from the collective) passes through
+    the watchdog's block: rank 0 logs the collectives line, then the error goes on."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    behind = CollectivePosition(812, "all_reduce", 4 << 20, done=False)
+    peer = Heartbeat(1, 2, "host1", "127.0.0.1", port, interval_s=0.1, status=lambda: RankStatus(behind, None, 3))
+    monkeypatch.setattr(liveness, "position", lambda: AR)  # rank 0 (this process) waits at #813
+    with peer, caplog.at_level(logging.ERROR, logger="ddp_hpc.engine.liveness"):
+        with pytest.raises(RuntimeError, match="Timed out waiting"):
+            with liveness._watching(10, 0, 2, ("127.0.0.1", port)):
+                time.sleep(2.2)  # idle for over a beat (1 s): rank 0's heartbeat publishes its collective
+                raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv")
+    del server
+    assert ("a collective timed out; collectives: out of step: rank 1 (host host1) is at collective #812 "
+            "(all_reduce, 4.0 MiB); every other rank is at collective #813 (all_reduce, 4.0 MiB)") in caplog.text
+
+
+def test_the_flight_recorder_is_read_only_once_a_rank_makes_no_progress(monkeypatch):
+    monkeypatch.setattr(liveness, "position", lambda: AR)
+    dog = liveness.Watchdog(30, 0)
+    dog.beat(compute_s=0.1)
+    assert liveness.rank_status(dog, interval_s=5).collective is None  # beating: no dump
+    assert liveness.rank_status(dog, interval_s=0).collective == AR

@@ -125,7 +125,7 @@ def test_an_exception_in_build_datasets_on_one_rank_ends_the_job(launcher, reque
     FIGURES.append(f"exception in build_datasets on rank 1 under {launcher}: job ended {seconds:.1f}s after it, "
                    f"exit {result.returncode}")
     assert result.returncode != 0 and seconds < LIMIT_S, result.stderr[-3000:]
-    assert re.search(r"\[rank 1\] ERROR ddp_hpc.train_job: failed on host \S+ .*RuntimeError: injected failure in "
+    assert re.search(r"\[rank 1\] ERROR ddp_hpc.training.run_on_rank: failed on host \S+ .*RuntimeError: injected failure in "
                      r"build_datasets on rank 1", result.stderr), result.stderr[-3000:]
 
 

@@ -18,7 +18,7 @@ from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.distributed import process_group
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.errors import UserError
-from ddp_hpc.jobs.synthetic import make_mlp
+from ddp_hpc.builtin_jobs.synthetic import make_mlp
 from ddp_hpc.training.job import create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.strategy import shard_units

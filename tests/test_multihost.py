@@ -115,7 +115,7 @@ def tcp_sockets(host: str) -> list[tuple[str, int, str, int, str]]:
 
 
 def digits_param_bytes() -> int:
-    from ddp_hpc.jobs.digits import DigitsCNN
+    from ddp_hpc.builtin_jobs.digits import DigitsCNN
 
     return 4 * sum(p.numel() for p in DigitsCNN().parameters())
 

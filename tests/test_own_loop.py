@@ -6,6 +6,7 @@ Faults are injected by tests/scripts/own_loop_faults.py right after a step of th
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_same_model_and_optimizer, clean_env, ddp_hpc_command, run
+from conftest import FIGURES, REPO, assert_same_model_and_optimizer, clean_env, ddp_hpc_command, run
 from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
@@ -23,6 +24,9 @@ pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 EXAMPLE = str(REPO / "examples" / "resumable_loop.py")
 FAULTS = str(REPO / "tests" / "scripts" / "own_loop_faults.py")
 STEPS = 5 * 24  # 5 epochs of ceil(750 / 32) steps on 2 ranks
+# 2 ranks to step 30, 3 ranks to 50 (epoch 1's rest: 12 steps; 8 of epoch 2), then 1 rank:
+# epoch 2's rest (1500 - 8 * 96 = 732 samples: 23 steps) and 2 epochs of 47 steps.
+STEPS_1_RANK = 50 + 23 + 2 * 47
 
 
 def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
@@ -131,6 +135,93 @@ def test_stopped_mid_epoch_on_2_ranks_resumed_on_3_trains_every_sample_once(tmp_
     assert final["world_size"] == 3 and final["sampler"]["epoch"] == 5
 
 
+def _dcp_final_state(folder: Path) -> dict:
+    """The newest dcp checkpoint as one dict, optimizer state keyed like the file format's
+    (parameter index), with each rank's part as ``ranks``."""
+    from ddp_hpc.engine.dcp_format import SHARED_KEY, check_complete, rank_key, read_blob, read_whole
+
+    checkpoints = folder / "checkpoints"
+    path = checkpoints / (checkpoints / "last.dcp").read_text().strip()
+    state = read_whole(path)
+    names = state["optimizer"]["param_groups"][0]["params"]
+    state["optimizer"]["state"] = {names.index(name): value for name, value in state["optimizer"]["state"].items()}
+    metadata = check_complete(path)
+    assert read_blob(path, metadata, SHARED_KEY)["world_size"] == 2
+    state["ranks"] = [read_blob(path, metadata, rank_key(rank)) for rank in range(2)]
+    return state
+
+
+@pytest.mark.timeout(1500)  # 21 attempts of a 2-rank launch: 15 minutes on a heavily loaded 2-core machine
+def test_twenty_random_sigkills_with_dcp_checkpoints_every_step_end_bit_identical(tmp_path, uninterrupted):
+    """One ``torchrun --max-restarts 20`` launch of examples/resumable_loop.py with dcp
+    checkpoints every step; in each of the first 20 attempts one rank SIGKILLs itself
+    (tests/scripts/own_loop_faults.py, FAULT_KILLS): two in three while its shard file of a
+    checkpoint is partly written and flushed, before the metadata exists; the others right
+    after a step. Every attempt resumes from the newest complete checkpoint at the kill,
+    and the run ends as the uninterrupted single-file run does, bit for bit."""
+    log = tmp_path / "kills.jsonl"
+    done = run(torchrun(2, max_restarts=20), timeout=900, env={
+        "RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp", "CHECKPOINT_EVERY": "1", "FAULT_KILLS": "20",
+        "FAULT_SEED": "19", "FAULT_LOG": str(log), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    kills = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [k["attempt"] for k in kills] == list(range(20))
+    mid_write = [k for k in kills if k["mode"] == "mid-write"]
+    assert len(mid_write) >= 13
+    for kill in mid_write:  # the shard half written: on disk in part, no metadata yet
+        assert not kill["metadata_exists"] and 0 < kill["shard_bytes"], kill
+        if kill.get("complete_shard_bytes"):
+            assert kill["shard_bytes"] < kill["complete_shard_bytes"], kill
+    restored = {rank: [int(step) for step in re.findall(rf"rank {rank}: restored \S+ at step (\d+)", done.stderr)]
+                for rank in (0, 1)}
+    expected = [0] + [k["newest_complete_step"] or 0 for k in kills]
+    assert restored[0] == restored[1] == expected, (restored, expected)
+    assert_bit_identical(uninterrupted, _dcp_final_state(tmp_path / "run"))
+    FIGURES.append(f"dcp kills: {len(mid_write)} of 20 SIGKILLs inside a shard write (sizes "
+                   f"{sorted(k['shard_bytes'] for k in mid_write)[:3]}... bytes, no metadata); all resumed")
+
+
+def test_dcp_stopped_on_2_ranks_resumed_on_3_then_on_1_trains_every_sample_once_then_inspect_and_convert(tmp_path):
+    """dcp checkpoints: SIGUSR2 stops 2 ranks at step 30 (epoch 1, 6 steps in), 3 ranks
+    resume from that folder (the model and optimizer resharded) and are stopped at step 50
+    (epoch 2, 8 steps in), 1 rank finishes. Every sample of each interrupted epoch is
+    trained once. Then ``ddp-hpc checkpoint inspect`` and ``convert`` as a user runs them."""
+    folders = [tmp_path / f"ids-{n}" for n in (2, 3, 1)]
+    for folder in folders:
+        folder.mkdir()
+    base = {"RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp"}
+    first = run(torchrun(2), timeout=240, env={**base, "RECORD_IDS": str(folders[0]), "FAULT_SIGNAL_AT_STEP": "30",
+                                               "FAULT_MARKER": str(tmp_path / "sent-1")})
+    assert re.search(r"exitcode\s*:\s*75", first.stderr), first.stderr[-3000:]
+    second = run(torchrun(3), timeout=240, env={**base, "RECORD_IDS": str(folders[1]), "FAULT_SIGNAL_AT_STEP": "50",
+                                                "FAULT_MARKER": str(tmp_path / "sent-2")})
+    assert re.search(r"exitcode\s*:\s*75", second.stderr), second.stderr[-3000:]
+    assert re.search(r"rank 2: restored \S+step-00000030 at step 30", second.stderr), second.stderr[-3000:]
+    third = run(torchrun(1), timeout=240, env={**base, "RECORD_IDS": str(folders[2])})
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "rank 0: restored" in third.stderr and "step-00000050 at step 50" in third.stderr
+
+    ids = [_ids(folder) for folder in folders]
+    for epoch, parts in ((1, ids[:2]), (2, ids[1:])):
+        interrupted = Counter({sample: n for part in parts for (e, sample), n in part.items() if e == epoch})
+        assert sorted(interrupted) == list(range(1500)) and set(interrupted.values()) == {1}, epoch
+    assert sum(n for (e, _), n in ids[0].items() if e == 1) == 6 * 32 * 2
+    assert sum(n for (e, _), n in ids[1].items() if e == 2) == 8 * 32 * 3
+    for epoch in (3, 4):
+        assert Counter(sample for (e, sample), n in ids[2].items() if e == epoch for _ in range(n)) == Counter(range(1500))
+
+    shown = run([*ddp_hpc_command(), "checkpoint", "inspect", str(tmp_path / "run"), "--json"], timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    table = json.loads(shown.stdout)
+    assert [(row["format"], row["complete"], row["world_size"]) for row in table] == [("dcp", True, 1)] * 3
+    assert table[-1]["step"] == STEPS_1_RANK and table[-1]["size_bytes"] > 0
+    converted = run([*ddp_hpc_command(), "checkpoint", "convert", str(tmp_path / "run"), str(tmp_path / "model.pt")],
+                    timeout=120)
+    assert converted.returncode == 0, converted.stderr
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model.load_state_dict(state["model"])  # for inference: no process group, no module. prefix
+    assert state["step"] == STEPS_1_RANK and state["sampler"]["epoch"] == 5 and state["sampler"]["world_size"] == 1
 def _requeued_and_released(job_id: str) -> None:
     """Wait for the requeue, then start the job now rather than after Slurm's requeue delay.
     Not ``test_preemption.release_requeued``, which first waits for idle nodes: other jobs

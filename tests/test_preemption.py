@@ -1,5 +1,7 @@
 """Preemption on the SLURM test cluster: the job is signalled as at its time limit, the
-ranks checkpoint, the job is requeued, resumes and ends bit-identical to an uninterrupted run."""
+ranks checkpoint, the job is requeued, resumes and ends bit-identical to an uninterrupted run.
+The signalled and preempted jobs train under ``training.strategy: fsdp2`` (sharded model and
+optimizer state), the walltime stop under DDP: SLURM's stop paths are shown for both."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.reliability, pytest.mark.slow, pyte
 CONFIG = str(REPO / "configs" / "synthetic.yaml")
 OVERRIDES = ["training.epochs=12", "job.params.dropout=0.1", "training.deterministic=true", "logging.progress=never",
              "checkpoint.preemption_check_every_n_steps=5", "validation.early_stopping.patience=null"]
+FSDP2 = ["training.strategy=fsdp2", "checkpoint.format=file", "job.params.hidden=128"]  # a smaller model: quick on a loaded machine
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
@@ -55,11 +58,11 @@ def nodes_idle() -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, slurm_cluster_up) -> dict:
-    """The same training, uninterrupted, with the same world size (srun -n 2): one run for
-    both signal tests (its final checkpoint)."""
+    """The same training (fsdp2), uninterrupted, with the same world size (srun -n 2): one run
+    for both signal tests (its final checkpoint)."""
     need(slurm_cluster_up, SLURM_DOWN)
     folder = tmp_path_factory.mktemp("reference")
-    result = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES,
+    result = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES, *FSDP2,
                   f"logging.run_dir={folder / 'runs'}", "logging.name=reference"], timeout=300, cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     return load_checkpoint(folder / "runs" / "reference" / "checkpoints" / "last.pt")
@@ -70,7 +73,7 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, re
 
     submit = subprocess.Popen(
         [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
-         "--walltime", "20", "--wait", *OVERRIDES, f"logging.run_dir={runs}", "logging.name=preempted"],
+         "--walltime", "20", "--wait", *OVERRIDES, *FSDP2, f"logging.run_dir={runs}", "logging.name=preempted"],
         cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first_line = submit.stdout.readline()
     job_id = re.search(r"submitted job (\d+)", first_line).group(1)
@@ -99,7 +102,7 @@ def test_sbatch_job_signalled_before_its_time_limit_resumes_exactly(tmp_path, re
                                            "%Y-%m-%d %H:%M:%S"))
 
     assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
-    FIGURES.append(f"preemption (sbatch, SIGUSR2 to the batch shell): checkpoint {checkpointed - signalled:.1f}s after "
+    FIGURES.append(f"preemption under fsdp2 (sbatch, SIGUSR2 to the batch shell): checkpoint {checkpointed - signalled:.1f}s after "
                    f"the signal; resumed {max(0.0, resumed_at - released):.0f}s (1 s resolution) after the requeued "
                    f"job was released; final weights bit-identical")
 
@@ -108,7 +111,7 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, r
     runs = tmp_path / "runs"
     submit = subprocess.Popen(
         [*ddp_hpc_command(), "submit", "slurm", CONFIG, "--nodes", "1", "--tasks-per-node", "2", "--walltime", "20",
-         "--wait", *OVERRIDES, f"logging.run_dir={runs}", "logging.name=preempted"],
+         "--wait", *OVERRIDES, *FSDP2, f"logging.run_dir={runs}", "logging.name=preempted"],
         cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job_id = re.search(r"submitted job (\d+)", submit.stdout.readline()).group(1)
     checkpoints = runs / "preempted" / "checkpoints"
@@ -132,7 +135,7 @@ def test_submitit_job_preempted_requeues_through_its_checkpoint_hook(tmp_path, r
     # submitit's own handler ran only after the checkpoint.
     assert logs.index("stopped on request") < logs.index("Caught signal SIGUSR2") < logs.index("resuming from")
     assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
-    FIGURES.append(f"preemption (submitit, SIGUSR2 to the tasks): checkpoint at the agreed step {stopped.group(1)}, "
+    FIGURES.append(f"preemption under fsdp2 (submitit, SIGUSR2 to the tasks): checkpoint at the agreed step {stopped.group(1)}, "
                    f"requeued {requeued - signalled:.1f}s after the signal; final weights bit-identical")
 
 

@@ -66,11 +66,11 @@ def test_console_shows_the_chosen_rank_and_every_rank_writes_its_file_under_mpic
                   "logging.progress=never", f"logging.run_dir={tmp_path}", "logging.name=r", "--console-ranks", "1"],
                  timeout=180)
     assert result.returncode == 0, result.stderr
-    assert re.search(r"\[rank 1\] INFO ddp_hpc\.train_job: rank 1 of 2 on host", result.stderr), result.stderr
+    assert re.search(r"\[rank 1\] INFO ddp_hpc\.training\.run_on_rank: rank 1 of 2 on host", result.stderr), result.stderr
     assert not re.search(r"\[rank 0\] INFO", result.stderr), result.stderr
     for rank in (0, 1):
         text = rank_log_path(Path(tmp_path) / "r", rank).read_text()
-        assert re.search(rf"\[rank {rank}\] INFO ddp_hpc\.train_job: rank {rank} of 2 on host", text), text
+        assert re.search(rf"\[rank {rank}\] INFO ddp_hpc\.training\.run_on_rank: rank {rank} of 2 on host", text), text
         assert f"[rank {1 - rank}]" not in text
     # Rank 0's own lines (the start and the epoch lines) are in its file, not on the console.
     assert "epoch 1/1" in rank_log_path(Path(tmp_path) / "r", 0).read_text()

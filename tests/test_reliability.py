@@ -80,7 +80,7 @@ def test_an_exception_on_one_rank_is_reported_with_rank_and_host(launcher, reque
                                  [fault("RaiseOnRankAtStep", tmp_path / "fault-time")])
     FIGURES.append(f"exception on rank 1 under {launcher}: job ended {seconds:.1f}s after it, exit {result.returncode}")
     assert result.returncode != 0 and seconds < LIMIT_S
-    assert re.search(r"\[rank 1\] ERROR ddp_hpc.train_job: failed on host \S+ at epoch 1, step 3: "
+    assert re.search(r"\[rank 1\] ERROR ddp_hpc.training.run_on_rank: failed on host \S+ at epoch 1, step 3: "
                      r"RuntimeError: injected failure on rank 1", result.stderr), result.stderr[-3000:]
 
 

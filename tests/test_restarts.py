@@ -23,6 +23,8 @@ def reference(tmp_path_factory):
     result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", *ddp_hpc_command(), "train", CONFIG,
                   *COMMON, f"logging.run_dir={runs}", "logging.name=reference"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    # An unperturbed run: rank 0's heartbeat (every 10 s) named no straggler.
+    assert not (runs / "reference" / "record" / "stragglers.json").exists() and "straggler" not in result.stderr
     return load_checkpoint(runs / "reference" / "checkpoints" / "last.pt")
 
 

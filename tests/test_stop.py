@@ -25,7 +25,7 @@ from ddp_hpc.stop import StopSignal, job_deadline, parse_stop_signal, stop_signa
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.deadline import DeadlinePolicy, Timings, must_stop_now
-from ddp_hpc.training.deadline import DeadlineStop
+from ddp_hpc.training.services.deadline import DeadlineStop
 from ddp_hpc.engine.reshard import epoch_order
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer

@@ -44,7 +44,7 @@ from ddp_hpc.bench.results_file import merge_into
 from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, STORE_ENVIRON, rank_env
 from ddp_hpc.errors import UserError
 
-#: The heartbeat interval ``watch_progress`` picks for the default distributed.watchdog_s (300 s).
+#: The heartbeat interval ``watchdog()`` picks for the default distributed.watchdog_s (300 s).
 DEFAULT_INTERVAL_S = 10.0
 ADDR = "127.0.0.1"
 #: Simulated ranks per client process (memory: ~220 MB resident per process with torch).

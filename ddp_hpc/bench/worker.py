@@ -128,7 +128,7 @@ def _handwritten_fit(args: argparse.Namespace, phases: dict[str, float], tag: st
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ddp_hpc.jobs.synthetic import SyntheticJob
+    from ddp_hpc.builtin_jobs.synthetic import SyntheticJob
 
     grouped = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
@@ -243,20 +243,29 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
     blocked: list[dict] = []
     written: list[float] = []
 
-    class TimedTrainer(Trainer):
-        def save_checkpoint(self, improved: bool):
+    def timed(trainer: Trainer) -> None:
+        """Record how long each save blocked training, and each write took."""
+        state, checkpointer = trainer.state, trainer.state.checkpointer
+        save = state.save
+
+        def timed_save(improved: bool = False):
             started = time.perf_counter()
-            path = super().save_checkpoint(improved)
-            row = {"step": self.progress.global_step, "blocked_s": time.perf_counter() - started}
-            if self.checkpoint_writer is not None and self.ctx.is_rank_zero:
-                timing = self.checkpoint_writer.last_submit
+            path = save(improved)
+            row = {"step": trainer.progress.global_step, "blocked_s": time.perf_counter() - started}
+            writer = getattr(checkpointer.format, "writer", None)
+            if writer is not None and ctx.is_rank_zero:
+                timing = writer.last_submit
                 row.update(waited_for_previous_s=timing.waited_s, snapshot_s=timing.snapshot_s)
             blocked.append(row)
             return path
 
-        def _checkpoints_written(self, records) -> None:
-            written.extend(record.write_s for record in records)
-            super()._checkpoints_written(records)
+        reported = checkpointer.on_written
+
+        def on_written(record) -> None:
+            written.append(record.write_s)
+            reported(record)
+
+        state.save, checkpointer.on_written = timed_save, on_written
 
     config = load_config(None, [*_synthetic_overrides(args), "training.epochs=1",
                                 f"training.max_steps={args.checkpoints * args.every + args.every // 2}",
@@ -264,7 +273,8 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
                                 f"checkpoint.async={'true' if args.async_checkpoint else 'false'}"])
     with process_group(DistributedOptions(backend="gloo", device="cpu")) as ctx:
         job = create_job(config.job.name, config.job.params)
-        trainer = TimedTrainer(job, config, ctx, RunFolder(Path(args.run_dir) / f"stall-{os.getpid()}"))
+        trainer = Trainer(job, config, ctx, RunFolder(Path(args.run_dir) / f"stall-{os.getpid()}"))
+        timed(trainer)
         trainer.fit()
         rank = ctx.rank
         state_bytes = 0

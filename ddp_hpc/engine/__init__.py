@@ -1,8 +1,8 @@
 """The parts any training loop can use; the Trainer is built from the same ones.
 
 - ``Checkpointer``: save a dict of objects at a step cadence (atomically, optionally in
-  the background, ``keep_last`` kept) and restore the newest readable checkpoint, every
-  rank's RNG streams included.
+  the background, ``keep_last`` kept; one file, or a sharded folder every rank writes its
+  part of) and restore the newest readable checkpoint, every rank's RNG streams included.
 - ``ResumableSampler``: the data order, resumable mid-epoch and on another world size.
 - ``StopAgreement``: a stop every rank agrees on, after a signal or ahead of the job's
   deadline, then the requeue exit status.

@@ -216,11 +216,13 @@ def check_same_job(found: tuple[Path, dict[str, Any]], job_name: str) -> tuple[P
 def adapt_state_dict(state: Mapping[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:
     """``state`` with its ``module.`` prefixes made to match ``model``, shapes checked."""
     expected = model.state_dict()
-    wants_prefix = all(k.startswith("module.") for k in expected)
-    adapted = {}
-    for key, value in state.items():
-        bare = key[len("module."):] if key.startswith("module.") else key
-        adapted[f"module.{bare}" if wants_prefix else bare] = value
+    adapted = dict(state)
+    if set(adapted) != set(expected):  # keys that match as they are (an AveragedModel's) stay
+        wants_prefix = all(k.startswith("module.") for k in expected)
+        adapted = {}
+        for key, value in state.items():
+            bare = key[len("module."):] if key.startswith("module.") else key
+            adapted[f"module.{bare}" if wants_prefix else bare] = value
     missing = sorted(set(expected) - set(adapted))
     unexpected = sorted(set(adapted) - set(expected))
     if missing or unexpected:

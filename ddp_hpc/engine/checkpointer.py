@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,10 +30,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ddp_hpc.contract import CHECKPOINTS_DIR
 from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, WriteRecord
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.engine.rng import capture_rng, restore_rng
+from ddp_hpc.engine.sampler import ResumableSampler
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +53,34 @@ class Loaded:
     mine: dict[str, Any]
 
 
+#: Called with a checkpoint's path and its own data (progress, config, ...) before anything
+#: is loaded from it; raises to refuse it.
+Accept = Callable[[Path, Mapping[str, Any]], None]
+
+
 class CheckpointFormat(Protocol):
     """How checkpoints are laid out in a folder. Every rank calls every method."""
 
     def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
-             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int) -> Path:
-        """Write one checkpoint of the live ``objects``, ``shared`` (the same on every rank)
-        and each rank's ``per_rank``; whole or not at all."""
+             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
+        """Write one checkpoint of the live ``objects`` (None: saved as None), ``shared``
+        (the same on every rank) and each rank's ``per_rank``; whole or not at all.
+        ``best``: also name it the best one (``best.pt``)."""
         ...
 
-    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any]) -> Loaded | None:
-        """Load the newest readable checkpoint into ``objects``; None when there is none.
-        Unreadable ones are refused in one line and kept."""
+    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
+                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+        """Load the newest readable checkpoint (or the one at ``path``) into ``objects``
+        (None, or None saved: left alone); None when there is none. Unreadable ones are
+        refused in one line and kept; ``accept`` sees the checkpoint's own data first."""
+        ...
+
+    def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
+        """Prepare for saves of ``states``' shapes ahead of the first (may do nothing)."""
+        ...
+
+    def finished(self) -> list[WriteRecord]:
+        """The writes completed since the last call, without waiting for one in flight."""
         ...
 
     def wait(self) -> list[WriteRecord]:
@@ -79,46 +97,62 @@ class SingleFileFormat:
 
     def __init__(self, *, background: bool = False) -> None:
         self.writer = AsyncCheckpointWriter() if background else None
+        self._finished: list[WriteRecord] = []
 
     def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
-             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int) -> Path:
+             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
         path = files.step_path(directory, step)
         files.save_rank_part(directory, step, group.rank, per_rank)
+        # ZeRO's optimizer state is gathered to rank 0 by a collective every rank joins.
+        gathered = {name: _consolidated(obj, group) for name, obj in objects.items() if _sharded_optimizer(obj)}
         group.barrier()  # every rank's part is on disk before the file that makes it count
         if not group.is_rank_zero:
             return path
-        state = {**{name: _state_of(obj) for name, obj in objects.items()}, **shared,
-                 "world_size": group.world_size}
-        write = partial(files.write_checkpoint, path=path, best=False, keep_last=keep_last)
+        state = {**{name: gathered[name] if name in gathered else _state_of(obj) for name, obj in objects.items()},
+                 **shared, "world_size": group.world_size}
+        write = partial(files.write_checkpoint, path=path, best=best, keep_last=keep_last)
         if self.writer is not None:
-            self.writer.submit(state, path, write)
+            self._finished.extend(self.writer.submit(state, path, write))
         else:
+            started = time.perf_counter()
             write(state)
+            elapsed = time.perf_counter() - started
+            self._finished.append(WriteRecord(path, elapsed, elapsed))
         return path
 
-    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any]) -> Loaded | None:
-        found = files.newest_loadable(directory)
-        if found is None:
-            return None
-        path, state = found
+    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
+                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+        if path is None:
+            found = files.newest_loadable(directory)
+            if found is None:
+                return None
+            path, state = found
+        else:
+            state = files.load_checkpoint(path)
+        if accept is not None:
+            accept(path, state)
         missing = sorted(set(objects) - set(state))
         if missing:
             raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
                                         "written for other objects")
         for name, obj in objects.items():
-            value = state[name]
-            if isinstance(obj, nn.Module):
-                target = _unwrapped(obj)
-                target.load_state_dict(files.adapt_state_dict(value, target, str(path)))
-            else:
-                obj.load_state_dict(value)
+            _load_into(obj, state[name], path)
         mine: dict[str, Any] = {}
         if state.get("world_size") == group.world_size:
-            mine = files.load_rank_part(directory, int(state["step"]), group.rank)
+            mine = files.load_rank_part(path.parent, int(state["step"]), group.rank)
         return Loaded(path, state, mine)
 
+    def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
+        if self.writer is not None and group.is_rank_zero:
+            self.writer.prestage(states)
+
+    def finished(self) -> list[WriteRecord]:
+        done, self._finished = self._finished, []
+        return done
+
     def wait(self) -> list[WriteRecord]:
-        return self.writer.wait() if self.writer is not None else []
+        waited = self.writer.wait() if self.writer is not None else []
+        return [*self.finished(), *waited]
 
 
 class ShardedFormat:
@@ -138,6 +172,8 @@ class ShardedFormat:
         modules = {name: obj for name, obj in objects.items() if isinstance(obj, nn.Module)}
         optimizers, others = {}, {}
         for name, obj in objects.items():
+            if obj is None:
+                continue
             if isinstance(obj, torch.optim.Optimizer):
                 optimizers[name] = (_module_of(name, obj, modules), obj)
             elif name not in modules:
@@ -145,21 +181,25 @@ class ShardedFormat:
         return modules, optimizers, others
 
     def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
-             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int) -> Path:
+             shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
         from ddp_hpc.engine.dcp_format import ShardedState
 
         modules, optimizers, others = self._parts(objects)
-        state = ShardedState(modules, optimizers, {**shared, "world_size": group.world_size,
-                                                   "objects": {name: obj.state_dict() for name, obj in others.items()}},
+        saved = {name: obj.state_dict() for name, obj in others.items()}
+        saved.update({name: None for name, obj in objects.items() if obj is None})
+        state = ShardedState(modules, optimizers, {**shared, "world_size": group.world_size, "objects": saved},
                              per_rank)
-        return self.dcp.save(group, directory, step, state, keep_last=keep_last)
+        return self.dcp.save(group, directory, step, state, keep_last=keep_last, best=best)
 
-    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any]) -> Loaded | None:
-        from ddp_hpc.engine.dcp_format import ShardedState
+    def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
+                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, read_blob
 
-        path = self.dcp.newest(group, directory)
+        path = self.dcp.newest(group, directory) if path is None else Path(path)
         if path is None:
             return None
+        if accept is not None:
+            accept(path, _flat(read_blob(path, check_complete(path), SHARED_KEY)))
         modules, optimizers, others = self._parts(objects)
         restored = self.dcp.load(group, path, ShardedState(modules, optimizers))
         saved = restored.shared.get("objects") or {}
@@ -168,11 +208,23 @@ class ShardedFormat:
             raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
                                         "written for other objects")
         for name, obj in others.items():
-            obj.load_state_dict(saved[name])
-        return Loaded(path, restored.shared, restored.mine)
+            _load_into(obj, saved[name], path)
+        return Loaded(path, _flat(restored.shared), restored.mine)
+
+    def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
+        """Nothing: ``dcp.async_save`` stages into its own host buffers."""
+
+    def finished(self) -> list[WriteRecord]:
+        return self.dcp.take_finished()
 
     def wait(self) -> list[WriteRecord]:
         return self.dcp.wait()
+
+
+def _flat(shared: Mapping[str, Any]) -> dict[str, Any]:
+    """A folder's own data with the plain objects' state beside it, as a single file holds them."""
+    flat = {key: value for key, value in shared.items() if key != "objects"}
+    return {**flat, **(shared.get("objects") or {})}
 
 
 def _module_of(name: str, optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module]) -> nn.Module:
@@ -191,7 +243,28 @@ def _unwrapped(obj: Any) -> Any:
 
 
 def _state_of(obj: Any) -> Any:
-    return _unwrapped(obj).state_dict()
+    return _unwrapped(obj).state_dict() if obj is not None else None
+
+
+def _sharded_optimizer(obj: Any) -> bool:
+    """ZeroRedundancyOptimizer: each rank holds a shard of the state."""
+    return hasattr(obj, "consolidate_state_dict")
+
+
+def _consolidated(obj: Any, group: Collectives) -> Any:
+    obj.consolidate_state_dict(to=0)  # a collective: every rank calls it
+    return obj.state_dict() if group.is_rank_zero else None
+
+
+def _load_into(obj: Any, value: Any, path: Path) -> None:
+    """Load ``value`` into ``obj``; an object not in use, or one saved as None, is left alone."""
+    if obj is None or value is None:
+        return
+    if isinstance(obj, nn.Module):
+        target = _unwrapped(obj)
+        target.load_state_dict(files.adapt_state_dict(value, target, str(path)))
+    else:
+        obj.load_state_dict(value)
 
 
 def make_format(name: str, *, background: bool) -> CheckpointFormat:
@@ -205,47 +278,64 @@ def make_format(name: str, *, background: bool) -> CheckpointFormat:
 
 class Checkpointer:
     """Saves ``objects`` (and ``extras``) into ``folder``/checkpoints at a step cadence and
-    restores the newest readable checkpoint. Every rank makes every call."""
+    restores the newest readable checkpoint. Every rank makes every call.
+
+    An object may be None (an LR scheduler not in use): the checkpoint then holds None
+    under its name, and restoring leaves it alone. ``on_written`` hears, on rank 0, of
+    each checkpoint once it is complete (a background write: at the next save or
+    ``wait``). A ``ResumableSampler`` among the objects puts its place in the epoch into
+    the checkpoint's ``progress`` next to the step.
+    """
 
     def __init__(self, folder: str | Path, objects: Mapping[str, Any], *, every_n_steps: int = 0,
                  keep_last: int = 3, background: bool = False, extras: dict[str, Any] | None = None,
-                 format: str | CheckpointFormat = "file", group: Collectives | None = None) -> None:
+                 format: str | CheckpointFormat = "file", group: Collectives | None = None,
+                 on_written: Callable[[WriteRecord], None] | None = None) -> None:
         clash = sorted(set(objects) & {*RESERVED, "per_rank"})
         if clash:
             raise ValueError(f"Checkpointer: object name(s) {', '.join(clash)} are reserved")
         for name, obj in objects.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"Checkpointer: {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
         if every_n_steps < 0 or keep_last < 1:
             raise ValueError(f"Checkpointer: every_n_steps={every_n_steps} must be >= 0 and keep_last={keep_last} >= 1")
-        self.directory = Path(folder) / "checkpoints"
+        self.directory = Path(folder) / CHECKPOINTS_DIR
         self.objects = dict(objects)
         self.extras: dict[str, Any] = extras if extras is not None else {}
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
         self.format: CheckpointFormat = (make_format(format, background=background) if isinstance(format, str)
                                          else format)
         self.group: Collectives = group or ProcessGroupView.current()
+        self.on_written = on_written
         #: Optimizer steps taken in all (restored by ``restore``).
         self.step = 0
         #: Seconds the latest save kept training waiting (the stop agreement's deadline uses it).
         self.last_save_s = 0.0
+        #: The checkpoint ``restore`` loaded (its path and own data: progress, world size, ...).
+        self.resumed: Loaded | None = None
         self._saved_step: int | None = None
         self._saved_path: Path | None = None
+        self._sampler = next((obj for obj in self.objects.values() if isinstance(obj, ResumableSampler)), None)
 
-    def restore(self) -> Path | None:
-        """Load the newest readable checkpoint into the objects, the extras and this rank's
-        RNG streams; the path it came from, or None (nothing saved yet: a fresh start)."""
-        if self.group.is_rank_zero:
-            for name in files.remove_stale_temporaries(self.directory):
-                log.info("removed %s, left by a checkpoint write that was interrupted", name)
-        self.group.barrier()  # no rank reads while rank 0 tidies
-        loaded = self.format.restore(self.group, self.directory, self.objects)
+    def restore(self, path: str | Path | None = None, *, accept: Accept | None = None) -> Path | None:
+        """Load the newest readable checkpoint (or the one at ``path``) into the objects,
+        the extras and this rank's RNG streams; the path it came from, or None (nothing
+        saved yet: a fresh start). ``accept(path, data)`` may refuse it before anything is
+        loaded (raise)."""
+        if path is None:
+            if self.group.is_rank_zero:
+                for name in files.remove_stale_temporaries(self.directory):
+                    log.info("removed %s, left by a checkpoint write that was interrupted", name)
+            self.group.barrier()  # no rank reads while rank 0 tidies
+        loaded = self.format.restore(self.group, self.directory, self.objects,
+                                     path=Path(path) if path is not None else None, accept=accept)
         if loaded is None:
             return None
         state, mine = loaded.state, loaded.mine
         self.extras.update(state.get("extras") or {})
         self.step = self._saved_step = int(state["step"])
         self._saved_path = loaded.path
+        self.resumed = loaded
         if "rng" in mine:
             restore_rng(mine["rng"])
         elif self.group.is_rank_zero:
@@ -267,30 +357,53 @@ class Checkpointer:
             return self.save()
         return None
 
-    def save(self, *, wait: bool = False) -> Path:
+    def progress(self) -> dict[str, int]:
+        """Where training stands: the step, and the sampler's place in the epoch if there is one."""
+        return {**(self._sampler.progress() if self._sampler is not None else {}), "global_step": self.step}
+
+    def save(self, *, wait: bool = False, best: bool = False) -> Path:
         """Save now (unless this step is saved already). In the background, training waits
         only for the previous write and a copy to host memory; ``wait``: return once the
-        file is on disk (see ``wait``)."""
+        file is on disk (see ``wait``). ``best``: also point ``best.pt`` at it."""
         if self._saved_step == self.step and self._saved_path is not None:
             if wait:
                 self.wait()
             return self._saved_path
         started = time.perf_counter()
         shared = {"format": files.FORMAT_VERSION, "step": self.step, "extras": dict(self.extras),
-                  "progress": {"global_step": self.step}}
+                  "progress": self.progress()}
         self._saved_path = self.format.save(self.group, self.directory, self.step, self.objects, shared,
-                                            {"rng": capture_rng()}, keep_last=self.keep_last)
+                                            {"rng": capture_rng()}, keep_last=self.keep_last, best=best)
         self._saved_step = self.step
         self.last_save_s = time.perf_counter() - started
+        self._report(self.format.finished())
         if wait:
             self.wait()
         return self._saved_path
 
-    def wait(self) -> None:
+    def prestage(self, names: Iterable[str] | None = None) -> None:
+        """Ahead of the first background save (after the first step, once the optimizer has
+        state): let the format allocate what saves of this shape need, in the background.
+        ``names``: the objects worth it (default: all). ZeRO's sharded optimizer state,
+        which needs a collective to gather, is left out."""
+        chosen = self.objects if names is None else {name: self.objects.get(name) for name in names}
+        states = {name: _state_of(obj) for name, obj in chosen.items()
+                  if obj is not None and not _sharded_optimizer(obj)}
+        self.format.prestage(self.group, states)
+
+    def wait(self, *, together: bool = True) -> None:
         """Block until the last checkpoint is on disk on every rank's behalf (a background
-        write finished); call it before the process exits."""
+        write finished); call it before the process exits. ``together``: then wait for
+        every rank (a barrier); not on an error path, where another rank may be gone."""
         started = time.perf_counter()
-        for record in self.format.wait():
-            log.debug("checkpoint %s written in the background in %.3fs", record.path, record.write_s)
-        self.group.barrier()
+        self._report(self.format.wait())
+        if together:
+            self.group.barrier()
         self.last_save_s = max(self.last_save_s, time.perf_counter() - started)
+
+    def _report(self, records: list[WriteRecord]) -> None:
+        for record in records:
+            log.debug("checkpoint %s written in %.3fs (training blocked %.3fs)", record.path, record.write_s,
+                      record.snapshot_s)
+            if self.on_written is not None:
+                self.on_written(record)

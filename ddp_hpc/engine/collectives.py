@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 #: torch's flight recorder size (entries per process); read when the first group starts.
 FR_BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
-#: Enough entries for the newest collective and a few before it; a dump takes ~30 us.
-FR_BUFFER_DEFAULT = "64"
+#: Enough entries for the newest collective and a few before it: a dump's cost grows with
+#: the entries (about 40 us each with gloo: benchmarks/flight_recorder_cost.py).
+FR_BUFFER_DEFAULT = "16"
 #: The default process group's name in flight-recorder entries.
 _DEFAULT_GROUP = "0"
 

@@ -31,7 +31,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddp_hpc.distributed import DistContext
 from ddp_hpc.engine.collectives import CollectivePosition, out_of_step, position
 from ddp_hpc.engine.watchdog import Watchdog
 
@@ -218,6 +217,13 @@ class Heartbeat:
             positions[rank] = status.collective if status else None
         return out_of_step(positions, {rank: host for rank, host in zip(ranks, hosts) if host})
 
+    def explain_collectives(self) -> str:
+        """The collectives line alone, for a collective that timed out (nothing to settle)."""
+        try:
+            return self.collectives(self._connect())
+        except Exception as exc:
+            return f"cannot read the ranks' collectives from the rendezvous store at {self.where} ({exc})"
+
     def explain(self) -> str:
         """One sentence: who went silent, or that nobody did, or that this rank is cut off."""
         keys = [BEAT_KEY.format(rank=r) for r in range(self.world_size)]
@@ -249,24 +255,9 @@ class Heartbeat:
 
 
 @contextmanager
-def watch_progress(ctx: DistContext, limit_s: float | None,
-                   on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog | None]:
-    """The Trainer's watchdog (None when ``limit_s`` is unset), with a heartbeat that lets
-    it name the silent ranks, the ranks out of step and (rank 0) stragglers when the group
-    spans several processes."""
-    if not limit_s:
-        yield None
-        return
-    env = ctx.env
-    spans = ctx.group_initialized and ctx.world_size > 1
-    with _watching(limit_s, env.rank, env.world_size, (env.master_addr, env.master_port) if spans else None,
-                   on_straggler=on_straggler) as dog:
-        yield dog
-
-
-@contextmanager
 def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
-             on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
+             on_straggler: Callable[[Straggler], None] | None = None,
+             limit_name: str = "watchdog limit_s") -> Iterator[Watchdog]:
     """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
     makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
     silent, which ranks are out of step in the collectives (with ``TORCH_FR_BUFFER_SIZE``
@@ -275,7 +266,8 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
     work lets rank 0 log stragglers (and call ``on_straggler``).
 
     The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
-    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group.
+    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name``
+    is how the message names the limit (the Trainer's: ``distributed.watchdog_s``).
     """
     if limit_s <= 0:
         raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
@@ -284,18 +276,22 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
         rank, world_size = dist.get_rank(), dist.get_world_size()
         if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, "watchdog limit_s",
+    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, limit_name,
                    on_straggler=on_straggler) as dog:
         yield dog
 
 
-def rank_status(dog: Watchdog) -> RankStatus:
-    """What this rank's heartbeat publishes: its collective and its step time."""
-    try:
-        collective = position()
-    except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
-        log.debug("no flight record: %s", exc)
-        collective = None
+def rank_status(dog: Watchdog, interval_s: float) -> RankStatus:
+    """What this rank's heartbeat publishes: its step time, and its collective once it has
+    made no progress for a beat. Only then: a dump of the flight recorder costs ~40 us an
+    entry (80 ms with the 2,000 entries torch suggests for NCCL), and a rank that beats has
+    nothing to explain."""
+    collective = None
+    if dog.idle_s() >= interval_s:
+        try:
+            collective = position()
+        except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
+            log.debug("no flight record: %s", exc)
     return RankStatus(collective, dog.compute_s(), dog.step)
 
 
@@ -306,9 +302,21 @@ def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int]
     dog = Watchdog(limit_s, rank, limit_name=limit_name)
     heartbeat = None
     if store is not None:
-        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1],
-                              interval_s=min(max(limit_s / 10, 1.0), 10.0),
-                              status=lambda: rank_status(dog), on_straggler=on_straggler)
+        interval_s = min(max(limit_s / 10, 1.0), 10.0)
+        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1], interval_s=interval_s,
+                              status=lambda: rank_status(dog, interval_s), on_straggler=on_straggler)
         dog.diagnose = heartbeat.explain
     with heartbeat or nullcontext(), dog:
-        yield dog
+        try:
+            yield dog
+        except Exception as exc:
+            if heartbeat is not None and is_collective_timeout(exc):
+                log.error("a collective timed out; collectives: %s", heartbeat.explain_collectives())
+            raise
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """gloo's ``Timed out waiting 600000ms for recv operation``, NCCL's ``Watchdog caught
+    collective operation timeout``: the process group's own timeout (distributed.timeout_s)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)

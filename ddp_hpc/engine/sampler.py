@@ -26,16 +26,19 @@ class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` that can start an epoch part-way in, on any world size.
 
     ``batch_size`` (the DataLoader's, per rank) is needed only to save and restore the
-    position inside an epoch (``state_dict``); the Trainer tracks that itself.
+    position inside an epoch (``state_dict``); ``drop_last_batch`` says that the DataLoader
+    drops a last, partial batch (``drop_last=True``), so that an epoch ends one batch sooner.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None, *,
-                 shuffle: bool = True, seed: int = 0, batch_size: int | None = None) -> None:
+                 shuffle: bool = True, seed: int = 0, batch_size: int | None = None,
+                 drop_last_batch: bool = False) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=False)
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         self.batch_size = batch_size
+        self.drop_last_batch = drop_last_batch
         self._skip = 0
         self._position = 0
         #: Batches of this epoch trained on this rank (``advance``), for ``state_dict``.
@@ -82,23 +85,38 @@ class ResumableSampler(DistributedSampler):
         """``batches`` more batches of this epoch were trained (the Checkpointer calls it every step)."""
         self.batches_done += batches
 
+    @property
+    def epoch_offset(self) -> int:
+        """Positions of this epoch's order trained before this pass (at another world size)."""
+        return self._position
+
+    def resume_at(self, position: int) -> None:
+        """Continue this epoch after the first ``position`` positions of its order, dealt
+        out over this world size (what resuming on another world size does)."""
+        self.start_epoch_at(position)
+        self._skip, self.batches_done = 0, 0
+
     def _batches_in_epoch(self) -> int:
-        return math.ceil(self.num_samples / self._need_batch_size())
+        full, rest = divmod(self.num_samples, self._need_batch_size())
+        return full if self.drop_last_batch or rest == 0 else full + 1
 
     def _need_batch_size(self) -> int:
         if self.batch_size is None:
             raise ValueError("ResumableSampler needs batch_size= (the DataLoader's) to save its position")
         return self.batch_size
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where the data order stands: the epoch and how far into it (a finished epoch is
-        saved as the start of the next)."""
+    def progress(self) -> dict[str, int]:
+        """The epoch, the batches of it trained on each rank, and the positions of its order
+        trained at another world size before (a finished epoch is the start of the next)."""
         epoch, done, offset = self.epoch, self.batches_done, self._position
         if done >= self._batches_in_epoch():
             epoch, done, offset = epoch + 1, 0, 0
-        return {"epoch": epoch, "batches_done": done, "epoch_offset": offset, "world_size": self.num_replicas,
-                "batch_size": self._need_batch_size(), "seed": self.seed, "shuffle": self.shuffle,
-                "dataset_len": len(self.dataset)}
+        return {"epoch": epoch, "batches_done": done, "epoch_offset": offset}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the data order stands: ``progress()``, and what it needs to continue."""
+        return {**self.progress(), "world_size": self.num_replicas, "batch_size": self._need_batch_size(),
+                "seed": self.seed, "shuffle": self.shuffle, "dataset_len": len(self.dataset)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state`` left off: the same batches on the same world size and
@@ -116,8 +134,7 @@ class ResumableSampler(DistributedSampler):
             self.batches_done = done
             return
         position = offset + done * old_batch * old_world
-        self.start_epoch_at(position)
-        self._skip, self.batches_done = 0, 0
+        self.resume_at(position)
         if self.rank == 0:
             log.warning("data order saved by %d ranks of batch %d continues on %d ranks of batch %d: epoch %d "
                         "goes on after %d of its samples", old_world, old_batch, self.num_replicas,

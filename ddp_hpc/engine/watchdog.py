@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 EXIT_CODE = 3
 #: How many recent steps a rank's step time is the median of (what the straggler check compares).
 STEP_WINDOW = 20
+#: Fewer steps than this give no step time yet (the first steps include warm-up).
+MIN_STEPS = 5
 
 
 class Watchdog:
@@ -63,14 +65,18 @@ class Watchdog:
             self._compute.append(compute_s)
         self._last = time.monotonic()
 
+    def idle_s(self) -> float:
+        """Seconds since the last beat."""
+        return time.monotonic() - self._last
+
     @property
     def step(self) -> int:
         return self._step
 
     def compute_s(self) -> float | None:
-        """The median of the last ``STEP_WINDOW`` steps' ``compute_s``; None before 3 of them."""
+        """The median of the last ``STEP_WINDOW`` steps' ``compute_s``; None before ``MIN_STEPS``."""
         recent = list(self._compute)  # one C-level copy: safe against the loop's appends
-        return statistics.median(recent) if len(recent) >= 3 else None
+        return statistics.median(recent) if len(recent) >= MIN_STEPS else None
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -1,8 +1,15 @@
-"""Hooks into the training loop, named in the config's ``callbacks`` list."""
+"""The one extension point of the Trainer: callbacks, built-in services and the user's alike.
+
+The Trainer's periodic services (tracking, early stopping, the watchdog, the background
+prestage, the deadline stop, the weights check) are callbacks too (``training/services/``);
+a user's callbacks, named in the config's ``callbacks`` list, get the same hooks.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,19 +22,118 @@ if TYPE_CHECKING:
     from ddp_hpc.training.trainer import Trainer
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a callback makes of a validation: a best checkpoint, a stop."""
+
+    improved: bool = False
+    stop: bool = False
+
+
 class Callback:
-    """Override what you need; every hook runs on every rank."""
+    """Override what you need; every hook runs on every rank.
+
+    A callback whose ``state_key`` is set keeps state in every checkpoint under that key
+    (``state_dict()`` when saving, ``load_state_dict()`` when resuming).
+    """
+
+    state_key: str | None = None
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
 
+    def running(self, trainer: Trainer) -> AbstractContextManager[None]:
+        """Entered after ``on_fit_start``, left when training ends or raises (a service that
+        holds a thread, such as the watchdog)."""
+        return nullcontext()
+
+    def on_progress(self, trainer: Trainer, phase: str) -> None:
+        """At every optimizer step, evaluation batch and checkpoint (``phase`` says which):
+        cheap work only."""
+
     def on_step_end(self, trainer: Trainer) -> None: ...
+
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float], epoch: int) -> Verdict | None:
+        """After the validation of ``epoch`` (counted from 1); may ask for a best checkpoint or a stop."""
+        return None
 
     def on_checkpoint_saved(self, trainer: Trainer, path: Path) -> None:
         """After rank 0 wrote ``path`` (called on rank 0 only)."""
 
-    def on_epoch_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+    def on_epoch_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        """After the epoch's metrics row and its checkpoint."""
 
-    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None: ...
+    def on_test_end(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
+
+    def on_stopped(self, trainer: Trainer) -> None:
+        """The ranks stopped on request, their checkpoint saved: ``fit`` returns a preempted summary."""
+
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
+        """Training completed (or stopped early): ``summary`` is its result."""
+
+
+class CallbackList:
+    """Calls each hook on every callback, in order."""
+
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def __iter__(self) -> Iterator[Callback]:
+        return iter(self.callbacks)
+
+    def stateful(self) -> dict[str, Callback]:
+        """The callbacks that keep state in checkpoints, by their key."""
+        keyed: dict[str, Callback] = {}
+        for callback in self.callbacks:
+            if callback.state_key is None:
+                continue
+            if callback.state_key in keyed:
+                raise ConfigError(f"two callbacks keep their state under {callback.state_key!r}")
+            keyed[callback.state_key] = callback
+        return keyed
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        for callback in self.callbacks:
+            callback.on_fit_start(trainer)
+
+    @contextmanager
+    def running(self, trainer: Trainer) -> Iterator[None]:
+        with ExitStack() as stack:
+            for callback in self.callbacks:
+                stack.enter_context(callback.running(trainer))
+            yield
+
+    def on_progress(self, trainer: Trainer, phase: str) -> None:
+        for callback in self.callbacks:
+            callback.on_progress(trainer, phase)
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        for callback in self.callbacks:
+            callback.on_step_end(trainer)
+
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float], epoch: int) -> Verdict:
+        verdicts = [callback.on_validation_end(trainer, metrics, epoch) for callback in self.callbacks]
+        verdicts = [verdict for verdict in verdicts if verdict is not None]
+        return Verdict(improved=any(v.improved for v in verdicts), stop=any(v.stop for v in verdicts))
+
+    def on_checkpoint_saved(self, trainer: Trainer, path: Path) -> None:
+        for callback in self.callbacks:
+            callback.on_checkpoint_saved(trainer, path)
+
+    def on_epoch_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_epoch_end(trainer, metrics)
+
+    def on_test_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        for callback in self.callbacks:
+            callback.on_test_end(trainer, metrics)
+
+    def on_stopped(self, trainer: Trainer) -> None:
+        for callback in self.callbacks:
+            callback.on_stopped(trainer)
+
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
+        for callback in self.callbacks:
+            callback.on_fit_end(trainer, summary)
 
 
 def create_callbacks(configs: Sequence[CallbackConfig]) -> list[Callback]:

@@ -77,11 +77,11 @@ class Job(ABC):
         return batch
 
 
-#: Short names for the jobs shipped in ``ddp_hpc/jobs/``.
+#: Short names for the jobs shipped in ``ddp_hpc/builtin_jobs/``.
 REGISTRY = {
-    "digits": "ddp_hpc.jobs.digits:DigitsJob",
-    "synthetic": "ddp_hpc.jobs.synthetic:SyntheticJob",
-    "preference": "ddp_hpc.jobs.preference:PreferenceJob",
+    "digits": "ddp_hpc.builtin_jobs.digits:DigitsJob",
+    "synthetic": "ddp_hpc.builtin_jobs.synthetic:SyntheticJob",
+    "preference": "ddp_hpc.builtin_jobs.preference:PreferenceJob",
 }
 
 

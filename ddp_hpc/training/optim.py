@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
@@ -40,20 +40,23 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], training: Training
     return cls(parameters, **kwargs)
 
 
-def _cosine(warmup: int, total: int, floor: float):
+def _cosine(warmup: int, total: Callable[[], int], floor: float):
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total() - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig,
-                    total_intervals: int) -> LRScheduler | None:
-    """The schedule over ``total_intervals`` steps or epochs (config.interval), or None."""
+                    total_intervals: int | Callable[[], int]) -> LRScheduler | None:
+    """The schedule over ``total_intervals`` steps or epochs (config.interval), or None.
+    A callable is asked each time: a run resumed on another world size learns its length
+    only from the checkpoint, which is loaded into the schedule built before."""
     if config.name == "none":
         return None
     if config.name == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.step_size, gamma=config.gamma)
-    return LambdaLR(optimizer, _cosine(config.warmup, total_intervals, config.min_lr_ratio))
+    total = total_intervals if callable(total_intervals) else (lambda: total_intervals)
+    return LambdaLR(optimizer, _cosine(config.warmup, total, config.min_lr_ratio))

@@ -7,6 +7,14 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
 - Every rank prints what ``restore`` restored ("rank R: restored PATH at step N").
 - RECORD_IDS=FOLDER: every rank appends "epoch id" for each sample its sampler hands out
   (num_workers=0: fetched just before it is trained) to FOLDER/rank-R.txt.
+- CHECKPOINT_FORMAT, CHECKPOINT_EVERY: the Checkpointer's ``format`` and ``every_n_steps``.
+- FAULT_KILLS=N (with FAULT_SEED, FAULT_LOG): in each of the first N attempts of a launch
+  with restarts (TORCHELASTIC_RESTART_COUNT), one rank SIGKILLs itself at a step drawn
+  from FAULT_SEED: two kills in three land inside a dcp save, just after the first item of
+  the rank's shard file is written and flushed (the file exists, partly written, and the
+  checkpoint's metadata does not); the third right after a step. Each kill appends to
+  FAULT_LOG what it saw: the shard's size, the same file's size in the newest complete
+  checkpoint, whether metadata existed, and the newest complete step.
 - FAULT_STEP_SLEEP=S: every step takes S seconds longer (a job that outlasts its walltime).
 - FAULT_DEADLINE_MARGIN=S: the StopAgreement's margin before $DDP_HPC_DEADLINE (default 60 s,
   longer than a 1-minute test job).
@@ -20,6 +28,7 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import runpy
@@ -45,7 +54,79 @@ def _once(marker: str) -> bool:
     return True
 
 
+def _kill_logged(record: dict) -> None:
+    from ddp_hpc.engine.dcp_format import newest_complete
+
+    folder = Path(os.environ.get("RUN_DIR", "runs/resumable_loop")) / "checkpoints"
+    found = newest_complete(folder, report=False)
+    record["newest_complete_step"] = int(found[0].name.split("-")[1]) if found else None
+    if found and "shard" in record:
+        record["complete_shard_bytes"] = (found[0] / Path(record["shard"]).name).stat().st_size
+    with open(os.environ["FAULT_LOG"], "a") as log:
+        log.write(json.dumps(record) + "\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _inject_random_kills(kills: int, seed: int) -> None:
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= kills:
+        return
+    chooser = random.Random(seed * 1000 + attempt)
+    plan = {"attempt": attempt, "rank": attempt % 2, "mode": "mid-write" if attempt % 3 != 2 else "after-step",
+            "steps_ahead": chooser.randint(1, 3)}
+    state: dict = {"target": None}
+    real_restore, real_step_done = Checkpointer.restore, Checkpointer.step_done
+    real_write_item = dcp_files._write_item
+
+    def restore(self):
+        path = real_restore(self)
+        state["target"] = self.step + plan["steps_ahead"]
+        state["checkpointer"] = self
+        return path
+
+    def step_done(self, batches: int = 1):
+        path = real_step_done(self, batches)
+        if plan["mode"] == "after-step" and dist.get_rank() == plan["rank"] and self.step == state["target"]:
+            _kill_logged({**plan, "step": self.step})
+        return path
+
+    def write_item(transforms, stream, data, write_item, storage_key, *args, **kwargs):
+        result = real_write_item(transforms, stream, data, write_item, storage_key, *args, **kwargs)
+        checkpointer = state.get("checkpointer")
+        if plan["mode"] == "mid-write" and checkpointer is not None and checkpointer.step == state["target"] \
+                and dist.get_rank() == plan["rank"]:
+            stream.flush()
+            shard = Path(stream.name)
+            _kill_logged({**plan, "step": checkpointer.step, "shard": str(shard), "shard_bytes": shard.stat().st_size,
+                          "metadata_exists": (shard.parent / ".metadata").exists()})
+        return result
+
+    Checkpointer.restore, Checkpointer.step_done = restore, step_done
+    dcp_files._write_item = write_item
+
+
+def _inject_checkpointer_options() -> None:
+    fmt, every = os.environ.get("CHECKPOINT_FORMAT"), os.environ.get("CHECKPOINT_EVERY")
+    if not (fmt or every):
+        return
+    real_init = Checkpointer.__init__
+
+    def init(self, folder, objects, **kwargs):
+        if fmt:
+            kwargs["format"] = fmt
+        if every:
+            kwargs["every_n_steps"] = int(every)
+        real_init(self, folder, objects, **kwargs)
+
+    Checkpointer.__init__ = init
+
+
 def _inject() -> None:
+    _inject_checkpointer_options()
+    if os.environ.get("FAULT_KILLS"):
+        _inject_random_kills(int(os.environ["FAULT_KILLS"]), int(os.environ.get("FAULT_SEED", "0")))
     real_step_done = Checkpointer.step_done
     kill_rank, at_step = os.environ.get("FAULT_KILL_RANK"), os.environ.get("FAULT_AT_STEP")
     signal_step, marker = os.environ.get("FAULT_SIGNAL_AT_STEP"), os.environ.get("FAULT_MARKER", "")

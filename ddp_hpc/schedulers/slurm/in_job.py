@@ -42,7 +42,7 @@ class SubmititTrainTask:
         self.requeue = requeue
 
     def __call__(self) -> dict[str, Any]:
-        from ddp_hpc.train_job import TrainOptions, train
+        from ddp_hpc.training.run_on_rank import TrainOptions, train
 
         os.chdir(self.workdir)
         options = TrainOptions(configure_logs=True, handle_signals=True)

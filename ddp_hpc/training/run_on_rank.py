@@ -1,4 +1,4 @@
-"""Train a ``Job`` on this rank: load and check the config, start the group, fit, report."""
+"""The rank side of a training run: load and check the config, start the group, fit, report."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ddp_hpc.stop import job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, create_callbacks
-from ddp_hpc.training.deadline import DeadlineStop
+from ddp_hpc.training.services.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
@@ -110,7 +110,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
                                                      config.checkpoint.deadline_margin_s)))
     if config.distributed.weights_check_every:
-        from ddp_hpc.training.weights_check import WeightsCheckCallback
+        from ddp_hpc.training.services.weights_check import WeightsCheckCallback
 
         callbacks.append(WeightsCheckCallback(config.distributed.weights_check_every))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
@@ -120,18 +120,22 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             configure_logging(ctx.rank, verbose=options.verbose, console=options.console,
                               log_file=rank_log_path(run.path, ctx.rank))
             callbacks = [RankLine(), *callbacks]
-        trainer = Trainer(job, config, ctx, run, callbacks)
         received: list[int] = []
-        previous = _install_stop_handlers(trainer, received) if options.handle_signals else {}
+        previous: dict = {}
+        trainer: Trainer | None = None
         started = time.time()
         try:
+            trainer = Trainer(job, config, ctx, run, callbacks)
+            if options.handle_signals:
+                previous = _install_stop_handlers(trainer, received)
             summary = trainer.fit()
         except UserError:
             raise  # one line from the CLI is enough for bad input
         except Exception as exc:
             # Every rank says where it failed; the first such line in a job log is the cause.
-            log.error("failed on host %s at epoch %d, step %d: %s: %s", socket.gethostname(),
-                      trainer.progress.epoch + 1, trainer.progress.global_step, type(exc).__name__,
+            where = (f"at epoch {trainer.progress.epoch + 1}, step {trainer.progress.global_step}"
+                     if trainer is not None else "while setting up training")
+            log.error("failed on host %s %s: %s: %s", socket.gethostname(), where, type(exc).__name__,
                       str(exc).splitlines()[0] if str(exc) else "")
             raise
         finally:

@@ -1,0 +1,57 @@
+"""The Trainer's side of ``ddp_hpc.tracking``: trackers, progress lines, the run record.
+
+Tracking never imports ``training/``; this callback hands it what it reads (the running
+sums, the metrics rows) and keeps its state (run ids, recent points) in checkpoints, so
+that a resumed run continues the same tracker runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ddp_hpc.tracking import RunShape, Tracking
+from ddp_hpc.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from ddp_hpc.training.trainer import Trainer
+
+
+class TrackingService(Callback):
+    state_key = "tracking"
+
+    def __init__(self, tracking: Tracking) -> None:
+        self.tracking = tracking
+        #: What the checkpoint resumed from held (None: a fresh start).
+        self.saved: Mapping[str, Any] | None = None
+        self._step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.tracking.state(self._step)
+
+    def load_state_dict(self, value: Mapping[str, Any]) -> None:
+        self.saved = value
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        state = trainer.state
+        self._step = trainer.progress.global_step
+        self.tracking.start(RunShape(trainer.ctx.world_size, trainer.effective_batch_size, trainer.training.epochs,
+                                     state.steps_per_epoch, state.total_steps),
+                            self._step, self.saved, state.history)
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        self._step = trainer.progress.global_step
+        self.tracking.on_step(trainer.progress.epoch, self._step, trainer.loop.epoch_sums,
+                              trainer.optimizer.param_groups[0]["lr"])
+
+    def on_epoch_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        self.tracking.on_epoch(metrics)
+
+    def on_test_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.tracking.on_test(trainer.progress.global_step, metrics)
+
+    def on_stopped(self, trainer: Trainer) -> None:
+        self.tracking.finish(completed=False)
+
+    def on_fit_end(self, trainer: Trainer, summary) -> None:
+        self.tracking.finish(completed=True)
