@@ -113,6 +113,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ddp_hpc.config import load_config
+
+    # A config that does not load is one line in a fraction of a second: checked before
+    # train_job imports torch (seconds), then loaded again by train().
+    load_config(args.config, list(args.overrides))
     from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.training.run_on_rank import TrainOptions, train
 

@@ -78,14 +78,109 @@ def mpich() -> str:
     return Path(program).name
 
 
+# ----- test worlds shared between tests, and pytest-xdist -----------------------------------
+# Under `pytest -n 2 --dist loadgroup` (.ci/run) tests run on two workers at once. The SLURM
+# test cluster (2 nodes, also behind qsub and submitit), the multihost world (h1, h2) and the
+# GPUs are one each: tests that use one are put in its xdist group, so one worker runs them one after
+# the other and a 2-node job never waits behind another test's job or has its timing skewed.
+SLURM_GROUP = "slurm-cluster"
+MULTIHOST_GROUP = "multihost-world"
+GPU_GROUP = "gpu-devices"  # the host's GPUs: a gpu2 test takes both
+#: Launcher parameters of tests that pick their launcher at run time (request.getfixturevalue)
+#: and reach the SLURM cluster through it.
+CLUSTER_PARAMETERS = frozenset({"srun", "sbatch", "qsub", "submitit", "slurm_cluster"})
+
+
+def _parameter_strings(item: pytest.Item) -> set[str]:
+    callspec = getattr(item, "callspec", None)
+    strings: set[str] = set()
+    for value in (callspec.params.values() if callspec else ()):
+        for part in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(part, str):
+                strings.add(part)
+    return strings
+
+
+def shared_world_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test that uses a shared test world, from its markers, fixtures
+    and launcher parameters; None for a test that uses neither."""
+    if item.get_closest_marker("multihost"):
+        return MULTIHOST_GROUP
+    if item.get_closest_marker("gpu") or item.get_closest_marker("gpu2"):
+        return GPU_GROUP
+    if item.get_closest_marker("slurm") or {"slurm_cluster", "qsub"} & set(item.fixturenames) \
+            or CLUSTER_PARAMETERS & _parameter_strings(item):
+        return SLURM_GROUP
+    return None
+
+
+def module_fixture_group(item: pytest.Item) -> str | None:
+    """Tests of one module that share a module-scoped fixture (a reference run, a built
+    wheel) stay on one worker: split over two, each worker would build it again, at once
+    (the wheel in the same build folder of the repository)."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames:
+        found = definitions.name2fixturedefs.get(name) if definitions else None
+        if found and found[-1].scope == "module":
+            return "module:" + item.nodeid.split("::")[0]
+    return None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Here, before any pytest_collection_modifyitems: xdist's worker reads the markers there.
+    # A world's test that also uses a module fixture builds it once more on its own worker
+    # (at most twice in all): cheaper than moving the fixture's other tests into the world's
+    # group, which is the longest already.
+    group = shared_world_group(item) or module_fixture_group(item)
+    if group:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _loadgroup(config):
+        # The SLURM group is the longest unit of work: handed out first, it does not end last.
+        items.sort(key=lambda item: _xdist_group(item) != SLURM_GROUP)
+
+
+def _loadgroup(config: pytest.Config) -> bool:
+    """Whether xdist schedules by group: on a worker xdist sets --dist to "no" and keeps
+    the choice in its own option."""
+    return config.getoption("loadgroup", False) or config.getoption("dist", "no") == "loadgroup"
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return (marker.kwargs.get("name") or (marker.args[0] if marker.args else None)) if marker else None
+
+
+SLURM_DOWN = "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)"
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster() -> None:
-    up = shutil.which("srun") is not None and subprocess.run(
+def slurm_cluster_up() -> bool:
+    """Whether the cluster answers; module-scoped fixtures use this and need(..., SLURM_DOWN)."""
+    return shutil.which("srun") is not None and subprocess.run(
         ["scontrol", "ping"], capture_output=True, timeout=30).returncode == 0
-    need(up, "the SLURM test cluster is not running (scripts/dev-cluster.sh up, as root)")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
+def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> None:
+    need(slurm_cluster_up, SLURM_DOWN)
+    # A test that reaches the cluster without being grouped (a launcher parameter missing
+    # from CLUSTER_PARAMETERS) would share it with another worker's test: fail it, here,
+    # in serial runs too, rather than let it flake under xdist.
+    if _xdist_group(request.node) != SLURM_GROUP:
+        pytest.fail(f"{request.node.nodeid} uses the SLURM test cluster but is not in the "
+                    f"{SLURM_GROUP!r} xdist group: add its launcher parameter to CLUSTER_PARAMETERS "
+                    "or mark it @pytest.mark.slurm (tests/conftest.py)")
+    # On an xdist worker under --dist loadgroup, xdist appends the group to the test's id
+    # where it honoured the marker (it reads it after this conftest's collection hook).
+    if os.environ.get("PYTEST_XDIST_WORKER") and _loadgroup(request.config):
+        assert request.node.nodeid.endswith(f"@{SLURM_GROUP}"), \
+            f"xdist did not schedule {request.node.nodeid} with its group {SLURM_GROUP!r}"
+
+
+@pytest.fixture
 def qsub(slurm_cluster) -> str:
     """Slurm's PBS wrapper (``qsub``) in front of the test cluster."""
     program = shutil.which("qsub")
@@ -123,6 +218,18 @@ def assert_same_model_and_optimizer(expected: dict, actual: dict) -> None:
 
 #: Figures measured by reliability and scheduler tests, printed after the run.
 FIGURES: list[str] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # On an xdist worker: hand this worker's figures to the controller, which prints them.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["ddp_hpc_figures"] = list(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is not installed
+def pytest_testnodedown(node, error) -> None:
+    FIGURES.extend(getattr(node, "workeroutput", {}).get("ddp_hpc_figures", []))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

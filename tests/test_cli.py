@@ -112,9 +112,10 @@ def test_train_single_process_prints_the_run_folder(tmp_path):
         "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "record", "curves.png", "logs"}
 
 
-def test_scheduler_commands_never_import_torch(tmp_path):
+def test_scheduler_commands_and_a_config_that_does_not_load_never_import_torch(tmp_path):
     """Login nodes: render, submit --dry-run and status answer without torch (its import
-    costs seconds there). A torch that cannot be imported shadows the real one."""
+    costs seconds there), and so does train with a config that does not load. A torch that
+    cannot be imported shadows the real one."""
     poison = tmp_path / "poison" / "torch"
     poison.mkdir(parents=True)
     (poison / "__init__.py").write_text("raise ImportError('torch was imported')\n")
@@ -127,6 +128,9 @@ def test_scheduler_commands_never_import_torch(tmp_path):
         assert result.returncode == 0 and "#!/bin/bash" in result.stdout, (args, result.stderr[-2000:])
     status = run([*ddp_hpc_command(), "status", str(tmp_path / "no-run")], env=env, cwd=tmp_path)
     assert status.returncode == 2 and "neither a run folder nor a job id" in status.stderr, status.stderr
+    bad = run([*ddp_hpc_command(), "train", digits, "training.epochs=ten"], env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr == "ddp-hpc: error: training.epochs: expected int, got 'ten'\n", \
+        bad.stderr[-2000:]
     # The poison works: what needs torch says so.
     assert "torch was imported" in run([*ddp_hpc_command(), "env"], env=env, cwd=tmp_path).stderr
 

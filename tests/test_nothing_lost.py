@@ -59,10 +59,12 @@ class LogWatch:
 TRAINING_STARTS = "INFO ddp_hpc.training.trainer: run folder:"
 
 
-def wait_until_gone(root: int) -> None:
-    """No rank of the killed launch may still be running (or writing) when the next starts."""
+def wait_until_gone(root: int, run_dir: Path) -> None:
+    """No rank of the killed launch may still be running (or writing) when the next starts.
+    Its ranks are told apart by their run folder, which no other test (on another xdist
+    worker, or in another checkout) shares."""
     deadline = time.monotonic() + 10
-    while any("logging.name=killed" in _cmdline(pid) for pid in _pids()):
+    while any(f"logging.run_dir={run_dir}" in _cmdline(pid) for pid in _pids()):
         assert time.monotonic() < deadline, f"ranks of launch {root} still run 10 s after the kill"
         time.sleep(0.1)
 
@@ -114,7 +116,7 @@ def test_twenty_kills_lose_nothing(tmp_path):
         assert process.returncode != 0, "the run finished before kill %d landed" % (attempt + 1)
         watch.thread.join(timeout=10)
         assert watch.seen.is_set(), "the kill landed before training started:\n" + watch.tail()
-        wait_until_gone(process.pid)
+        wait_until_gone(process.pid, tmp_path / "runs")
         temporaries = sorted(p.name for p in checkpoints.glob(".*"))
         assert all(".tmp-" in name for name in temporaries), temporaries
         assert not set(left_behind) & set(temporaries), "the previous start did not remove " + str(left_behind)

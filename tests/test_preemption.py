@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIGURES, REPO, assert_same_training_state, clean_env, ddp_hpc_command, run
+from conftest import FIGURES, REPO, SLURM_DOWN, assert_same_training_state, clean_env, ddp_hpc_command, need, run
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.reliability, pytest.mark.slow, pytest.mark.multiproc]
@@ -57,9 +57,10 @@ def nodes_idle() -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, slurm_cluster) -> dict:
+def reference(tmp_path_factory, slurm_cluster_up) -> dict:
     """The same training (fsdp2), uninterrupted, with the same world size (srun -n 2): one run
     for both signal tests (its final checkpoint)."""
+    need(slurm_cluster_up, SLURM_DOWN)
     folder = tmp_path_factory.mktemp("reference")
     result = run(["srun", "-N1", "-n2", *ddp_hpc_command(), "train", CONFIG, *OVERRIDES, *FSDP2,
                   f"logging.run_dir={folder / 'runs'}", "logging.name=reference"], timeout=300, cwd=folder)
