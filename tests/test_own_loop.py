@@ -151,6 +151,7 @@ def _dcp_final_state(folder: Path) -> dict:
     return state
 
 
+@pytest.mark.acceptance
 @pytest.mark.timeout(1500)  # 21 attempts of a 2-rank launch: 15 minutes on a heavily loaded 2-core machine
 def test_twenty_random_sigkills_with_dcp_checkpoints_every_step_end_bit_identical(tmp_path, uninterrupted):
     """One ``torchrun --max-restarts 20`` launch of examples/resumable_loop.py with dcp
@@ -306,6 +307,7 @@ def test_submitit_command_job_signalled_requeues_and_ends_bit_identical(tmp_path
     assert_bit_identical(uninterrupted, final_state(run_dir))
 
 
+@pytest.mark.acceptance
 @pytest.mark.slurm
 @pytest.mark.timeout(900)  # 2 links on a quiet machine, up to 8 when start-up takes 40 s of each minute
 def test_pbs_chain_of_short_jobs_stops_at_each_deadline_and_ends_bit_identical(tmp_path, uninterrupted, qsub):
@@ -329,6 +331,7 @@ def test_pbs_chain_of_short_jobs_stops_at_each_deadline_and_ends_bit_identical(t
     assert_bit_identical(uninterrupted, final_state(run_dir))
 
 
+@pytest.mark.acceptance
 @pytest.mark.timeout(1200)  # 11 launches of 2 ranks: over 5 minutes on the loaded 2-core machine
 def test_rank_0_killed_10_times_during_background_saves_resumes_each_time_from_the_previous_checkpoint(
         tmp_path, uninterrupted):

@@ -90,6 +90,7 @@ def test_a_node_whose_parent_never_comes_names_it(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slurm
 @pytest.mark.slow  # packs and copies the whole test venv (1.6 GB, 40,000 files) twice
+@pytest.mark.acceptance
 def test_sbatch_stage_env_runs_every_rank_from_its_node_local_copy(tmp_path, slurm_cluster):
     """Two nodes, two ranks each: torch comes from each node's copy; each node times the import."""
     probe = tmp_path / "where_is_torch.py"
