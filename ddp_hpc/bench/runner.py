@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from ddp_hpc.bench.results_file import merge_into
 from ddp_hpc.contract import BENCH_STARTED_AT_VAR
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.local import build_torchrun
+from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec, find_program
 
 LOOPS = ("trainer", "handwritten")
 
@@ -114,19 +115,22 @@ def spread(values: list[float]) -> dict[str, float]:
 
 # ----- launching ------------------------------------------------------------------------
 
-def _launcher_argv(launcher: str, nproc: int) -> list[str]:
+def _launcher_argv(launcher: str, nproc: int, command: list[str]) -> list[str]:
+    """The same launch lines ``ddp-hpc launch`` builds (launch/local.py, launch/mpi.py)."""
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    if launcher == "mpich":
-        return [shutil.which("mpiexec.mpich") or "mpiexec.hydra", "-n", str(nproc), sys.executable]
-    if launcher == "openmpi":
-        return ["mpiexec.openmpi", "-n", str(nproc), "--oversubscribe", "--bind-to", "none", sys.executable]
-    raise ValueError(launcher)
+        return build_torchrun(nproc, command)
+    return build_mpiexec(MpiLaunch(launcher, nodes=1, ranks_per_node=nproc, command=command,
+                                   oversubscribe=True, allow_root=os.geteuid() == 0))
 
 
 def launcher_available(launcher: str) -> bool:
-    return launcher == "torchrun" or shutil.which({"mpich": "mpiexec.mpich", "openmpi": "mpiexec.openmpi"}[launcher]) \
-        is not None
+    if launcher == "torchrun":
+        return True
+    try:
+        find_program(launcher)
+    except UserError:
+        return False
+    return True
 
 
 def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str = "torchrun",
@@ -135,8 +139,8 @@ def launch(mode: str, nproc: int, extra: list[str], workdir: Path, launcher: str
     out = workdir / f"{mode}-{time.monotonic_ns()}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     port = ["--port", str(free_port())] if mode == "bare" and launcher != "torchrun" else []
-    argv = [*_launcher_argv(launcher, nproc), "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
-            "--run-dir", str(workdir), *port, *extra]
+    argv = _launcher_argv(launcher, nproc, [sys.executable, "-m", "ddp_hpc.bench.worker", mode, "--out", str(out),
+                                            "--run-dir", str(workdir), *port, *extra])
     env[BENCH_STARTED_AT_VAR] = repr(time.time())  # "launch" for the start-up figures
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     if result.returncode != 0 or not out.exists():

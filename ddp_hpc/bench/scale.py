@@ -42,6 +42,7 @@ from typing import IO, Any
 
 from ddp_hpc.bench.results_file import merge_into
 from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, STORE_ENVIRON, rank_env
+from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 
 #: The heartbeat interval ``watchdog()`` picks for the default distributed.watchdog_s (300 s).
@@ -89,12 +90,6 @@ def dns_isolation(workdir: Path) -> list[str] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return prefix
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((ADDR, 0))
-        return probe.getsockname()[1]
 
 
 class _Clients:
@@ -208,7 +203,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
     from ddp_hpc.distributed import create_store
     from ddp_hpc.engine.liveness import Heartbeat
 
-    port = _free_port()
+    port = free_port()
     silent = sorted({world_size // 2, world_size - 1})
     clients = _Clients(world_size, per_process, port, silent, prefix)
     try:
