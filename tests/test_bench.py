@@ -57,7 +57,8 @@ def test_quick_bench_writes_json_table_and_plot(tmp_path):
 
 def test_what_reaches_rank_0_at_start_up_and_in_the_record_does_not_grow_past_64_ranks(monkeypatch):
     """The harness's byte counts (from the real rank_facts/startup_message/build_record):
-    flat from 65 to 520 ranks, while the per-checkpoint RNG gather still grows (measured)."""
+    flat from 65 to 520 ranks. (No RNG state reaches rank 0 at a checkpoint: each rank
+    writes its own file, which tests/test_own_loop.py reads back rank by rank.)"""
     from ddp_hpc.bench.scale import rank0_bytes
     from ddp_hpc.tracking import record
 
@@ -68,7 +69,7 @@ def test_what_reaches_rank_0_at_start_up_and_in_the_record_does_not_grow_past_64
     assert small["startup_facts"] == large["startup_facts"] == 8
     assert abs(large["run_record"] - small["run_record"]) < 64
     assert gathered["startup_facts"] > 64 * 1000  # up to 64 ranks every rank's facts still travel
-    assert large["per_checkpoint_rng"] == 8 * small["per_checkpoint_rng"]
+    assert "per_checkpoint_rng" not in large and large["per_rank_rng_file"] > 1000
 
 
 def test_each_bench_mode_replaces_its_own_keys_of_bench_json_and_keeps_the_others(tmp_path):

@@ -9,7 +9,7 @@ Measured per N: the time from the common start until the gate opens, the store's
 operations per second when every rank adds in a loop, the heartbeat's load at the default
 interval (beats per second and this process's CPU, the store's server runs here), the
 time of the silent-rank diagnosis (with two ranks made silent, checked to be named), and
-the bytes that reach rank 0 per quantity (start-up facts, per-checkpoint RNG states, run
+the bytes that reach rank 0 per quantity (start-up facts, run
 record), computed from the objects the real code builds for N ranks.
 
 Torch's store client looks up the store's address by name (``getnameinfo``) before each
@@ -186,13 +186,16 @@ def rank0_bytes(world_size: int) -> dict[str, int]:
     large = sent[0] is None
     # A large world sends rank 0 one float64 (the node count's all-reduce) instead.
     startup = 8 if large else gathered([len(pickle.dumps(m)) for m in sent])
-    rng = gathered([len(pickle.dumps(capture_rng()))])
+    # No RNG state reaches rank 0 any more: each rank writes its streams to a file of its
+    # own (engine/checkpoint_files.py, save_rank_part; dcp: its shard file). Its size is
+    # reported as what every rank writes, not as what rank 0 receives.
+    rng_file = len(pickle.dumps(capture_rng()))
     with tempfile.TemporaryDirectory() as tmp:
         record = build_record(run_path=Path(tmp), argv=["bench"], config={}, start_step=0, cwd=Path(tmp),
                               ranks=facts[:1] if large else facts, world_size=world_size,
                               rank_files="record/x.ranks" if large else None,
                               nodes=-(-world_size // 8) if large else None)
-    return {"startup_facts": startup, "per_checkpoint_rng": rng,
+    return {"startup_facts": startup, "per_rank_rng_file": rng_file,
             "run_record": len(json.dumps(record, indent=1, sort_keys=True, default=str))}
 
 
@@ -338,7 +341,7 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
 
 def format_scale(section: dict[str, Any]) -> str:
     lines = ["ranks  procs  gate-open s  handshake p99 s  ops/s  beats/s  hb cpu  conns  diagnosis s  named  "
-             "start-up B  rng B  record B"]
+             "start-up B  record B  (rank's own rng file B)"]
     for row in section["rows"]:
         b = row["rank0_bytes"]
         lines.append(f"{row['world_size']:>5}  {row['processes']:>5}  {row['gate_open_s']:>11.3f}  "
@@ -346,7 +349,7 @@ def format_scale(section: dict[str, Any]) -> str:
                      f"{row['heartbeat_beats_per_s']:>7.1f}  {row['heartbeat_server_cpu_fraction']:>6.3f}  "
                      f"{row['store_connections']:>5}  {row['diagnosis_s']:>11.2f}  "
                      f"{str(row['diagnosis_named_silent']):>5}  {b.get('startup_facts', 0):>10}  "
-                     f"{b.get('per_checkpoint_rng', 0):>5}  {b.get('run_record', 0):>8}")
+                     f"{b.get('run_record', 0):>8}  {b.get('per_rank_rng_file', 0):>6}")
     for name, value in section["extrapolated_50000"].items():
         lines.append(f"extrapolated to 50,000 ranks (power law fitted to the rows): {name} = {value:.4g}")
     return "\n".join(lines)
