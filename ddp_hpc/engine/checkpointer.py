@@ -131,12 +131,7 @@ class SingleFileFormat:
             state = files.load_checkpoint(path)
         if accept is not None:
             accept(path, state)
-        missing = sorted(set(objects) - set(state))
-        if missing:
-            raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
-                                        "written for other objects")
-        for name, obj in objects.items():
-            _load_into(obj, state[name], path)
+        _load_objects(objects, state, path)
         mine: dict[str, Any] = {}
         if state.get("world_size") == group.world_size:
             mine = files.load_rank_part(path.parent, int(state["step"]), group.rank)
@@ -203,12 +198,7 @@ class ShardedFormat:
         modules, optimizers, others = self._parts(objects)
         restored = self.dcp.load(group, path, ShardedState(modules, optimizers))
         saved = restored.shared.get("objects") or {}
-        missing = sorted(set(others) - set(saved))
-        if missing:
-            raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
-                                        "written for other objects")
-        for name, obj in others.items():
-            _load_into(obj, saved[name], path)
+        _load_objects(others, saved, path)
         return Loaded(path, _flat(restored.shared), restored.mine)
 
     def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
@@ -254,6 +244,16 @@ def _sharded_optimizer(obj: Any) -> bool:
 def _consolidated(obj: Any, group: Collectives) -> Any:
     obj.consolidate_state_dict(to=0)  # a collective: every rank calls it
     return obj.state_dict() if group.is_rank_zero else None
+
+
+def _load_objects(objects: Mapping[str, Any], saved: Mapping[str, Any], path: Path) -> None:
+    """Load each object from ``saved``; a checkpoint that lacks one is refused whole."""
+    missing = sorted(set(objects) - set(saved))
+    if missing:
+        raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
+                                    "written for other objects")
+    for name, obj in objects.items():
+        _load_into(obj, saved[name], path)
 
 
 def _load_into(obj: Any, value: Any, path: Path) -> None:
