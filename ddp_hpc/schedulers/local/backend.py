@@ -35,7 +35,7 @@ def render_local(request: SubmitRequest) -> str:
         "",
         *run_folder_lines(request, "PWD"),
         # The job id is this script's PID: the exit file is named after it.
-        *launch_lines(request, render_argv(argv), "$$", requeue=None, trap_signals="USR2 TERM"),
+        *launch_lines(request.max_restarts, render_argv(argv), "$$", requeue=None, trap_signals="USR2 TERM"),
         "",
     ]
     return "\n".join(lines)
