@@ -154,14 +154,14 @@ def run_host_launch(launch: HostLaunch, command_line: Sequence[str]) -> int:
 
     script = write_script(render_host_launch(launch), launch.run_folder / SCRIPT_NAME)
     sys.stdout.flush()
-    # Its own process group: ``ddp-hpc cancel RUN`` ends the script and every rank it started.
-    process = subprocess.Popen(["bash", str(script)], process_group=0)
+    # Its own session and process group: ``ddp-hpc cancel RUN`` ends the script and every rank it started.
+    process = subprocess.Popen(["bash", str(script)], start_new_session=True)
     try:
         Submission(scheduler="local", job_id=str(process.pid), run_folder=str(launch.run_folder),
                    workdir=str(Path.cwd()), world_size=launch.world_size, submitted_at=time.time(),
                    kind="command", script=str(script), command_line=tuple(command_line)).record()
         return ExitStatus.of_returncode(process.wait())
-    except KeyboardInterrupt:  # Ctrl-C reaches this process group only: stop the launch's too
+    except KeyboardInterrupt:  # Ctrl-C reaches this session only: stop the launch's too
         log.warning("interrupted: stopping the launch (process group %d)", process.pid)
         os.killpg(process.pid, signal.SIGTERM)
         process.wait()

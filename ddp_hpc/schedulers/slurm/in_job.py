@@ -128,8 +128,10 @@ class SubmititCommandTask:
 
         plan = self.restart
         folder = Path(self.run_folder)
-        try:  # one restart per attempt: the first failing rank's
-            os.close(os.open(folder / f".restart-{plan.attempt + 1}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        # One restart per failed job, the first failing rank's (named after the job: a later
+        # submission into the same run folder restarts again).
+        try:
+            os.close(os.open(folder / f".restarted-{job_id or plan.attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -140,7 +142,7 @@ class SubmititCommandTask:
         executor.update_parameters(**plan.parameters, slurm_exclude=",".join(following.excluded))
         job = executor.submit(SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env,
                                                   following))
-        log.warning("ddp_hpc: leaving out node(s) %s, where a rank failed (%s): restart %d of %d as job %s",
+        log.warning("leaving out node(s) %s, where a rank failed (%s): restart %d of %d as job %s",
                     ",".join(following.excluded), reason, following.attempt, plan.max_restarts, job.job_id)
         follow_resubmission(folder, job_id, job.job_id, plan.folder)
 
