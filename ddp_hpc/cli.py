@@ -290,7 +290,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _launch_on_hosts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ddp_hpc.launch.hosts import HostLaunch, read_hostfile, render_host_launch, run_host_launch
+    from ddp_hpc.launch.hosts import SCRIPT_NAME, HostLaunch, read_hostfile, render_host_launch
+    from ddp_hpc.schedulers.local.backend import run_in_foreground
 
     if not args.run_folder:
         raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
@@ -298,10 +299,11 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     hosts = read_hostfile(Path(args.hostfile))
     launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
                         tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts)
+    script = render_host_launch(launch)
     if args.dry_run:
-        print(render_host_launch(launch), end="")
+        print(script, end="")
         return 0
-    return run_host_launch(launch, sys.argv)
+    return run_in_foreground(script, launch.run_folder / SCRIPT_NAME, launch.run_folder, launch.world_size, sys.argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,27 +3,22 @@
 The launch is a bash script built from the batch scripts' pieces (launch/script.py): the
 common launch loop restarts the ranks (``--max-restarts``), and when the file lists more
 hosts than ``--nodes`` the restart leaves out the host where a rank failed and takes a spare
-one (``hostfile_leave_out``), recorded in ``RUN/left-out-hosts.jsonl``. The launch is
-recorded as a ``local`` submission, so ``ddp-hpc status RUN`` shows how it ended and what
-it left out.
+one (``hostfile_leave_out``), recorded in ``RUN/left-out-hosts.jsonl``. The CLI runs the
+script in the foreground as a ``local`` job (``schedulers/local``), so ``ddp-hpc status RUN``
+shows how it ended and what it left out.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc import __version__
-from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, ExitStatus
+from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
 from ddp_hpc.launch.request import shell_quote
 from ddp_hpc.launch.script import (
@@ -34,8 +29,6 @@ from ddp_hpc.launch.script import (
     recording_rank_failures,
     render_argv,
 )
-
-log = logging.getLogger(__name__)
 
 HOSTFILE_LAUNCHERS = ("openmpi", "mpich")
 #: The launch script, kept in the run folder (rendered again by every launch).
@@ -112,8 +105,6 @@ class HostLaunch:
 
 def render_host_launch(launch: HostLaunch) -> str:
     """The bash script: rank 0's address is the first host of each attempt."""
-    from ddp_hpc.launch.local import rank_command
-
     argv = rank_command(launch.command)
     if launch.leaves_out_failed_hosts:  # the first rank to fail names the host a restart leaves out
         argv = recording_rank_failures(argv)
@@ -145,24 +136,3 @@ def render_host_launch(launch: HostLaunch) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def run_host_launch(launch: HostLaunch, command_line: Sequence[str]) -> int:
-    """Write the script into the run folder, run it in the foreground, record it as a
-    ``local`` submission (``ddp-hpc status RUN``) and return its exit status."""
-    from ddp_hpc.schedulers.base import Submission, write_script
-
-    script = write_script(render_host_launch(launch), launch.run_folder / SCRIPT_NAME)
-    sys.stdout.flush()
-    # Its own session and process group: ``ddp-hpc cancel RUN`` ends the script and every rank it started.
-    process = subprocess.Popen(["bash", str(script)], start_new_session=True)
-    try:
-        Submission(scheduler="local", job_id=str(process.pid), run_folder=str(launch.run_folder),
-                   workdir=str(Path.cwd()), world_size=launch.world_size, submitted_at=time.time(),
-                   kind="command", script=str(script), command_line=tuple(command_line)).record()
-        return ExitStatus.of_returncode(process.wait())
-    except KeyboardInterrupt:  # Ctrl-C reaches this session only: stop the launch's too
-        log.warning("interrupted: stopping the launch (process group %d)", process.pid)
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait()
-        raise
