@@ -49,9 +49,10 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         if request.spare_nodes:
             raise UserError("--spare-nodes allocates nodes for a batch script's restarts: use it with --sbatch "
                             "(submitit's --max-restarts submits the job again without the failed node)")
-        if request.max_restarts and (not isinstance(request.payload, CommandPayload) or request.elements):
+        if request.max_restarts and (not isinstance(request.payload, CommandPayload) or request.elements
+                                     or request.chain > 1):
             raise UserError("--max-restarts under submitit restarts a command job (its tasks outlive the command); "
-                            "for a training config or a sweep use --sbatch")
+                            "for a training config, a sweep or a chain use --sbatch")
         if request.preflight:
             raise UserError("--preflight runs a step before the ranks in a batch script: use it with --sbatch")
         if request.stage_env:
