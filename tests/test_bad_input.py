@@ -106,6 +106,11 @@ CORPUS = [
     ("checkpoint that is a text file", {"notes.pt": "hello\n"}, [*TRAIN, "checkpoint.resume={tmp}/notes.pt"], {},
      "checkpoint {tmp}/notes.pt is unreadable (truncated or corrupt"),
     ("checkpoint missing", {}, [*TRAIN, "checkpoint.resume={tmp}/none.pt"], {}, "none.pt does not exist"),
+    ("dcp pointer naming no folder", {"last.dcp": "lost\n"}, [*TRAIN, "checkpoint.resume={tmp}/last.dcp"], {},
+     "last.dcp names no checkpoint folder (it should hold one line, step-NNNNNNNN)"),
+    ("single file named for dcp", {"a.pt": "x"}, [*TRAIN, "checkpoint.format=dcp", "checkpoint.resume={tmp}/a.pt"], {},
+     "a.pt is a single file (checkpoint.format=file), and this run reads format dcp: resume it with "
+     "checkpoint.format=file"),
     # Environment variables that disagree or make no sense.
     ("rank beyond the world size", {}, TRAIN, {"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 outside [0, 2)"),
     ("world size not a number", {}, TRAIN, {"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
