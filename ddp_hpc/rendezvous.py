@@ -123,6 +123,12 @@ def _describe_ranks(ranks: list[int]) -> str:
     return named + (f" and {len(ranks) - MAX_NAMED} more" if len(ranks) > MAX_NAMED else "")
 
 
+def absent_ranks(store: dist.Store, env: DistEnv) -> str | None:
+    """Which ranks have not joined (rank 0's view at the gate's deadline), or None if all did."""
+    missing = _missing_ranks(store, env.world_size)
+    return f"rank(s) {_describe_ranks(missing)} of {env.world_size}" if missing else None
+
+
 class _Progress:
     """How far this rank got, for the message when the deadline passes."""
 
@@ -179,10 +185,10 @@ def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> d
         if store.add(JOINED_KEY, 1) == world_size:
             store.set(GATE_KEY, "open")
         if not _wait(store, GATE_KEY, deadline):
-            missing = _missing_ranks(store, world_size) if rank == 0 else []
+            missing = absent_ranks(store, meeting.env) if rank == 0 else None
             if missing:
-                raise RendezvousError(f"{meeting.whoami}: rank(s) {_describe_ranks(missing)} of {world_size} did "
-                                      f"not join the rendezvous at {meeting.address} {limit}: see their logs for why")
+                raise RendezvousError(f"{meeting.whoami}: {missing} did not join the rendezvous at "
+                                      f"{meeting.address} {limit}: see their logs for why")
             raise RendezvousError(f"{meeting.whoami}: not every one of the {world_size} ranks joined the rendezvous "
                                   f"at {meeting.address} {limit}: see rank 0's line for the missing ones")
         return store
