@@ -282,9 +282,10 @@ def _gate_diagnosis(store: Any, world_size: int, absent: list[int]) -> tuple[flo
     for rank in absent:
         store.delete_key(f"{JOINED_KEY}/{rank}")
     started = time.perf_counter()
-    line = absent_ranks(store, rank_env(0, world_size, 8, ADDR, 0)) or ""
+    found = absent_ranks(store, rank_env(0, world_size, 8, ADDR, 0))
     seconds = time.perf_counter() - started
-    return seconds, all(str(rank) in line for rank in absent)
+    named = found is not None and found.ranks == f"ranks {', '.join(map(str, absent))} ({len(absent)} of {world_size})"
+    return seconds, named
 
 
 def _beats(store: Any, keys: list[str]) -> int:
