@@ -281,6 +281,7 @@ def _gate_diagnosis(store: Any, world_size: int, absent: list[int]) -> tuple[flo
 
     for rank in absent:
         store.delete_key(f"{JOINED_KEY}/{rank}")
+    store.add(JOINED_KEY, -len(absent))  # the count of joined ranks, as if they never had
     started = time.perf_counter()
     found = absent_ranks(store, rank_env(0, world_size, 8, ADDR, 0))
     seconds = time.perf_counter() - started
