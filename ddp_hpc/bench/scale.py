@@ -8,7 +8,8 @@ the exec, never through a fork), each running the real handshake and the real he
 Measured per N: the time from the common start until the gate opens, the store's
 operations per second when every rank adds in a loop, the heartbeat's load at the default
 interval (beats per second and this process's CPU, the store's server runs here), the
-time of the silent-rank diagnosis (with two ranks made silent, checked to be named), and
+time of the silent-rank diagnosis (with two ranks made silent, checked to be named), the
+time of the join gate's timeout diagnosis (the same two ranks' joined keys taken out), and
 the bytes that reach rank 0 per quantity (start-up facts, run
 record), computed from the objects the real code builds for N ranks.
 
