@@ -29,6 +29,8 @@ CORPUS = [
     ("unknown key", {}, [*TRAIN, "training.batchsize=4"], {}, "unknown key 'training.batchsize'"),
     ("unknown section", {}, [*TRAIN, "optimiser.lr=1"], {}, "unknown key 'optimiser'"),
     ("wrong type", {}, [*TRAIN, "training.epochs=ten"], {}, "training.epochs: expected int, got 'ten'"),
+    ("deadline margin neither seconds nor auto", {}, [*TRAIN, "checkpoint.deadline_margin_s=soon"], {},
+     "checkpoint.deadline_margin_s: expected float or 'auto' or null, got 'soon'"),
     ("negative batch size", {}, [*TRAIN, "training.batch_size=-8"], {}, "training.batch_size must be > 0"),
     ("zero epochs", {}, [*TRAIN, "training.epochs=0"], {}, "training.epochs must be > 0"),
     ("grad accumulation 0", {}, [*TRAIN, "training.grad_accum_steps=0"], {}, "training.grad_accum_steps must be > 0"),
