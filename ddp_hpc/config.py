@@ -230,8 +230,9 @@ class CheckpointConfig:
     #: and its lead before the time limit: ``NAME@SECONDS`` (rendered scripts ask for it).
     stop_signal: str = "USR2@90"
     #: With a known job end (DDP_HPC_DEADLINE), stop when the time left would not cover
-    #: the next check interval, a checkpoint and this margin; null: never stop for it.
-    deadline_margin_s: float | None = 60.0
+    #: the next check interval, a checkpoint and this margin; ``auto``: the measured slowest
+    #: step plus checkpoint, at least 10 s (engine/deadline.py); null: never stop for it.
+    deadline_margin_s: float | Literal["auto"] | None = "auto"
     #: YAML key ``async``: rank 0 copies the state to host memory and writes the file in a
     #: background thread; training waits only for the copy (ddp_hpc/training/async_checkpoint.py).
     async_write: bool = field(default=False, metadata={"key": "async"})
@@ -246,7 +247,7 @@ class CheckpointConfig:
         if self.every_n_epochs is not None:
             positive(self.every_n_epochs, "checkpoint.every_n_epochs")
         positive(self.keep_last, "checkpoint.keep_last")
-        if self.deadline_margin_s is not None:
+        if self.deadline_margin_s not in (None, "auto"):
             non_negative(self.deadline_margin_s, "checkpoint.deadline_margin_s")
         try:
             parse_stop_signal(self.stop_signal)

@@ -183,6 +183,30 @@ def test_sampler_saved_at_an_epoch_end_resumes_at_the_next_epoch():
     assert restored.epoch == 1 and len(restored) == 10
 
 
+def test_the_default_margin_lets_a_one_minute_job_train_and_grows_with_the_measured_step_and_checkpoint():
+    from ddp_hpc.engine.deadline import MARGIN_FLOOR_S, DeadlinePolicy, Timings, time_needed
+
+    # A 1-minute job with 20 s of it gone to start-up, steps of 0.5 s, no checkpoint yet: it
+    # trains until the next step, the checkpoint and the floor no longer fit (a fixed 60 s
+    # margin stopped it at its first step).
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=1040.0, clock=lambda: clock[0])
+    steps = 0
+    while True:
+        clock[0] += 0.5
+        steps += 1
+        if stop.now():
+            break
+    assert steps == 60 and 1040.0 - clock[0] == MARGIN_FLOOR_S  # 10 s left < 0.5 s + 10 s
+
+    policy = DeadlinePolicy(deadline=0.0, check_every_n_steps=4)
+    slow = Timings(step_s=2.0, checkpoint_s=30.0)
+    assert policy.margin(Timings(step_s=0.5)) == MARGIN_FLOOR_S
+    assert policy.margin(slow) == 32.0  # the slowest step and checkpoint once more
+    assert time_needed(policy, slow, 4, False) == 4 * 2.0 + 30.0 + 32.0
+    assert DeadlinePolicy(0.0, 4, margin_s=5.0).margin(slow) == 5.0  # a number is kept as given
+
+
 def test_stop_agreement_signal_and_deadline(tmp_path):
     clock = [1000.0]
     stop = ddp_hpc.StopAgreement(deadline=1100.0, margin_s=30.0, clock=lambda: clock[0])

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_reshard
 from ddp_hpc.engine.rng import seed_everything
 from ddp_hpc.errors import UserError
 from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.training.checkpoint_upgrade import upgrade_presplit
 from ddp_hpc.training.data import LoaderPlan
 from ddp_hpc.training.job import Job
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
@@ -205,7 +207,9 @@ class TrainingState:
         training, resume = self.config.training, self.config.checkpoint.resume
         path = None
         if resume != "never":
-            path = self.checkpointer.restore(None if resume == "auto" else resume, accept=self._same_job)
+            path = self.checkpointer.restore(None if resume == "auto" else resume, accept=self._same_job,
+                                             upgrade=partial(upgrade_presplit, dataset_len=dataset_len),
+                                             quiet=True)
         if path is None:
             seed_everything(training.seed + self.ctx.rank)  # dropout, augmentation: per rank
             return None
