@@ -460,3 +460,25 @@ def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
         "shared ddp-hpc stage pack",
         *(f"rank {r} attempt 0 from {root / ('n1' if r < 2 else 'n2')}" for r in range(4)),
         *(f"rank {r} attempt 1 from {root / ('n2' if r < 2 else 'n3')}" for r in range(4))]
+
+
+def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tmp_path):
+    """``ddp-hpc launch --hostfile``: comments and repeats are dropped; with spare hosts and
+    restarts the ranks run under the failure-recording wrapper and a restart rebuilds the
+    hostfile without the failed host; without spares neither is there."""
+    from ddp_hpc.launch.hosts import HostLaunch, read_hostfile, render_host_launch
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\n# the spare:\nh2  # slow disk\nh1\n\n")
+    hosts = read_hostfile(hostfile)
+    assert hosts == ("h1", "h2")
+    spare = render_host_launch(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
+    every = render_host_launch(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
+    for script in (spare, every):
+        result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+        assert result.returncode == 0, result.stderr
+    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in launch_line(spare)
+    assert "-n 2 -ppn 2 -f \"${DDP_HPC_HOSTFILE}\"" in launch_line(spare)
+    assert 'head -n 1 "$job_hosts" >"$DDP_HPC_HOSTFILE"' in spare and "left-out-hosts.jsonl" in spare
+    assert "ddp-hpc-rank" not in every and "job_hosts" not in every
+    assert "-x MASTER_ADDR -x MASTER_PORT -x DDP_HPC_RESTART_COUNT" in launch_line(every)

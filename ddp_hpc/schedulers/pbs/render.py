@@ -123,7 +123,7 @@ def render_pbs(request: SubmitRequest) -> str:
         deadline_line(request),
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.
-        *launch_lines(request, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
+        *launch_lines(request.max_restarts, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
                       trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name))),
                       leave_out=hostfile_leave_out(HOSTFILE_VAR, request.nodes, request.per_node,
                                                    [f"export MASTER_ADDR={master}"])
