@@ -6,6 +6,7 @@ of that list. Values are checked here, before any rank starts work or writes a f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -254,12 +255,44 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.stop_signal: {exc}") from None
 
 
-def checkpoint_format(config: Config) -> str:
-    """``checkpoint.format``, or when unset the strategy's default: ``dcp`` for sharded
-    models (``training.strategy: fsdp2``), ``file`` otherwise."""
+def checkpoint_format(config: Config, checkpoints: Path | None = None) -> str:
+    """``checkpoint.format``; when unset, the format of the checkpoint ``checkpoint.resume``
+    names, or under ``auto`` the format of the checkpoints in ``checkpoints`` (the run's
+    folder) when it holds only the other format's; else the strategy's default: ``dcp`` for
+    sharded models (``training.strategy: fsdp2``), ``file`` otherwise."""
     if config.checkpoint.format is not None:
         return config.checkpoint.format
-    return "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
+    default = "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
+    resume = config.checkpoint.resume
+    if resume not in ("auto", "never"):
+        return format_of_checkpoint(Path(resume)) or default
+    if resume == "auto" and checkpoints is not None:
+        found = formats_in(checkpoints)
+        if found and default not in found:
+            return found.pop()
+    return default
+
+
+_STEP_FOLDER = re.compile(r"^step-\d{8}$")
+
+
+def format_of_checkpoint(path: Path) -> str | None:
+    """``dcp`` or ``file``, by how ``path`` is named (a step folder or a file in one,
+    ``last.dcp``, ``best.dcp``; a ``.pt`` file); None when its name says neither."""
+    if path.suffix == ".pt":
+        return "file"
+    if path.suffix == ".dcp" or _STEP_FOLDER.match(path.name) or _STEP_FOLDER.match(path.parent.name):
+        return "dcp"
+    return None
+
+
+def formats_in(checkpoints: Path) -> set[str]:
+    """The formats of the checkpoints in a run's checkpoint folder (empty when none)."""
+    try:
+        names = [entry.name for entry in checkpoints.iterdir()]
+    except OSError:
+        return set()
+    return {fmt for fmt in map(format_of_checkpoint, map(Path, names)) if fmt is not None}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Real launches of examples/resumable_loop.py are in test_own_loop.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -69,6 +70,36 @@ def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_pat
     else:
         assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000007.pt",
                                                                                         "step-00000015.pt"]
+
+
+def test_a_dcp_checkpoint_restores_from_each_form_a_user_names_it_by_and_the_other_format_is_refused(tmp_path):
+    """``restore(path)`` with format dcp: the step folder, a file in it, ``last.dcp`` and
+    ``best.dcp`` (the folder each names) all load step 7; a ``.pt`` file, a folder that is
+    no checkpoint and a pointer naming nothing are refused in one line; format file refuses
+    a dcp folder or pointer the same way."""
+    _train(tmp_path / "run", epochs=3, stop_at=7, format="dcp")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "best.dcp").write_text("step-00000007\n")
+    folder = checkpoints / "step-00000007"
+    for named in (folder, folder / ".metadata", checkpoints / "last.dcp", checkpoints / "best.dcp"):
+        *_, checkpointer = _setup(tmp_path / "other", format="dcp")
+        assert checkpointer.restore(named) == folder and checkpointer.step == 7, named
+    (tmp_path / "stray.dcp").write_text("nothing here\n")
+    (tmp_path / "x.pt").write_bytes(b"")
+    for named, fragment in [(tmp_path / "x.pt", "is a single file (checkpoint.format=file), and this run reads "
+                                                "format dcp: resume it with checkpoint.format=file"),
+                            (tmp_path / "run", "is not a sharded checkpoint: name a step-NNNNNNNN folder, a file in "
+                                               "one, or last.dcp / best.dcp"),
+                            (tmp_path / "stray.dcp", "names no checkpoint folder (it should hold one line"),
+                            (checkpoints / "step-00000099", "does not exist")]:
+        *_, checkpointer = _setup(tmp_path / "other", format="dcp")
+        with pytest.raises(ddp_hpc.UserError, match=re.escape(fragment)):
+            checkpointer.restore(named)
+    for named in (folder, checkpoints / "last.dcp"):
+        *_, checkpointer = _setup(tmp_path / "other", format="file")
+        with pytest.raises(ddp_hpc.UserError, match=re.escape("is sharded (checkpoint.format=dcp), and this run "
+                                                              "reads format file: resume it with checkpoint.format=dcp")):
+            checkpointer.restore(named)
 
 
 def test_cadence_and_keep_last(tmp_path):

@@ -408,3 +408,77 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     assert result.returncode == 1 and "staging the environment failed" in result.stderr
     assert len(found) == 2 and "train" not in found[-1]
     assert [f.read_text() for f in (tmp_path / "runs").rglob("exit-*")] == ["1\n"]
+
+
+def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tmp_path):
+    """``ddp-hpc launch --hostfile``: comments and repeats are dropped; with spare hosts and
+    restarts the ranks run under the failure-recording wrapper and a restart rebuilds the
+    hostfile without the failed host; without spares neither is there."""
+    from ddp_hpc.launch.hosts import HostLaunch, read_hostfile, render_host_launch
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\n# the spare:\nh2  # slow disk\nh1\n\n")
+    hosts = read_hostfile(hostfile)
+    assert hosts == ("h1", "h2")
+    spare = render_host_launch(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
+    every = render_host_launch(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
+    for script in (spare, every):
+        result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+        assert result.returncode == 0, result.stderr
+    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in launch_line(spare)
+    assert "-n 2 -ppn 2 -f \"${DDP_HPC_HOSTFILE}\"" in launch_line(spare)
+    assert 'head -n 1 "$job_hosts" >"$DDP_HPC_HOSTFILE"' in spare and "left-out-hosts.jsonl" in spare
+    assert "ddp-hpc-rank" not in every and "job_hosts" not in every
+    assert "-x MASTER_ADDR -x MASTER_PORT -x DDP_HPC_RESTART_COUNT" in launch_line(every)
+
+
+# mpiexec -n N -ppn P -f HOSTFILE -genvall CMD...: the fan-out (one process per listed host)
+# leaves a copy on each host it reaches, as `ddp-hpc stage fan-out` does; a rank launch runs
+# every rank, as PBS's mpiexec would, with PMI_RANK and the host's name set.
+SPARE_STUB = r'''#!/bin/sh
+n=$2; ppn=$4; hosts=$6; shift 7
+case "$*" in
+  *fan-out*)
+    head -n "$n" "$hosts" | while read -r host; do
+      mkdir -p "$DDP_HPC_STAGE_ROOT/$host/bin"
+      printf '#!/bin/sh\necho "rank $PMI_RANK attempt ${DDP_HPC_RESTART_COUNT:-0} from $VIRTUAL_ENV" >>"$RECORD"\n[ "$PMI_RANK.${DDP_HPC_RESTART_COUNT:-0}" != 0.0 ]\n' \
+        >"$DDP_HPC_STAGE_ROOT/$host/bin/ddp-hpc"
+      chmod +x "$DDP_HPC_STAGE_ROOT/$host/bin/ddp-hpc"
+    done
+    exit 0;;
+esac
+status=0
+i=0
+while [ "$i" -lt "$n" ]; do
+  host=$(sed -n "$((i / ppn + 1))p" "$hosts")
+  PMI_RANK=$i SLURMD_NODENAME=$host "$@" || status=1
+  i=$((i + 1))
+done
+exit "$status"
+'''
+
+
+def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
+    """--stage-env with --spare-nodes: rank 0 fails on n1, the restart runs on n2 and the spare
+    n3, and the ranks on n3 run from n3's own copy, not from the shared environment."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra"):
+        (folder / name).write_text(SPARE_STUB)
+        (folder / name).chmod(0o755)
+    (folder / "ddp-hpc").write_text(PORT_STUB.replace('printf \'%s\\0\' ddp-hpc "$@"', 'echo "shared ddp-hpc $*"'))
+    (folder / "ddp-hpc").chmod(0o755)
+    req = request("pbs-generic", nodes=2, ranks_per_node=2, stage_env=True, spare_nodes=1, max_restarts=1,
+                  stage_dir=str(tmp_path / "local"), overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
+    (tmp_path / "nodefile").write_text("n1\nn1\nn2\nn2\nn3\nn3\n")  # PBS Pro lists a host per rank slot
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "PBS_NODEFILE": str(tmp_path / "nodefile"), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
+           "PBS_JOBNAME": "digits"}
+    result = subprocess.run(["bash", "-c", render_pbs(req)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    root = tmp_path / "local" / "ddp_hpc-env-1.server"
+    assert (tmp_path / "record").read_text().splitlines() == [
+        "shared ddp-hpc stage pack",
+        *(f"rank {r} attempt 0 from {root / ('n1' if r < 2 else 'n2')}" for r in range(4)),
+        *(f"rank {r} attempt 1 from {root / ('n2' if r < 2 else 'n3')}" for r in range(4))]

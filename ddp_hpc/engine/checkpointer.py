@@ -135,6 +135,9 @@ class SingleFileFormat:
                 return None
             path, state = found
         else:
+            if path.is_dir() or path.suffix == ".dcp":
+                raise files.CheckpointError(f"checkpoint {path} is sharded (checkpoint.format=dcp), and this run "
+                                            "reads format file: resume it with checkpoint.format=dcp")
             state = files.load_checkpoint(path)
         if upgrade is not None:
             state = upgrade(path, state)
@@ -198,9 +201,9 @@ class ShardedFormat:
     def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
                 path: Path | None = None, accept: Accept | None = None,
                 upgrade: Upgrade | None = None) -> Loaded | None:
-        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, read_blob
+        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, named_checkpoint, read_blob
 
-        path = self.dcp.newest(group, directory) if path is None else Path(path)
+        path = self.dcp.newest(group, directory) if path is None else named_checkpoint(Path(path))
         if path is None:
             return None
         if accept is not None:

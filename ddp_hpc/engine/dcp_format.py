@@ -104,6 +104,30 @@ def sharded_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
 
 
+ACCEPTED_FORMS = f"a step-NNNNNNNN folder, a file in one, or {LAST_SHARDED_CHECKPOINT} / {BEST_SHARDED_CHECKPOINT}"
+
+
+def named_checkpoint(path: Path) -> Path:
+    """The checkpoint folder a user names, as they would type it: the folder itself, a
+    file in it (``.metadata``, a shard), or ``last.dcp``/``best.dcp`` (the folder that
+    pointer names). A ``CheckpointError`` in one line for anything else."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file() and path.suffix == ".dcp":  # last.dcp, best.dcp, or a copy of one
+        target = pointed_at(path.parent, path.name)
+        if target is None:
+            raise CheckpointError(f"{path} names no checkpoint folder (it should hold one line, step-NNNNNNNN)")
+        return target
+    if path.is_file() and _STEP_DIR.match(path.parent.name):
+        return path.parent
+    if path.is_dir() and (_STEP_DIR.match(path.name) or (path / METADATA_FILE).exists()):
+        return path
+    if path.is_file() and path.suffix == ".pt":
+        raise CheckpointError(f"checkpoint {path} is a single file (checkpoint.format=file), and this run reads "
+                              "format dcp: resume it with checkpoint.format=file")
+    raise CheckpointError(f"{path} is not a sharded checkpoint: name {ACCEPTED_FORMS}")
+
+
 # ----- reading, weights-only ------------------------------------------------------------
 
 _METADATA_CLASSES = {

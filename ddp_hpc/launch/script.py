@@ -224,20 +224,19 @@ def hostfile_leave_out(hostfile_var: str, nodes: int, per_node: int, master_line
     )
 
 
-def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: str | None, *,
-                 restarts: int | None = None, forward_signal: str = "USR2",
+def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None, *,
+                 forward_signal: str = "USR2",
                  trap_signals: str = "USR2", leave_out: LeaveOut | None = None) -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
     A trapped signal ends ``wait`` early, so the loop waits until the step is really over.
     ``ExitStatus.REQUEUE`` means the ranks checkpointed and stopped on request: no restart;
-    ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
+    ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` is the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
     With ``leave_out`` (spare nodes), the node where a rank failed is left out of the next
     attempt and recorded (the family says how: srun's ``--exclude``, a hostfile).
     """
-    restarts = request.max_restarts if restarts is None else restarts
     capture = leave_out is not None and leave_out.capture_stderr
     lines = [
         "stop_requested=0",
