@@ -102,6 +102,31 @@ def test_a_dcp_checkpoint_restores_from_each_form_a_user_names_it_by_and_the_oth
             checkpointer.restore(named)
 
 
+def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its_own_step(tmp_path, monkeypatch):
+    """One stager (one host copy of the state) serves every background save, refilled each
+    time; no checkpoint holds a later step's weights, although the next save restages into
+    the same memory."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    stagers: list[int] = []
+    real_stage = DefaultStager.stage
+    monkeypatch.setattr(DefaultStager, "stage", lambda self, *a, **k: stagers.append(id(self)) or real_stage(self, *a, **k))
+    model = nn.Linear(256, 256)
+    checkpointer = ddp_hpc.Checkpointer(tmp_path, {"model": model}, every_n_steps=1, keep_last=4, background=True,
+                                        format="dcp")
+    for step in range(1, 4):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        checkpointer.step_done()
+    checkpointer.wait()
+    assert len(stagers) == 3 and len(set(stagers)) == 1
+    for step in range(1, 4):
+        saved = read_whole(tmp_path / "checkpoints" / f"step-{step:08d}")["model"]["weight"]
+        assert torch.equal(saved, torch.full((256, 256), float(step))), step
+
+
 def test_cadence_and_keep_last(tmp_path):
     _, checkpointer = _train(tmp_path, epochs=2, every_n_steps=3, keep_last=2)
     assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000009.pt",

@@ -482,3 +482,43 @@ def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
         "shared ddp-hpc stage pack",
         *(f"rank {r} attempt 0 from {root / ('n1' if r < 2 else 'n2')}" for r in range(4)),
         *(f"rank {r} attempt 1 from {root / ('n2' if r < 2 else 'n3')}" for r in range(4))]
+# srun as in a job that Slurm signals while it runs: USR2 to the batch shell (as --signal=B:
+# does; the shell passes it on to srun, which survives it), then the ranks' exit status;
+# scontrol records that it was asked to requeue.
+SIGNALLED_SRUN = "#!/bin/sh\ntrap : USR2\nkill -USR2 \"$PPID\"\nsleep 0.3\nexit \"$SRUN_EXIT\"\n"
+RECORDING_SCONTROL = "#!/bin/sh\nprintf '%s\\n' \"$*\" >>\"$RECORD\"\n"
+
+
+@pytest.mark.parametrize("ranks_exit,requeued", [(0, False), (75, True), (1, True)])
+def test_a_stop_signal_requeues_the_job_unless_the_ranks_had_finished(tmp_path, ranks_exit, requeued):
+    """Slurm may send its stop signal up to a minute early: when it comes while a finished
+    run tears down (the ranks exit 0), the script must not start the job again."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name, text in (("srun", SIGNALLED_SRUN), ("scontrol", RECORDING_SCONTROL), ("squeue", "#!/bin/sh\n")):
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    script = render_sbatch(request("slurm-cpu", nodes=1, overrides=[f"logging.run_dir={tmp_path / 'runs'}"]))
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SRUN_EXIT": str(ranks_exit)}
+    result = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert "stop signal (time limit or preemption)" in result.stderr, result.stderr
+    assert result.returncode == ranks_exit, result.stderr
+    record = tmp_path / "record"
+    assert (record.exists() and record.read_text() == "requeue 7\n") is requeued, result.stderr
+    assert ("requeueing job 7" in result.stderr) is requeued
+
+
+@pytest.mark.parametrize("rank_exit", [0, 75, 3])
+def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_status(tmp_path, rank_exit):
+    """Under mpiexec every rank runs in a small sh wrapper that passes USR2 on; the signal
+    must not turn a rank's own exit (0, 75) into a failure (140) of that rank."""
+    from ddp_hpc.contract import RANK_FAILURES_PREFIX
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    rank = ["sh", "-c", f"trap 'echo got USR2' USR2; sleep 0.5; kill -USR2 $PPID; sleep 0.3; exit {rank_exit}"]
+    result = subprocess.run(recording_rank_failures(rank), capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(tmp_path), "PMI_RANK": "1"})
+    assert "got USR2" in result.stdout and result.returncode == rank_exit, result
+    failures = list(tmp_path.glob(f"{RANK_FAILURES_PREFIX}*"))
+    assert [p.read_text() for p in failures] == ([f"1 {rank_exit}\n"] if rank_exit == 3 else [])

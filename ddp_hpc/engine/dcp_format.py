@@ -371,6 +371,7 @@ class DcpFormat:
         self._pending: threading.Event | None = None
         self._pending_path: Path | None = None
         self._group: Any = None
+        self._stager: Any = None
         self._finished: list[WriteRecord] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -397,7 +398,7 @@ class DcpFormat:
         if self.background:
             with _quiet(no_dist):
                 response = dcp.async_save(to_save, checkpoint_id=path, process_group=self._writer_group(no_dist),
-                                          no_dist=no_dist)
+                                          no_dist=no_dist, async_stager=self._host_stager())
             future = getattr(response, "upload_completion", response)
             committed = threading.Event()
             self._pending, self._pending_path = committed, path
@@ -417,6 +418,17 @@ class DcpFormat:
         if self._group is None:  # a collective: every rank creates it at the same save
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    def _host_stager(self) -> Any:
+        """One stager for every save: it keeps its host copy of this rank's part and copies
+        into it again. async_save's default makes a new one per save, which allocates (and
+        page-faults) the whole part each time: most of the time training waited."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     def _committed(self, done: Future, commit: _Commit, committed: threading.Event) -> None:
         try:
