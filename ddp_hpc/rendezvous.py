@@ -172,9 +172,15 @@ def rank_ranges(ranks: Sequence[int], limit: int = MAX_NAMED) -> str:
     return named + (f" and {left} more" if left else "")
 
 
+def _short(host: str) -> str:
+    return host.split(".", 1)[0]
+
+
 def _hosts_of(store: dist.Store, missing: Sequence[int], env: DistEnv, listed: Sequence[str]) -> str:
     """Where the missing ranks were to run, by node (ranks fill one node before the next): a
-    node's host as a rank of it that joined wrote it, else the job's node list at that index."""
+    node's host as a rank of it that joined wrote it, else the job's node list at that index,
+    if the list agrees with every host known here (rank 0's own, the joined ranks'): it does
+    not after a restart that left a node out, or with ranks spread round-robin."""
     per_node = max(env.local_world_size, 1)
     by_node: dict[int, list[int]] = {}
     for rank in missing:
@@ -186,12 +192,15 @@ def _hosts_of(store: dist.Store, missing: Sequence[int], env: DistEnv, listed: S
     nodes, witness_ranks = list(asked), list(asked.values())
     values = [value for first in range(0, len(witness_ranks), KEYS_PER_REQUEST)
               for value in store.multi_get(_joined_keys(witness_ranks[first:first + KEYS_PER_REQUEST]))]
-    found = dict(zip(nodes, values))
+    found = {node: value.decode(errors="replace") for node, value in zip(nodes, values)}
+    known = {0: socket.gethostname(), **found}
+    if any(node < len(listed) and _short(listed[node]) != _short(host) for node, host in known.items()):
+        listed = ()
     named: dict[tuple[str, str], list[int]] = {}
     unknown: list[int] = []
     for node, ranks in sorted(by_node.items()):
         if node in found:
-            named.setdefault((found[node].decode(errors="replace"), ""), []).extend(ranks)
+            named.setdefault((found[node], ""), []).extend(ranks)
         elif node < len(listed):
             named.setdefault((listed[node], ", from the node list"), []).extend(ranks)
         else:

@@ -17,7 +17,8 @@ from ddp_hpc.distributed import DistributedOptions, create_store, process_group
 from ddp_hpc.environment import resolve_env
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.rendezvous import JOINED_KEY, MARKER_KEY, RendezvousError, _missing_ranks, parse_timeout, rank_ranges
+from ddp_hpc.rendezvous import (JOINED_KEY, MARKER_KEY, Absent, RendezvousError, _missing_ranks, absent_ranks,
+                                parse_timeout, rank_ranges)
 from launch_records import MPICH_RANK1, OPENMPI_RANK1, SRUN_RANK3, TORCHRUN_RANK1
 
 pytestmark = pytest.mark.reliability
@@ -79,7 +80,7 @@ def test_rank_0_names_the_ranks_that_never_joined_as_runs_with_their_hosts():
     # c2) join. Node 0's host is the one rank 0 wrote, node 1's the one rank 5 wrote; no rank
     # of node 2 joined, so its host comes from the job's node list.
     port = free_port()
-    env = {**rank_env(0, 12, port), "LOCAL_WORLD_SIZE": "4", "SLURM_JOB_NODELIST": "c[1-3]"}
+    env = {**rank_env(0, 12, port), "LOCAL_WORLD_SIZE": "4", "SLURM_JOB_NODELIST": f"{HOST},c2,c3"}
 
     def rank5() -> None:
         store = dist.TCPStore("127.0.0.1", port, 12, is_master=False, timeout=timedelta(seconds=10))
@@ -94,6 +95,21 @@ def test_rank_0_names_the_ranks_that_never_joined_as_runs_with_their_hosts():
                        f"127.0.0.1:{port} within 2s (distributed.rendezvous_timeout_s); they were to run on {HOST} "
                        "(ranks 1-3), c2 (ranks 4, 6-7), c3 (ranks 8-11, from the node list): see their logs for why")
     assert seconds < 10
+
+
+def test_a_node_list_that_disagrees_with_the_joined_hosts_names_no_host():
+    """After a restart left a node out (or with ranks round-robin), the list's order is not
+    the ranks': node 1's joined rank says c3 where the list says c2, so the list is not used."""
+    store = dist.HashStore()
+    for rank, host in ((0, HOST), (4, "c3")):
+        store.set(f"{JOINED_KEY}/{rank}", host)
+    store.add(JOINED_KEY, 2)
+    env = resolve_env({**rank_env(0, 12, 1), "LOCAL_WORLD_SIZE": "4"})
+    absent = absent_ranks(store, env, (HOST, "c2", "c3"))
+    assert absent == Absent("ranks 1-3, 5-11 (10 of 12)",
+                            f"{HOST} (ranks 1-3), c3 (ranks 5-7); host unknown for node(s) 2")
+    assert absent_ranks(store, env, (HOST, "c3", "c2")) == Absent(
+        "ranks 1-3, 5-11 (10 of 12)", f"{HOST} (ranks 1-3), c3 (ranks 5-7), c2 (ranks 8-11, from the node list)")
 
 
 class CountingStore:

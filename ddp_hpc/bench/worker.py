@@ -318,16 +318,20 @@ def run_allreduce(args: argparse.Namespace) -> tuple[dict, int]:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    buffer = torch.ones(args.numel, dtype=torch.float16 if args.comm_hook == "fp16" else torch.float32)
-    stamps = []
-    for _ in range(args.steps):
-        dist.all_reduce(buffer)
-        stamps.append(time.perf_counter())
+    # One launch times every hook given (``--comm-hook none,fp16``), one after the other.
+    by_hook = {}
+    for hook in args.comm_hook.split(","):
+        buffer = torch.ones(args.numel, dtype=torch.float16 if hook == "fp16" else torch.float32)
+        stamps = []
+        for _ in range(args.steps):
+            dist.all_reduce(buffer)
+            stamps.append(time.perf_counter())
+        deltas = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup_steps:]
+        by_hook[hook] = {"mean_step_s": statistics.fmean(deltas), "median_step_s": statistics.median(deltas),
+                         "bytes": buffer.numel() * buffer.element_size()}
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
-    deltas = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup_steps:]
-    return {"mean_step_s": statistics.fmean(deltas), "median_step_s": statistics.median(deltas),
-            "world_size": world, "bytes": buffer.numel() * buffer.element_size()}, rank
+    return {"world_size": world, "by_hook": by_hook}, rank
 
 
 def main() -> None:
@@ -352,7 +356,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--comm-hook", default="none")
+    parser.add_argument("--comm-hook", default="none", help="allreduce mode: several, comma-separated")
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--every", type=int, default=10, help="stall mode: checkpoint every N steps")
     parser.add_argument("--checkpoints", type=int, default=3, help="stall mode: periodic checkpoints")

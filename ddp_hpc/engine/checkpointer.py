@@ -146,11 +146,7 @@ class SingleFileFormat:
         _load_objects(objects, state, path)
         mine: dict[str, Any] = {}
         if state.get("world_size") == group.world_size:
-            every_rank = state.get("rng")
-            if isinstance(every_rank, list):  # files written before each rank had a file of its own
-                mine = {"rng": every_rank[group.rank]}
-            else:
-                mine = files.load_rank_part(path.parent, int(state["step"]), group.rank)
+            mine = files.load_rank_part(path.parent, int(state["step"]), group.rank)
         return Loaded(path, state, mine)
 
     def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
