@@ -482,6 +482,8 @@ def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
         "shared ddp-hpc stage pack",
         *(f"rank {r} attempt 0 from {root / ('n1' if r < 2 else 'n2')}" for r in range(4)),
         *(f"rank {r} attempt 1 from {root / ('n2' if r < 2 else 'n3')}" for r in range(4))]
+
+
 # srun as in a job that Slurm signals while it runs: USR2 to the batch shell (as --signal=B:
 # does; the shell passes it on to srun, which survives it), then the ranks' exit status;
 # scontrol records that it was asked to requeue.
