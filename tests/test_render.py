@@ -491,7 +491,7 @@ SIGNALLED_SRUN = "#!/bin/sh\ntrap : USR2\nkill -USR2 \"$PPID\"\nsleep 0.3\nexit 
 RECORDING_SCONTROL = "#!/bin/sh\nprintf '%s\\n' \"$*\" >>\"$RECORD\"\n"
 
 
-@pytest.mark.parametrize("ranks_exit,requeued", [(0, False), (75, True), (1, True)])
+@pytest.mark.parametrize("ranks_exit,requeued", [(0, False), (75, True), (1, True), (143, True)])
 def test_a_stop_signal_requeues_the_job_unless_the_ranks_had_finished(tmp_path, ranks_exit, requeued):
     """Slurm may send its stop signal up to a minute early: when it comes while a finished
     run tears down (the ranks exit 0), the script must not start the job again."""
@@ -511,7 +511,7 @@ def test_a_stop_signal_requeues_the_job_unless_the_ranks_had_finished(tmp_path, 
     assert ("requeueing job 7" in result.stderr) is requeued
 
 
-@pytest.mark.parametrize("rank_exit", [0, 75, 3])
+@pytest.mark.parametrize("rank_exit", [0, 75, 3, 137])
 def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_status(tmp_path, rank_exit):
     """Under mpiexec every rank runs in a small sh wrapper that passes USR2 on; the signal
     must not turn a rank's own exit (0, 75) into a failure (140) of that rank."""
@@ -523,4 +523,17 @@ def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_sta
                             env={"PATH": "/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(tmp_path), "PMI_RANK": "1"})
     assert "got USR2" in result.stdout and result.returncode == rank_exit, result
     failures = list(tmp_path.glob(f"{RANK_FAILURES_PREFIX}*"))
-    assert [p.read_text() for p in failures] == ([f"1 {rank_exit}\n"] if rank_exit == 3 else [])
+    assert [p.read_text() for p in failures] == ([f"1 {rank_exit}\n"] if rank_exit not in (0, 75) else [])
+
+
+def test_the_rank_wrapper_reports_a_rank_killed_by_a_signal_and_exits(tmp_path):
+    """A rank killed by SIGKILL (no stop signal at all) ends with 137: the wrapper records it
+    and exits with it at once, so that mpiexec sees the failure."""
+    from ddp_hpc.contract import RANK_FAILURES_PREFIX
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    result = subprocess.run(recording_rank_failures(["sh", "-c", "kill -KILL $$"]), capture_output=True,
+                            text=True, timeout=10,
+                            env={"PATH": "/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(tmp_path), "PMI_RANK": "1"})
+    assert result.returncode == 137, result
+    assert [p.read_text() for p in tmp_path.glob(f"{RANK_FAILURES_PREFIX}*")] == ["1 137\n"]

@@ -179,12 +179,15 @@ class LeaveOut:
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
 #: others only after this wrapper has exited. A passed-on signal ends ``wait`` early
-#: (128 + its number): it waits again for the rank's own status.
+#: (128 + its number): the trap says so, and the wrapper waits again for the rank's own
+#: status. (Only the trap can say so: a rank killed by a signal also ends with 128 + N, and
+#: a second ``wait`` for a reaped child gives bash's saved status again, not 127.)
 RANK_FAILURE_WRAPPER = (
-    '"$@" & child=$!; '
-    'trap \'kill -USR2 "$child" 2>/dev/null\' USR2; trap \'kill -TERM "$child" 2>/dev/null\' TERM; '
+    '"$@" & child=$!; interrupted=0; '
+    'trap \'interrupted=1; kill -USR2 "$child" 2>/dev/null\' USR2; '
+    'trap \'interrupted=1; kill -TERM "$child" 2>/dev/null\' TERM; '
     'status=0; wait "$child" || status=$?; '
-    'while [ "$status" -gt 128 ]; do again=0; wait "$child" 2>/dev/null || again=$?; '
+    'while [ "$interrupted" = 1 ]; do interrupted=0; again=0; wait "$child" 2>/dev/null || again=$?; '
     '[ "$again" = 127 ] && break; status=$again; done; '
     f'if [ "$status" != 0 ] && [ "$status" != {ExitStatus.REQUEUE:d} ]; then '
     'printf \'%s %s\\n\' "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}" "$status" '
@@ -245,6 +248,7 @@ def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None,
         "on_stop_signal() {",
         '  echo "ddp_hpc: stop signal (time limit or preemption): the ranks checkpoint and stop" >&2',
         "  stop_requested=1",
+        "  interrupted=1",
         f'  kill -{forward_signal} "$step_pid" 2>/dev/null || true',
         "}",
         f"trap on_stop_signal {trap_signals}",
@@ -257,10 +261,12 @@ def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None,
         f'  {command} 2> >(tee "$step_log" >&2) &' if capture else f"  {command} &",
         "  step_pid=$!",
         "  status=0",
+        "  interrupted=0",
         '  wait "$step_pid" || status=$?',
-        # A trapped stop signal ends wait early (status 128 + its number): wait again for the
-        # step's own status, until wait knows no such child (127: the status was its own).
-        '  while [ "$status" -gt 128 ]; do again=0; wait "$step_pid" 2>/dev/null || again=$?; '
+        # A trapped stop signal ends wait early (status 128 + its number): on_stop_signal says
+        # so, and the loop waits again for the step's own status (a step killed by a signal
+        # also ends with 128 + N, and a reaped child's status comes back from wait again).
+        '  while [ "$interrupted" = 1 ]; do interrupted=0; again=0; wait "$step_pid" 2>/dev/null || again=$?; '
         '[ "$again" = 127 ] && break; status=$again; done',
         # srun --kill-on-bad-exit turns the ranks' REQUEUE into SIGTERM: the marker rank 0 wrote says it.
         f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
