@@ -114,10 +114,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.config import load_config
+    from ddp_hpc.stop import StopSignalsOutsideTraining, parse_stop_signal
 
     # A config that does not load is one line in a fraction of a second: checked before
     # train_job imports torch (seconds), then loaded again by train().
-    load_config(args.config, list(args.overrides))
+    config = load_config(args.config, list(args.overrides))
+    # Before torch is imported: a stop signal during start-up (a scheduler may send it at
+    # any moment of a short job) is kept for the trainer instead of killing the rank.
+    outside_training = StopSignalsOutsideTraining()
+    outside_training.install(StopSignalsOutsideTraining.signals(parse_stop_signal(config.checkpoint.stop_signal)))
     from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.training.run_on_rank import TrainOptions, train
 
@@ -125,7 +130,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     enable_flight_recorder(os.environ)
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
-                           verbose=args.verbose, report=True,
+                           verbose=args.verbose, report=True, outside_training=outside_training,
                            console=ConsoleFilter.from_environment(args.console_ranks, os.environ))
     summary = train(args.config, args.overrides, options=options)
     if summary.preempted:  # not an error: the run goes on when run again

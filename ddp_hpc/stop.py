@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 import signal
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from ddp_hpc.contract import DEADLINE_VAR, START_TIME_VAR, WALLTIME_VAR
 from ddp_hpc.environment.base import JOB_END_TIME_VARIABLES
@@ -121,3 +121,33 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
         if end is not None:
             return end
     return None
+
+
+@dataclass
+class StopSignalsOutsideTraining:
+    """Stop signals that arrive while no trainer can act on them: during start-up (imports,
+    the rendezvous, loading a checkpoint) and after training has ended (teardown).
+
+    A scheduler may send its stop signal at any moment of a short job, and a signal's default
+    action kills the rank: a job signalled during start-up would die instead of stopping at
+    its first agreement step, and one signalled during teardown would report a failure after
+    it finished. ``record`` is the handler a process owner (the CLI) installs for these
+    signals before anything else; ``train`` asks the trainer to stop at once for a signal
+    recorded before it started, and puts the handler back when it ends.
+    """
+
+    received: list[int] = field(default_factory=list)
+
+    def record(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    @staticmethod
+    def signals(stop_signal: StopSignal) -> tuple[signal.Signals, ...]:
+        """SIGUSR2 and the configured stop signal. Not SIGTERM: a launcher that ends its ranks
+        (torchrun after another rank failed, srun at the time limit) sends it and expects them
+        gone, whatever they are doing."""
+        return tuple(dict.fromkeys(s for s in (signal.SIGUSR2, stop_signal.signal) if s != signal.SIGTERM))
+
+    def install(self, signals: Iterable[int]) -> None:
+        for signum in signals:
+            signal.signal(signum, self.record)

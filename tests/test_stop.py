@@ -273,3 +273,41 @@ def test_the_configured_stop_signal_checkpoints_and_exits_75(tmp_path):
     assert "ddp-hpc: error" not in err
     assert step % 3 == 0
     assert load_checkpoint(tmp_path / "usr1" / "checkpoints" / "last.pt")["progress"]["global_step"] == step
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (SigCgt in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_a_stop_signal_outside_training_neither_kills_the_rank_nor_fails_a_finished_run(tmp_path):
+    """SIGUSR2 during start-up (here: once ``ddp-hpc train`` catches it, before torch is
+    imported) stops the run at its first agreement step with a checkpoint and 75, instead of
+    killing it (the signal's default action); the rerun finishes, and SIGUSR2 once it has
+    printed its result (teardown) leaves its exit status 0."""
+    args = [*ddp_hpc_command(), "train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=256",
+            "job.params.input_dim=16", "job.params.hidden=32", "job.params.depth=2", "training.epochs=2",
+            "checkpoint.preemption_check_every_n_steps=3", "logging.progress=never",
+            f"logging.run_dir={tmp_path}", "logging.name=early"]
+
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    deadline = time.monotonic() + 30
+    while not _catches(process.pid, signal.SIGUSR2) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGUSR2)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == ExitStatus.REQUEUE, err[-3000:]
+    assert "received SIGUSR2 during start-up: will checkpoint and stop within 3 steps" in err
+    assert load_checkpoint(tmp_path / "early" / "checkpoints" / "last.pt")["progress"]["global_step"] == 3
+
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    for line in process.stdout:
+        if line.startswith("done:"):  # the result is printed: training has ended
+            process.send_signal(signal.SIGUSR2)
+            break
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    assert "resuming from" in err

@@ -17,7 +17,7 @@ from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
-from ddp_hpc.stop import job_deadline, parse_stop_signal
+from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, create_callbacks
@@ -46,6 +46,10 @@ class TrainOptions:
     #: With ``configure_logs``: the ranks whose INFO lines reach the console (every rank's
     #: lines also go to RUN/logs/rank-NNNNN.log).
     console: ConsoleFilter = ConsoleFilter()
+    #: With ``handle_signals``: the stop signals the process owner recorded before ``train``
+    #: started (a stop is requested at once for them); the recorder takes signals again
+    #: once training ends.
+    outside_training: StopSignalsOutsideTraining | None = None
 
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -128,6 +132,12 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             trainer = Trainer(job, config, ctx, run, callbacks)
             if options.handle_signals:
                 previous = _install_stop_handlers(trainer, received)
+                early = options.outside_training.received if options.outside_training else []
+                if early:
+                    received.extend(early)
+                    trainer.request_stop()
+                    log.warning("received %s during start-up: will checkpoint and stop within %d steps",
+                                signal.Signals(early[0]).name, config.checkpoint.preemption_check_every_n_steps)
             summary = trainer.fit()
         except UserError:
             raise  # one line from the CLI is enough for bad input
