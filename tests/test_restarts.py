@@ -129,3 +129,27 @@ def test_a_submitit_command_job_restarts_as_a_new_job_without_the_node_where_a_r
     assert ": completed, exit status 0" in status.stdout, status.stdout
     assert f"left out: {failed} (attempt 0: rank 1 exited with status 137)" in status.stdout, status.stdout
     FIGURES.append(f"--max-restarts 1 (submitit): a rank killed on {failed}, the job was submitted again without it")
+
+
+def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(tmp_path, monkeypatch):
+    """Exit 75 is the command's own checkpointed stop (StopAgreement at the job's deadline):
+    the task requeues the job and neither submits it again nor leaves its node out, even with
+    restarts left."""
+    from ddp_hpc.launch.request import CommandPayload
+    from ddp_hpc.schedulers.slurm import in_job
+
+    requeued, restarted = [], []
+    monkeypatch.setattr(in_job, "requeue_from_rank_zero", lambda: requeued.append(True))
+    monkeypatch.setattr(in_job.SubmititCommandTask, "_restart_without_this_node",
+                        lambda self, *args: restarted.append(args))
+    for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    plan = in_job.RestartPlan(parameters={}, folder=str(tmp_path / "submitit"), max_restarts=2)
+    for code, expect_requeue, expect_restart in ((75, True, False), (3, False, True)):
+        requeued.clear(), restarted.clear()
+        task = in_job.SubmititCommandTask(CommandPayload(("sh", "-c", f"exit {code}")), str(tmp_path),
+                                          str(tmp_path / "run"), restart=plan)
+        with pytest.raises(RuntimeError, match=f"exited with status {code}"):
+            task()
+        assert (bool(requeued), bool(restarted)) == (expect_requeue, expect_restart), code
+    assert not (tmp_path / "run" / "left-out-hosts.jsonl").exists()

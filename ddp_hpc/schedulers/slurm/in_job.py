@@ -18,7 +18,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddp_hpc.contract import RESTART_COUNT_VAR, SUBMISSION_FILE, ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.contract import (AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, SUBMISSION_FILE, ExitStatus, atomic_write,
+                              exit_file_name)
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.request import CommandPayload, TrainPayload
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
@@ -115,7 +116,8 @@ class SubmititCommandTask:
             atomic_write(Path(self.run_folder) / exit_file_name(job_id), f"{code}\n")
         if code == ExitStatus.REQUEUE:
             requeue_from_rank_zero()  # the command checkpointed and asked to be run again
-        if code != 0 and self.restart is not None and self.restart.restarts_left:
+        # 75 is the command's own stop, requeued above: no restart, no node left out.
+        if code not in AGREED_EXIT_STATUSES and self.restart is not None and self.restart.restarts_left:
             self._restart_without_this_node(rank, code, job_id)
         if code != 0:
             raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
@@ -136,12 +138,18 @@ class SubmititCommandTask:
             return
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         reason = f"rank {rank} exited with status {ExitStatus.of_returncode(code):d}"  # 137, as the shell says
-        record_left_out(folder, LeftOutHost(host, plan.attempt, reason))
         following = dataclasses.replace(plan, attempt=plan.attempt + 1, excluded=(*plan.excluded, host))
         executor = submitit.AutoExecutor(folder=plan.folder, cluster="slurm")
         executor.update_parameters(**plan.parameters, slurm_exclude=",".join(following.excluded))
-        job = executor.submit(SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env,
-                                                  following))
+        try:
+            job = executor.submit(SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env,
+                                                      following))
+        except Exception as exc:  # e.g. too few nodes left: the command's own failure is what matters
+            log.error("could not submit the restart without node(s) %s: %s", ",".join(following.excluded),
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return
+        # Recorded once the restart exists: `status` shows a node left out only for a job without it.
+        record_left_out(folder, LeftOutHost(host, plan.attempt, reason))
         log.warning("leaving out node(s) %s, where a rank failed (%s): restart %d of %d as job %s",
                     ",".join(following.excluded), reason, following.attempt, plan.max_restarts, job.job_id)
         follow_resubmission(folder, job_id, job.job_id, plan.folder)
