@@ -271,6 +271,10 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, build_local_command, run_with_restarts
 
+    if args.hostfile:
+        return _launch_on_hosts(args)
+    if args.nodes is not None or args.run_folder:
+        raise UserError("--nodes and --run-folder go with --hostfile (a launch on this machine has one node)")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
     argv = build_local_command(launch)
@@ -281,6 +285,25 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if launch.restarts_here:
         return run_with_restarts(argv, launch.max_restarts)
     os.execvp(argv[0], argv)
+
+
+def _launch_on_hosts(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.launch.hosts import SCRIPT_NAME, HostLaunch, read_hostfile, render_host_launch
+    from ddp_hpc.schedulers.local.backend import run_in_foreground
+
+    if not args.run_folder:
+        raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
+                        "it leaves out")
+    hosts = read_hostfile(Path(args.hostfile))
+    launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
+                        tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts)
+    script = render_host_launch(launch)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    return run_in_foreground(script, launch.run_folder / SCRIPT_NAME, launch.run_folder, launch.world_size, sys.argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,13 +448,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage_parser(sub, common)
 
     launch = sub.add_parser("launch", parents=[common],
-                            help="start N ranks of a command on this machine")
-    launch.add_argument("--nproc", type=int, default=2, help="number of ranks (default: 2)")
+                            help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
+    launch.add_argument("--nproc", type=int, default=2,
+                        help="number of ranks (default: 2); with --hostfile, ranks per host")
     launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich"))
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks after a failure, at most N times (torchrun's own "
                              "--max-restarts; a loop for mpiexec); they resume from the newest checkpoint")
+    launch.add_argument("--hostfile", metavar="FILE",
+                        help="start the ranks on these hosts (one name per line) with mpiexec (--launcher openmpi "
+                             "or mpich): --nproc ranks on each of the first --nodes; the rest are spares a restart "
+                             "takes in place of a host where a rank failed")
+    launch.add_argument("--nodes", type=int, default=None, metavar="N",
+                        help="with --hostfile: hosts to run on (default: every host in the file)")
+    launch.add_argument("--run-folder", metavar="DIR",
+                        help="with --hostfile: where the launch keeps its script, exit status and left-out hosts "
+                             "(ddp-hpc status DIR)")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     launch.set_defaults(func=_cmd_launch)
     return parser

@@ -6,6 +6,7 @@ of that list. Values are checked here, before any rank starts work or writes a f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -229,8 +230,9 @@ class CheckpointConfig:
     #: and its lead before the time limit: ``NAME@SECONDS`` (rendered scripts ask for it).
     stop_signal: str = "USR2@90"
     #: With a known job end (DDP_HPC_DEADLINE), stop when the time left would not cover
-    #: the next check interval, a checkpoint and this margin; null: never stop for it.
-    deadline_margin_s: float | None = 60.0
+    #: the next check interval, a checkpoint and this margin; ``auto``: the measured slowest
+    #: step plus checkpoint, at least 10 s (engine/deadline.py); null: never stop for it.
+    deadline_margin_s: float | Literal["auto"] | None = "auto"
     #: YAML key ``async``: rank 0 copies the state to host memory and writes the file in a
     #: background thread; training waits only for the copy (ddp_hpc/training/async_checkpoint.py).
     async_write: bool = field(default=False, metadata={"key": "async"})
@@ -245,7 +247,7 @@ class CheckpointConfig:
         if self.every_n_epochs is not None:
             positive(self.every_n_epochs, "checkpoint.every_n_epochs")
         positive(self.keep_last, "checkpoint.keep_last")
-        if self.deadline_margin_s is not None:
+        if self.deadline_margin_s not in (None, "auto"):
             non_negative(self.deadline_margin_s, "checkpoint.deadline_margin_s")
         try:
             parse_stop_signal(self.stop_signal)
@@ -253,12 +255,44 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.stop_signal: {exc}") from None
 
 
-def checkpoint_format(config: Config) -> str:
-    """``checkpoint.format``, or when unset the strategy's default: ``dcp`` for sharded
-    models (``training.strategy: fsdp2``), ``file`` otherwise."""
+def checkpoint_format(config: Config, checkpoints: Path | None = None) -> str:
+    """``checkpoint.format``; when unset, the format of the checkpoint ``checkpoint.resume``
+    names, or under ``auto`` the format of the checkpoints in ``checkpoints`` (the run's
+    folder) when it holds only the other format's; else the strategy's default: ``dcp`` for
+    sharded models (``training.strategy: fsdp2``), ``file`` otherwise."""
     if config.checkpoint.format is not None:
         return config.checkpoint.format
-    return "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
+    default = "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
+    resume = config.checkpoint.resume
+    if resume not in ("auto", "never"):
+        return format_of_checkpoint(Path(resume)) or default
+    if resume == "auto" and checkpoints is not None:
+        found = formats_in(checkpoints)
+        if found and default not in found:
+            return found.pop()
+    return default
+
+
+_STEP_FOLDER = re.compile(r"^step-\d{8}$")
+
+
+def format_of_checkpoint(path: Path) -> str | None:
+    """``dcp`` or ``file``, by how ``path`` is named (a step folder or a file in one,
+    ``last.dcp``, ``best.dcp``; a ``.pt`` file); None when its name says neither."""
+    if path.suffix == ".pt":
+        return "file"
+    if path.suffix == ".dcp" or _STEP_FOLDER.match(path.name) or _STEP_FOLDER.match(path.parent.name):
+        return "dcp"
+    return None
+
+
+def formats_in(checkpoints: Path) -> set[str]:
+    """The formats of the checkpoints in a run's checkpoint folder (empty when none)."""
+    try:
+        names = [entry.name for entry in checkpoints.iterdir()]
+    except OSError:
+        return set()
+    return {fmt for fmt in map(format_of_checkpoint, map(Path, names)) if fmt is not None}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RENDEZVOUS_TIMEOUT_VAR
 from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
 from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
+from ddp_hpc.environment.hosts import job_hosts
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
 from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
@@ -241,7 +242,8 @@ def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, st
             return dist.PrefixStore(f"/worker/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         return store
 
-    return handshake(connect, Rendezvous(dist_env, job_identity(dist_env, environ), seconds))
+    listed = tuple(job_hosts(environ)) if dist_env.rank == 0 else ()
+    return handshake(connect, Rendezvous(dist_env, job_identity(dist_env, environ), seconds, listed))
 
 
 @contextmanager

@@ -29,6 +29,8 @@ CORPUS = [
     ("unknown key", {}, [*TRAIN, "training.batchsize=4"], {}, "unknown key 'training.batchsize'"),
     ("unknown section", {}, [*TRAIN, "optimiser.lr=1"], {}, "unknown key 'optimiser'"),
     ("wrong type", {}, [*TRAIN, "training.epochs=ten"], {}, "training.epochs: expected int, got 'ten'"),
+    ("deadline margin neither seconds nor auto", {}, [*TRAIN, "checkpoint.deadline_margin_s=soon"], {},
+     "checkpoint.deadline_margin_s: expected float or 'auto' or null, got 'soon'"),
     ("negative batch size", {}, [*TRAIN, "training.batch_size=-8"], {}, "training.batch_size must be > 0"),
     ("zero epochs", {}, [*TRAIN, "training.epochs=0"], {}, "training.epochs must be > 0"),
     ("grad accumulation 0", {}, [*TRAIN, "training.grad_accum_steps=0"], {}, "training.grad_accum_steps must be > 0"),
@@ -106,6 +108,11 @@ CORPUS = [
     ("checkpoint that is a text file", {"notes.pt": "hello\n"}, [*TRAIN, "checkpoint.resume={tmp}/notes.pt"], {},
      "checkpoint {tmp}/notes.pt is unreadable (truncated or corrupt"),
     ("checkpoint missing", {}, [*TRAIN, "checkpoint.resume={tmp}/none.pt"], {}, "none.pt does not exist"),
+    ("dcp pointer naming no folder", {"last.dcp": "lost\n"}, [*TRAIN, "checkpoint.resume={tmp}/last.dcp"], {},
+     "last.dcp names no checkpoint folder (it should hold one line, step-NNNNNNNN)"),
+    ("single file named for dcp", {"a.pt": "x"}, [*TRAIN, "checkpoint.format=dcp", "checkpoint.resume={tmp}/a.pt"], {},
+     "a.pt is a single file (checkpoint.format=file), and this run reads format dcp: resume it with "
+     "checkpoint.format=file"),
     # Environment variables that disagree or make no sense.
     ("rank beyond the world size", {}, TRAIN, {"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 outside [0, 2)"),
     ("world size not a number", {}, TRAIN, {"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
@@ -158,6 +165,21 @@ CORPUS = [
     ("a launcher its scheduler does not run", {"srun-pbs.yaml": "scheduler: pbs\nlauncher: srun\nranks_per_node: 1\n"},
      ["render", "pbs", DIGITS, "--cluster", "{tmp}/srun-pbs.yaml"], {},
      "launcher 'srun' does not run under scheduler 'pbs': use one of pals, mpich, openmpi"),
+    ("hostfile with MPI's slot counts", {"hosts": "h1:2\n"},
+     ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/run", "--", "true"], {},
+     "--hostfile {tmp}/hosts, line 1: 'h1:2' is not a host name"),
+    ("hostfile under torchrun", {"hosts": "h1\n"},
+     ["launch", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/run", "--", "true"], {},
+     "--hostfile starts ranks on other hosts through mpiexec: give --launcher openmpi or mpich"),
+    ("hostfile without a run folder", {"hosts": "h1\n"},
+     ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--nodes", "2", "--", "true"], {},
+     "--hostfile needs --run-folder DIR"),
+    ("--max-restarts of a training config under submitit", {}, ["submit", "slurm", DIGITS, "--max-restarts", "1",
+                                                                "--dry-run"], {},
+     "--max-restarts under submitit restarts a command job"),
+    ("more nodes than the hostfile lists", {"hosts": "h1\nh2\n"},
+     ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--nodes", "3", "--run-folder", "{tmp}/run",
+      "--", "true"], {}, "--nodes 3: the hostfile lists 2 host(s)"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

@@ -307,3 +307,70 @@ def test_a_checkpoint_that_does_not_fit_ends_the_run_with_one_line_and_keeps_the
     assert [p.name for p in checkpoints.glob(".*")] == []  # the partial temporary was removed
     FIGURES.append(f"full disk: a {size / 1e6:.1f} MB checkpoint on a {size * 3 // 2 / 1e6:.1f} MB tmpfs ended the "
                    f"run with exit 2 and one line; the previous checkpoint ({path.name}) loads")
+
+
+#: tests/data/presplit/: checkpoints the Trainer wrote before it was split onto the
+#: Checkpointer (its README says how they were made); this config is the one they were made with.
+PRESPLIT = Path(__file__).parent / "data" / "presplit"
+PRESPLIT_CONFIG = ["job.name=synthetic", "job.params.samples=40", "job.params.val_samples=8",
+                   "job.params.input_dim=4", "job.params.hidden=8", "job.params.depth=1",
+                   "job.params.dropout=0.2", "training.epochs=2", "training.batch_size=4",
+                   "training.grad_accum_steps=2", "training.optimizer=adamw", "training.lr=0.01",
+                   "training.scheduler.name=cosine", "training.scheduler.warmup=2", "training.deterministic=true",
+                   "checkpoint.every_n_epochs=null", "checkpoint.keep_last=1", "checkpoint.save_best=false",
+                   "checkpoint.preemption_check_every_n_steps=1", "logging.progress=never"]
+
+
+def _fit_synthetic(tmp_path: Path, name: str, overrides: list[str]):
+    from ddp_hpc.config import load_config
+    from ddp_hpc.distributed import process_group
+    from ddp_hpc.training.run_folder import RunFolder
+    from ddp_hpc.training.job import create_job
+    from ddp_hpc.training.trainer import Trainer
+
+    config = load_config(None, [*PRESPLIT_CONFIG, f"logging.run_dir={tmp_path}", f"logging.name={name}",
+                                "logging.plot=false", *overrides])
+    with process_group(environ={}) as ctx:
+        job = create_job(config.job.name, config.job.params)
+        return Trainer(job, config, ctx, RunFolder(tmp_path / name)).fit()
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_a_checkpoint_written_before_the_trainer_split_resumes_bit_identically(tmp_path, fmt, caplog):
+    import logging
+    import shutil
+
+    from conftest import assert_same_training_state, load_last_checkpoint
+    from ddp_hpc.summary import RunStatus
+
+    # Stopped on request by the pre-split Trainer in epoch 2 after 4 of its 10 micro-batches.
+    shutil.copytree(PRESPLIT / fmt, tmp_path / "resumed" / "checkpoints")
+    caplog.set_level(logging.INFO)
+    resumed = _fit_synthetic(tmp_path, "resumed", [f"checkpoint.format={fmt}"])
+    resuming = [record.getMessage() for record in caplog.records if "resuming from" in record.getMessage()]
+    assert len(resuming) == 1 and resuming[0].endswith(": epoch 2, batch 4, step 7"), resuming
+    straight = _fit_synthetic(tmp_path, "straight", [f"checkpoint.format={fmt}", "checkpoint.resume=never"])
+    assert (resumed.status, resumed.global_step) == (straight.status, straight.global_step) == (RunStatus.COMPLETED, 10)
+
+    a = load_last_checkpoint(tmp_path / "straight" / "checkpoints")
+    b = load_last_checkpoint(tmp_path / "resumed" / "checkpoints")
+    assert a["progress"] == {"epoch": 2, "batches_done": 0, "global_step": 10, "epoch_offset": 0}
+    assert_same_training_state(a, b)  # dropout after the resume drew from the migrated RNG streams
+    assert a["scheduler"] == b["scheduler"] and a["sampler"] == b["sampler"]
+    assert a["history"][-1]["val_loss"] == b["history"][-1]["val_loss"]
+    assert [row["epoch"] for row in b["history"]] == [1, 2]  # the pre-split run's epoch 1 kept
+
+
+def test_a_presplit_checkpoint_whose_data_order_cannot_be_rebuilt_is_refused_in_one_line():
+    from ddp_hpc.training.checkpoint_upgrade import upgrade_presplit
+
+    state = {"format": ckpt.FORMAT_VERSION, "progress": {"epoch": 1, "batches_done": 4, "global_step": 7},
+             "world_size": 1}
+    with pytest.raises(ckpt.CheckpointError, match=r"^checkpoint old\.pt was written before ddp_hpc's Trainer "
+                                                    r"split and its place in the data order cannot be rebuilt "
+                                                    r"\(KeyError: 'config'\)") as refused:
+        upgrade_presplit(Path("old.pt"), state, 40)
+    assert "\n" not in str(refused.value)
+    today = {**state, "step": 7, "sampler": {}}
+    assert upgrade_presplit(Path("new.pt"), today, 40) is today  # today's layout passes through

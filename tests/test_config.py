@@ -101,3 +101,29 @@ def test_bad_jobs_are_named(name, params, fragment):
     with pytest.raises(ConfigError) as err:
         create_job(name, params)
     assert fragment in str(err.value)
+
+
+def test_an_unset_checkpoint_format_follows_the_checkpoint_resume_names_or_the_only_format_the_run_folder_holds(
+        tmp_path):
+    from ddp_hpc.config import checkpoint_format
+
+    assert checkpoint_format(load_config(None, [])) == "file"
+    assert checkpoint_format(load_config(None, ["training.strategy=fsdp2"])) == "dcp"
+    for named, fmt in [("runs/a/checkpoints/last.dcp", "dcp"), ("runs/a/checkpoints/step-00000030", "dcp"),
+                       ("runs/a/checkpoints/step-00000030/.metadata", "dcp"), ("runs/a/checkpoints/last.pt", "file")]:
+        for strategy in ("ddp", "fsdp2"):
+            config = load_config(None, [f"training.strategy={strategy}", f"checkpoint.resume={named}"])
+            assert checkpoint_format(config) == fmt, (named, strategy)
+    # auto: the strategy's default, unless the run folder holds only the other format's checkpoints
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "step-00000004.ranks").mkdir()  # the file format's per-rank parts name no format
+    assert checkpoint_format(load_config(None, []), checkpoints) == "file"
+    (checkpoints / "step-00000004").mkdir()
+    assert checkpoint_format(load_config(None, []), checkpoints) == "dcp"
+    (checkpoints / "step-00000004.pt").write_bytes(b"")
+    assert checkpoint_format(load_config(None, []), checkpoints) == "file"  # both: the default
+    assert checkpoint_format(load_config(None, ["checkpoint.format=dcp"]), checkpoints) == "dcp"
+    assert checkpoint_format(load_config(None, ["checkpoint.resume=never"]), tmp_path / "nowhere") == "file"
+    (checkpoints / "step-00000004.pt").unlink()
+    assert checkpoint_format(load_config(None, ["checkpoint.resume=never"]), checkpoints) == "file"  # a fresh start

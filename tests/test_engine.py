@@ -4,6 +4,7 @@ Real launches of examples/resumable_loop.py are in test_own_loop.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -71,6 +72,61 @@ def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_pat
                                                                                         "step-00000015.pt"]
 
 
+def test_a_dcp_checkpoint_restores_from_each_form_a_user_names_it_by_and_the_other_format_is_refused(tmp_path):
+    """``restore(path)`` with format dcp: the step folder, a file in it, ``last.dcp`` and
+    ``best.dcp`` (the folder each names) all load step 7; a ``.pt`` file, a folder that is
+    no checkpoint and a pointer naming nothing are refused in one line; format file refuses
+    a dcp folder or pointer the same way."""
+    _train(tmp_path / "run", epochs=3, stop_at=7, format="dcp")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "best.dcp").write_text("step-00000007\n")
+    folder = checkpoints / "step-00000007"
+    for named in (folder, folder / ".metadata", checkpoints / "last.dcp", checkpoints / "best.dcp"):
+        *_, checkpointer = _setup(tmp_path / "other", format="dcp")
+        assert checkpointer.restore(named) == folder and checkpointer.step == 7, named
+    (tmp_path / "stray.dcp").write_text("nothing here\n")
+    (tmp_path / "x.pt").write_bytes(b"")
+    for named, fragment in [(tmp_path / "x.pt", "is a single file (checkpoint.format=file), and this run reads "
+                                                "format dcp: resume it with checkpoint.format=file"),
+                            (tmp_path / "run", "is not a sharded checkpoint: name a step-NNNNNNNN folder, a file in "
+                                               "one, or last.dcp / best.dcp"),
+                            (tmp_path / "stray.dcp", "names no checkpoint folder (it should hold one line"),
+                            (checkpoints / "step-00000099", "does not exist")]:
+        *_, checkpointer = _setup(tmp_path / "other", format="dcp")
+        with pytest.raises(ddp_hpc.UserError, match=re.escape(fragment)):
+            checkpointer.restore(named)
+    for named in (folder, checkpoints / "last.dcp"):
+        *_, checkpointer = _setup(tmp_path / "other", format="file")
+        with pytest.raises(ddp_hpc.UserError, match=re.escape("is sharded (checkpoint.format=dcp), and this run "
+                                                              "reads format file: resume it with checkpoint.format=dcp")):
+            checkpointer.restore(named)
+
+
+def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its_own_step(tmp_path, monkeypatch):
+    """One stager (one host copy of the state) serves every background save, refilled each
+    time; no checkpoint holds a later step's weights, although the next save restages into
+    the same memory."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    stagers: list[int] = []
+    real_stage = DefaultStager.stage
+    monkeypatch.setattr(DefaultStager, "stage", lambda self, *a, **k: stagers.append(id(self)) or real_stage(self, *a, **k))
+    model = nn.Linear(256, 256)
+    checkpointer = ddp_hpc.Checkpointer(tmp_path, {"model": model}, every_n_steps=1, keep_last=4, background=True,
+                                        format="dcp")
+    for step in range(1, 4):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        checkpointer.step_done()
+    checkpointer.wait()
+    assert len(stagers) == 3 and len(set(stagers)) == 1
+    for step in range(1, 4):
+        saved = read_whole(tmp_path / "checkpoints" / f"step-{step:08d}")["model"]["weight"]
+        assert torch.equal(saved, torch.full((256, 256), float(step))), step
+
+
 def test_cadence_and_keep_last(tmp_path):
     _, checkpointer = _train(tmp_path, epochs=2, every_n_steps=3, keep_last=2)
     assert [p.name for p in files.periodic_checkpoints(checkpointer.directory)] == ["step-00000009.pt",
@@ -125,6 +181,30 @@ def test_sampler_saved_at_an_epoch_end_resumes_at_the_next_epoch():
     restored = ddp_hpc.ResumableSampler(data, 2, 0, shuffle=False, batch_size=4)
     restored.load_state_dict(sampler.state_dict())
     assert restored.epoch == 1 and len(restored) == 10
+
+
+def test_the_default_margin_lets_a_one_minute_job_train_and_grows_with_the_measured_step_and_checkpoint():
+    from ddp_hpc.engine.deadline import MARGIN_FLOOR_S, DeadlinePolicy, Timings, time_needed
+
+    # A 1-minute job with 20 s of it gone to start-up, steps of 0.5 s, no checkpoint yet: it
+    # trains until the next step, the checkpoint and the floor no longer fit (a fixed 60 s
+    # margin stopped it at its first step).
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=1040.0, clock=lambda: clock[0])
+    steps = 0
+    while True:
+        clock[0] += 0.5
+        steps += 1
+        if stop.now():
+            break
+    assert steps == 60 and 1040.0 - clock[0] == MARGIN_FLOOR_S  # 10 s left < 0.5 s + 10 s
+
+    policy = DeadlinePolicy(deadline=0.0, check_every_n_steps=4)
+    slow = Timings(step_s=2.0, checkpoint_s=30.0)
+    assert policy.margin(Timings(step_s=0.5)) == MARGIN_FLOOR_S
+    assert policy.margin(slow) == 32.0  # the slowest step and checkpoint once more
+    assert time_needed(policy, slow, 4, False) == 4 * 2.0 + 30.0 + 32.0
+    assert DeadlinePolicy(0.0, 4, margin_s=5.0).margin(slow) == 5.0  # a number is kept as given
 
 
 def test_stop_agreement_signal_and_deadline(tmp_path):

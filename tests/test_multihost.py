@@ -186,6 +186,29 @@ def test_mpich_doctor_across_hosts_through_its_launcher_exec(world, mpich):
     assert_doctor_on_two_hosts(result, "mpich")
 
 
+def test_a_launch_over_a_hostfile_restarts_on_the_spare_host_without_the_failed_one(world, mpich, tmp_path):
+    """``ddp-hpc launch --hostfile`` (h1, then h2 as the spare) started on h1 through Hydra's
+    launcher exec: rank 1 is killed on h1 in the first attempt, the restart runs on h2 alone,
+    and ``ddp-hpc status RUN`` shows h1 left out and why."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\nh2\n")
+    folder = tmp_path / "run"
+    probe = ('echo "attempt $DDP_HPC_RESTART_COUNT rank $RANK on $(hostname)"; '
+             'if [ "$DDP_HPC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then kill -9 $$; fi')
+    command = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--hostfile", str(hostfile), "--nodes", "1",
+               "--nproc", "2", "--max-restarts", "1", "--run-folder", str(folder), "--", "sh", "-c", probe]
+    result = run(on_host("h1", command), env={"HYDRA_LAUNCHER_EXEC": ON_HOST}, timeout=TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    places = re.findall(r"attempt (\d) rank (\d) on (h\d)", output)
+    assert ("0", "1", "h1") in places and {host for attempt, _, host in places if attempt == "1"} == {"h2"}, output
+    assert "leaving out node(s) h1, where a rank failed (rank 1 exited with status 137)" in output, output[-3000:]
+    status = run([*ddp_hpc_command(), "status", str(folder)])
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "(local, 2 ranks" in status.stdout and ": completed, exit status 0" in status.stdout, status.stdout
+    assert "left out: h1 (attempt 0: rank 1 exited with status 137)" in status.stdout, status.stdout
+
+
 def test_torchrun_per_host_with_a_c10d_rendezvous_on_h1(world, tmp_path):
     command = ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"h1:{some_port()}", "--rdzv-id", f"mh{time.time_ns()}",

@@ -19,7 +19,8 @@ from ddp_hpc.environment.netcheck import (GLOO_IFNAME_VAR, NetworkPlan, check_ne
                                           local_interfaces, resolve_addresses)
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.engine.liveness import Heartbeat, describe_ranks
+from ddp_hpc.engine.liveness import Heartbeat, describe_ranks, read_counters
+from ddp_hpc.rendezvous import KEYS_PER_REQUEST
 
 NAMES = {"h1": ["198.18.14.11"], "h2": ["198.18.14.12"], "h1-hsn": ["198.18.15.11"],
          "h2-hsn": ["198.18.15.12"], "localhost": ["127.0.0.1"]}
@@ -163,6 +164,27 @@ def test_heartbeat_names_a_rank_that_never_beat_through_the_per_key_reads():
         time.sleep(0.5)
         assert not server.check(["ddp_hpc/heartbeat/2"])
         assert beats[0].explain().startswith("silent: rank 2 on host ? (no heartbeat")
+
+
+def test_counters_are_read_in_store_sized_batches_and_a_missing_one_only_costs_its_batch():
+    store = dist.HashStore()
+    keys = [f"ddp_hpc/heartbeat/{rank}" for rank in range(600)]
+    for rank, key in enumerate(keys):
+        if rank != 500:
+            store.add(key, rank)
+    requests: list[int] = []
+
+    class Recording:  # the store, recording how many keys each check asks about
+        def check(self, batch: list[str]) -> bool:
+            requests.append(len(batch))
+            return store.check(batch)
+
+        def __getattr__(self, name: str):
+            return getattr(store, name)
+
+    assert read_counters(Recording(), keys) == [rank if rank != 500 else 0 for rank in range(600)]
+    assert requests == [KEYS_PER_REQUEST, KEYS_PER_REQUEST, 600 - 2 * KEYS_PER_REQUEST]
+    assert store.check([keys[500]])  # created at 0 for the next read
 
 
 def test_heartbeat_without_the_store_says_this_rank_is_cut_off():

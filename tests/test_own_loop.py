@@ -22,6 +22,7 @@ from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 
 EXAMPLE = str(REPO / "examples" / "resumable_loop.py")
+FSDP2_EXAMPLE = str(REPO / "examples" / "fsdp2_loop.py")
 FAULTS = str(REPO / "tests" / "scripts" / "own_loop_faults.py")
 STEPS = 5 * 24  # 5 epochs of ceil(750 / 32) steps on 2 ranks
 # 2 ranks to step 30, 3 ranks to 50 (epoch 1's rest: 12 steps; 8 of epoch 2), then 1 rank:
@@ -29,9 +30,9 @@ STEPS = 5 * 24  # 5 epochs of ceil(750 / 32) steps on 2 ranks
 STEPS_1_RANK = 50 + 23 + 2 * 47
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+def torchrun(nproc: int, *args: str, max_restarts: int = 0, example: str = EXAMPLE) -> list[str]:
     return ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-            FAULTS, EXAMPLE, *args]
+            FAULTS, example, *args]
 
 
 @pytest.fixture(scope="module")
@@ -151,25 +152,40 @@ def _dcp_final_state(folder: Path) -> dict:
     return state
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp2(tmp_path_factory) -> dict:
+    """examples/fsdp2_loop.py uninterrupted on 2 ranks (dcp checkpoints every 10 steps): its
+    final checkpoint."""
+    folder = tmp_path_factory.mktemp("whole-fsdp2")
+    done = run(torchrun(2, example=FSDP2_EXAMPLE), env={"RUN_DIR": str(folder)}, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _dcp_final_state(folder)
+
+
 @pytest.mark.acceptance
 @pytest.mark.timeout(1500)  # 21 attempts of a 2-rank launch: 15 minutes on a heavily loaded 2-core machine
-def test_twenty_random_sigkills_with_dcp_checkpoints_every_step_end_bit_identical(tmp_path, uninterrupted):
-    """One ``torchrun --max-restarts 20`` launch of examples/resumable_loop.py with dcp
-    checkpoints every step; in each of the first 20 attempts one rank SIGKILLs itself
-    (tests/scripts/own_loop_faults.py, FAULT_KILLS): two in three while its shard file of a
-    checkpoint is partly written and flushed, before the metadata exists; the others right
-    after a step. Every attempt resumes from the newest complete checkpoint at the kill,
-    and the run ends as the uninterrupted single-file run does, bit for bit."""
+def test_twenty_random_sigkills_of_an_fsdp2_run_with_dcp_checkpoints_every_step_end_bit_identical(
+        tmp_path, uninterrupted_fsdp2):
+    """One ``torchrun --max-restarts 20`` launch of examples/fsdp2_loop.py (the model and
+    Adam's state sharded by ``fully_shard``) with dcp checkpoints every step; in each of the
+    first 20 attempts one rank SIGKILLs itself (tests/scripts/own_loop_faults.py,
+    FAULT_KILLS): two in three while its shard file of a checkpoint is partly written and
+    flushed, the others right after a step. Each kill records what it saw on disk: the
+    shard's size, whether the checkpoint's metadata existed, the newest complete step.
+    Every attempt resumes from the newest complete checkpoint at the kill, and the run ends
+    as the uninterrupted fsdp2 run does, bit for bit."""
     log = tmp_path / "kills.jsonl"
-    done = run(torchrun(2, max_restarts=20), timeout=900, env={
-        "RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp", "CHECKPOINT_EVERY": "1", "FAULT_KILLS": "20",
+    done = run(torchrun(2, max_restarts=20, example=FSDP2_EXAMPLE), timeout=900, env={
+        "RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_EVERY": "1", "FAULT_KILLS": "20",
         "FAULT_SEED": "19", "FAULT_LOG": str(log), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert done.returncode == 0, done.stderr[-6000:]
+    held = [(int(mine), int(whole)) for mine, whole in re.findall(r"holds (\d+) of (\d+) parameters", done.stdout)]
+    assert len(held) == 2 and all(mine < whole for mine, whole in held), done.stdout  # sharded, not replicated
     kills = [json.loads(line) for line in log.read_text().splitlines()]
     assert [k["attempt"] for k in kills] == list(range(20))
     mid_write = [k for k in kills if k["mode"] == "mid-write"]
     assert len(mid_write) >= 13
-    for kill in mid_write:  # the shard half written: on disk in part, no metadata yet
+    for kill in mid_write:  # observed at the kill: the shard on disk in part, no metadata yet
         assert not kill["metadata_exists"] and 0 < kill["shard_bytes"], kill
         if kill.get("complete_shard_bytes"):
             assert kill["shard_bytes"] < kill["complete_shard_bytes"], kill
@@ -177,8 +193,8 @@ def test_twenty_random_sigkills_with_dcp_checkpoints_every_step_end_bit_identica
                 for rank in (0, 1)}
     expected = [0] + [k["newest_complete_step"] or 0 for k in kills]
     assert restored[0] == restored[1] == expected, (restored, expected)
-    assert_bit_identical(uninterrupted, _dcp_final_state(tmp_path / "run"))
-    FIGURES.append(f"dcp kills: {len(mid_write)} of 20 SIGKILLs inside a shard write (sizes "
+    assert_bit_identical(uninterrupted_fsdp2, _dcp_final_state(tmp_path / "run"))
+    FIGURES.append(f"fsdp2 dcp kills: {len(mid_write)} of 20 SIGKILLs inside a shard write (sizes "
                    f"{sorted(k['shard_bytes'] for k in mid_write)[:3]}... bytes, no metadata); all resumed")
 
 

@@ -1,7 +1,8 @@
 """Preemption on the SLURM test cluster: the job is signalled as at its time limit, the
 ranks checkpoint, the job is requeued, resumes and ends bit-identical to an uninterrupted run.
-The signalled and preempted jobs train under ``training.strategy: fsdp2`` (sharded model and
-optimizer state), the walltime stop under DDP: SLURM's stop paths are shown for both."""
+All three jobs (signalled, preempted, stopped before the walltime) train under
+``training.strategy: fsdp2`` (sharded model and optimizer state); the DDP paths of the same
+stops are in test_own_loop.py and test_stop_resume.py."""
 
 from __future__ import annotations
 
@@ -148,13 +149,13 @@ def job_end(job_id: str) -> float:
 @pytest.mark.timeout(600)
 def test_the_rendered_sbatch_script_stops_before_its_walltime_and_requeues(tmp_path, slurm_cluster):
     """``ddp-hpc submit slurm --sbatch --time 1``: the script ddp-hpc renders, on the test
-    cluster, a 1-minute job (signal USR2@5): the ranks stop ahead of the job's end with a
+    cluster, a 1-minute fsdp2 job (signal USR2@5): the ranks stop ahead of the job's end with a
     checkpoint (deadline_margin_s from the end the script exports, or the signal), the
     script requeues, and the requeued job finishes bit-identical to an uninterrupted run."""
     # A small model, so that the uninterrupted reference is quick on a loaded machine.
     common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",
               "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=20",
-              *OVERRIDES[1:], "checkpoint.deadline_margin_s=35"]
+              *OVERRIDES[1:], "checkpoint.deadline_margin_s=35", "training.strategy=fsdp2", "checkpoint.format=file"]
     # Margin 35 s of the 1-minute job: the ranks stop about 25 s after it starts (at their
     # first agreement step if start-up took longer), not 45 s: 20 s less of the SLURM group.
     runs = tmp_path / "runs"

@@ -408,3 +408,119 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     assert result.returncode == 1 and "staging the environment failed" in result.stderr
     assert len(found) == 2 and "train" not in found[-1]
     assert [f.read_text() for f in (tmp_path / "runs").rglob("exit-*")] == ["1\n"]
+
+
+def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tmp_path):
+    """``ddp-hpc launch --hostfile``: comments and repeats are dropped; with spare hosts and
+    restarts the ranks run under the failure-recording wrapper and a restart rebuilds the
+    hostfile without the failed host; without spares neither is there."""
+    from ddp_hpc.launch.hosts import HostLaunch, read_hostfile, render_host_launch
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\n# the spare:\nh2  # slow disk\nh1\n\n")
+    hosts = read_hostfile(hostfile)
+    assert hosts == ("h1", "h2")
+    spare = render_host_launch(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
+    every = render_host_launch(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
+    for script in (spare, every):
+        result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+        assert result.returncode == 0, result.stderr
+    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in launch_line(spare)
+    assert "-n 2 -ppn 2 -f \"${DDP_HPC_HOSTFILE}\"" in launch_line(spare)
+    assert 'head -n 1 "$job_hosts" >"$DDP_HPC_HOSTFILE"' in spare and "left-out-hosts.jsonl" in spare
+    assert "ddp-hpc-rank" not in every and "job_hosts" not in every
+    assert "-x MASTER_ADDR -x MASTER_PORT -x DDP_HPC_RESTART_COUNT" in launch_line(every)
+
+
+# mpiexec -n N -ppn P -f HOSTFILE -genvall CMD...: the fan-out (one process per listed host)
+# leaves a copy on each host it reaches, as `ddp-hpc stage fan-out` does; a rank launch runs
+# every rank, as PBS's mpiexec would, with PMI_RANK and the host's name set.
+SPARE_STUB = r'''#!/bin/sh
+n=$2; ppn=$4; hosts=$6; shift 7
+case "$*" in
+  *fan-out*)
+    head -n "$n" "$hosts" | while read -r host; do
+      mkdir -p "$DDP_HPC_STAGE_ROOT/$host/bin"
+      printf '#!/bin/sh\necho "rank $PMI_RANK attempt ${DDP_HPC_RESTART_COUNT:-0} from $VIRTUAL_ENV" >>"$RECORD"\n[ "$PMI_RANK.${DDP_HPC_RESTART_COUNT:-0}" != 0.0 ]\n' \
+        >"$DDP_HPC_STAGE_ROOT/$host/bin/ddp-hpc"
+      chmod +x "$DDP_HPC_STAGE_ROOT/$host/bin/ddp-hpc"
+    done
+    exit 0;;
+esac
+status=0
+i=0
+while [ "$i" -lt "$n" ]; do
+  host=$(sed -n "$((i / ppn + 1))p" "$hosts")
+  PMI_RANK=$i SLURMD_NODENAME=$host "$@" || status=1
+  i=$((i + 1))
+done
+exit "$status"
+'''
+
+
+def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
+    """--stage-env with --spare-nodes: rank 0 fails on n1, the restart runs on n2 and the spare
+    n3, and the ranks on n3 run from n3's own copy, not from the shared environment."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra"):
+        (folder / name).write_text(SPARE_STUB)
+        (folder / name).chmod(0o755)
+    (folder / "ddp-hpc").write_text(PORT_STUB.replace('printf \'%s\\0\' ddp-hpc "$@"', 'echo "shared ddp-hpc $*"'))
+    (folder / "ddp-hpc").chmod(0o755)
+    req = request("pbs-generic", nodes=2, ranks_per_node=2, stage_env=True, spare_nodes=1, max_restarts=1,
+                  stage_dir=str(tmp_path / "local"), overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
+    (tmp_path / "nodefile").write_text("n1\nn1\nn2\nn2\nn3\nn3\n")  # PBS Pro lists a host per rank slot
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "PBS_NODEFILE": str(tmp_path / "nodefile"), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
+           "PBS_JOBNAME": "digits"}
+    result = subprocess.run(["bash", "-c", render_pbs(req)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    root = tmp_path / "local" / "ddp_hpc-env-1.server"
+    assert (tmp_path / "record").read_text().splitlines() == [
+        "shared ddp-hpc stage pack",
+        *(f"rank {r} attempt 0 from {root / ('n1' if r < 2 else 'n2')}" for r in range(4)),
+        *(f"rank {r} attempt 1 from {root / ('n2' if r < 2 else 'n3')}" for r in range(4))]
+
+
+# srun as in a job that Slurm signals while it runs: USR2 to the batch shell (as --signal=B:
+# does; the shell passes it on to srun, which survives it), then the ranks' exit status;
+# scontrol records that it was asked to requeue.
+SIGNALLED_SRUN = "#!/bin/sh\ntrap : USR2\nkill -USR2 \"$PPID\"\nsleep 0.3\nexit \"$SRUN_EXIT\"\n"
+RECORDING_SCONTROL = "#!/bin/sh\nprintf '%s\\n' \"$*\" >>\"$RECORD\"\n"
+
+
+@pytest.mark.parametrize("ranks_exit,requeued", [(0, False), (75, True), (1, True)])
+def test_a_stop_signal_requeues_the_job_unless_the_ranks_had_finished(tmp_path, ranks_exit, requeued):
+    """Slurm may send its stop signal up to a minute early: when it comes while a finished
+    run tears down (the ranks exit 0), the script must not start the job again."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name, text in (("srun", SIGNALLED_SRUN), ("scontrol", RECORDING_SCONTROL), ("squeue", "#!/bin/sh\n")):
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    script = render_sbatch(request("slurm-cpu", nodes=1, overrides=[f"logging.run_dir={tmp_path / 'runs'}"]))
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SRUN_EXIT": str(ranks_exit)}
+    result = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert "stop signal (time limit or preemption)" in result.stderr, result.stderr
+    assert result.returncode == ranks_exit, result.stderr
+    record = tmp_path / "record"
+    assert (record.exists() and record.read_text() == "requeue 7\n") is requeued, result.stderr
+    assert ("requeueing job 7" in result.stderr) is requeued
+
+
+@pytest.mark.parametrize("rank_exit", [0, 75, 3])
+def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_status(tmp_path, rank_exit):
+    """Under mpiexec every rank runs in a small sh wrapper that passes USR2 on; the signal
+    must not turn a rank's own exit (0, 75) into a failure (140) of that rank."""
+    from ddp_hpc.contract import RANK_FAILURES_PREFIX
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    rank = ["sh", "-c", f"trap 'echo got USR2' USR2; sleep 0.5; kill -USR2 $PPID; sleep 0.3; exit {rank_exit}"]
+    result = subprocess.run(recording_rank_failures(rank), capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(tmp_path), "PMI_RANK": "1"})
+    assert "got USR2" in result.stdout and result.returncode == rank_exit, result
+    failures = list(tmp_path.glob(f"{RANK_FAILURES_PREFIX}*"))
+    assert [p.read_text() for p in failures] == ([f"1 {rank_exit}\n"] if rank_exit == 3 else [])

@@ -17,7 +17,8 @@ from ddp_hpc.distributed import DistributedOptions, create_store, process_group
 from ddp_hpc.environment import resolve_env
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.rendezvous import MARKER_KEY, RendezvousError, parse_timeout
+from ddp_hpc.rendezvous import (JOINED_KEY, MARKER_KEY, Absent, RendezvousError, _missing_ranks, absent_ranks,
+                                parse_timeout, rank_ranges)
 from launch_records import MPICH_RANK1, OPENMPI_RANK1, SRUN_RANK3, TORCHRUN_RANK1
 
 pytestmark = pytest.mark.reliability
@@ -74,12 +75,74 @@ def test_another_jobs_store_is_recognised():
     del store
 
 
-def test_rank_0_names_the_ranks_that_never_joined():
+def test_rank_0_names_the_ranks_that_never_joined_as_runs_with_their_hosts():
+    # 12 ranks, 4 a node. Rank 0 (here) and rank 5 (a client writing its joined key as host
+    # c2) join. Node 0's host is the one rank 0 wrote, node 1's the one rank 5 wrote; no rank
+    # of node 2 joined, so its host comes from the job's node list.
     port = free_port()
-    message, seconds = timed_join(rank_env(0, 4, port))
-    assert message == (f"rank 0 on host {HOST}: rank(s) 1, 2, 3 of 4 did not join the rendezvous at 127.0.0.1:{port} "
-                       "within 2s (distributed.rendezvous_timeout_s): see their logs for why")
+    env = {**rank_env(0, 12, port), "LOCAL_WORLD_SIZE": "4", "SLURM_JOB_NODELIST": f"{HOST},c2,c3"}
+
+    def rank5() -> None:
+        store = dist.TCPStore("127.0.0.1", port, 12, is_master=False, timeout=timedelta(seconds=10))
+        store.set("ddp_hpc/joined/5", "c2")
+        store.add("ddp_hpc/joined", 1)
+
+    thread = threading.Thread(target=rank5)
+    thread.start()
+    message, seconds = timed_join(env)
+    thread.join(10)
+    assert message == (f"rank 0 on host {HOST}: ranks 1-4, 6-11 (10 of 12) did not join the rendezvous at "
+                       f"127.0.0.1:{port} within 2s (distributed.rendezvous_timeout_s); they were to run on {HOST} "
+                       "(ranks 1-3), c2 (ranks 4, 6-7), c3 (ranks 8-11, from the node list): see their logs for why")
     assert seconds < 10
+
+
+def test_a_node_list_that_disagrees_with_the_joined_hosts_names_no_host():
+    """After a restart left a node out (or with ranks round-robin), the list's order is not
+    the ranks': node 1's joined rank says c3 where the list says c2, so the list is not used."""
+    store = dist.HashStore()
+    for rank, host in ((0, HOST), (4, "c3")):
+        store.set(f"{JOINED_KEY}/{rank}", host)
+    store.add(JOINED_KEY, 2)
+    env = resolve_env({**rank_env(0, 12, 1), "LOCAL_WORLD_SIZE": "4"})
+    absent = absent_ranks(store, env, (HOST, "c2", "c3"))
+    assert absent == Absent("ranks 1-3, 5-11 (10 of 12)",
+                            f"{HOST} (ranks 1-3), c3 (ranks 5-7); host unknown for node(s) 2")
+    assert absent_ranks(store, env, (HOST, "c3", "c2")) == Absent(
+        "ranks 1-3, 5-11 (10 of 12)", f"{HOST} (ranks 1-3), c3 (ranks 5-7), c2 (ranks 8-11, from the node list)")
+
+
+class CountingStore:
+    """A store that counts its round trips (every call is one)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("missing", [[], [3, 4, 5, 6, 7, 2048, 4095], list(range(1, 4096, 2))],
+                         ids=["none", "few", "every-other"])
+def test_missing_ranks_cost_few_round_trips_when_few_are_missing(missing):
+    world = 4096
+    store = CountingStore(dist.HashStore())
+    for rank in sorted(set(range(world)) - set(missing)):
+        store.store.set(f"{JOINED_KEY}/{rank}", "h")
+    store.store.add(JOINED_KEY, world - len(missing))
+    assert _missing_ranks(store, world) == missing
+    # Today's one check a rank is the ceiling; 7 missing of 4096 take well under 1 %.
+    assert store.calls <= (world + 1 if len(missing) > 100 else 20 * len(missing) + 1), store.calls
+
+
+def test_rank_runs_are_compact_and_capped():
+    assert rank_ranges([12, 3, 4, 5, 6, 7]) == "3-7, 12"
+    assert rank_ranges(list(range(0, 4096, 2))) == ", ".join(str(r) for r in range(0, 32, 2)) + " and 2032 more"
 
 
 def test_ranks_that_all_arrive_meet():

@@ -105,3 +105,27 @@ def test_a_qsub_restart_with_a_spare_node_runs_without_the_host_where_a_rank_die
     assert [json.loads(line)["host"] for line in
             (tmp_path / "runs" / "r" / "left-out-hosts.jsonl").read_text().splitlines()] == [first]
     FIGURES.append(f"--spare-nodes 1 (qsub): rank 1 killed on {first}, the restart ran on {other}, bit-identical")
+
+
+@pytest.mark.slurm
+def test_a_submitit_command_job_restarts_as_a_new_job_without_the_node_where_a_rank_failed(slurm_cluster, tmp_path):
+    """submitit (no batch script): rank 1's command is killed in the first job; its task
+    submits the job again with ``--exclude`` of that node, ``--wait`` follows the new job, and
+    ``ddp-hpc status`` shows the node left out."""
+    probe = ('echo "attempt $DDP_HPC_RESTART_COUNT rank $RANK on $SLURMD_NODENAME"; '
+             'if [ "$DDP_HPC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then kill -9 $$; fi')
+    result = run([*ddp_hpc_command(), "submit", "slurm", "--nodes", "1", "--tasks-per-node", "2", "--max-restarts", "1",
+                  "--walltime", "5", "--wait", "--poll", "1", "--job-name", "resub", "--", "sh", "-c", probe],
+                 cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    folder = tmp_path / "runs" / "resub"
+    logs = "".join(p.read_text() for p in (folder / "submitit").glob("*_log.*"))
+    places = set(re.findall(r"attempt (\d) rank \d on (n\d)", logs))
+    [(failed, reason)] = [(r["host"], r["reason"]) for r in map(json.loads, (folder / "left-out-hosts.jsonl")
+                                                                .read_text().splitlines())]
+    assert ("0", failed) in places and reason == "rank 1 exited with status 137", logs[-3000:]
+    assert {host for attempt, host in places if attempt == "1"} == {"n1", "n2"} - {failed}, logs[-3000:]
+    status = run([*ddp_hpc_command(), "status", "runs/resub"], cwd=tmp_path, timeout=60)
+    assert ": completed, exit status 0" in status.stdout, status.stdout
+    assert f"left out: {failed} (attempt 0: rank 1 exited with status 137)" in status.stdout, status.stdout
+    FIGURES.append(f"--max-restarts 1 (submitit): a rank killed on {failed}, the job was submitted again without it")

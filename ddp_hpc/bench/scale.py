@@ -8,7 +8,8 @@ the exec, never through a fork), each running the real handshake and the real he
 Measured per N: the time from the common start until the gate opens, the store's
 operations per second when every rank adds in a loop, the heartbeat's load at the default
 interval (beats per second and this process's CPU, the store's server runs here), the
-time of the silent-rank diagnosis (with two ranks made silent, checked to be named), and
+time of the silent-rank diagnosis (with two ranks made silent, checked to be named), the
+time of the join gate's timeout diagnosis (the same two ranks' joined keys taken out), and
 the bytes that reach rank 0 per quantity (start-up facts, run
 record), computed from the objects the real code builds for N ranks.
 
@@ -69,6 +70,8 @@ class ScaleRow:
     diagnosis_s: float                 # Heartbeat.explain(), including its settle wait
     diagnosis_settle_s: float
     diagnosis_named_silent: bool
+    gate_diagnosis_s: float            # rank 0's list of the ranks absent at the gate's deadline
+    gate_diagnosis_named: bool
     rank0_bytes: dict[str, int]
 
 
@@ -253,6 +256,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
             verdict = watcher.explain()
             diagnosis_s = time.perf_counter() - started
         named = all(f" {r}" in verdict or f",{r}" in verdict for r in silent) and "silent" in verdict
+        gate_diagnosis_s, gate_named = _gate_diagnosis(store, world_size, silent)
 
         clients.send(do="hammer", go=time.time() + 1.0, seconds=HAMMER_S)
         ops = sum(m["ops"] for m in clients.read_all("hammered", HAMMER_S + 120))
@@ -267,7 +271,23 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
         heartbeat_beats_per_s=round(beats_per_s, 1), heartbeat_server_cpu_fraction=round(heartbeat_cpu, 4),
         store_connections=connections, diagnosis_s=round(diagnosis_s, 2),
         diagnosis_settle_s=watcher.settle_s, diagnosis_named_silent=named,
+        gate_diagnosis_s=round(gate_diagnosis_s, 4), gate_diagnosis_named=gate_named,
         rank0_bytes=rank0_bytes(world_size) if with_bytes else {})
+
+
+def _gate_diagnosis(store: Any, world_size: int, absent: list[int]) -> tuple[float, bool]:
+    """The join gate's timeout diagnosis at ``world_size``, timed, with ``absent`` taken out of
+    the joined keys (they joined to let the run go on): (seconds, whether it named them)."""
+    from ddp_hpc.rendezvous import JOINED_KEY, absent_ranks
+
+    for rank in absent:
+        store.delete_key(f"{JOINED_KEY}/{rank}")
+    store.add(JOINED_KEY, -len(absent))  # the count of joined ranks, as if they never had
+    started = time.perf_counter()
+    found = absent_ranks(store, rank_env(0, world_size, 8, ADDR, 0))
+    seconds = time.perf_counter() - started
+    named = found is not None and found.ranks == f"ranks {', '.join(map(str, absent))} ({len(absent)} of {world_size})"
+    return seconds, named
 
 
 def _beats(store: Any, keys: list[str]) -> int:
@@ -341,14 +361,15 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
 
 def format_scale(section: dict[str, Any]) -> str:
     lines = ["ranks  procs  gate-open s  handshake p99 s  ops/s  beats/s  hb cpu  conns  diagnosis s  named  "
-             "start-up B  record B  (rank's own rng file B)"]
+             "gate diag s  start-up B  record B  (rank's own rng file B)"]
     for row in section["rows"]:
         b = row["rank0_bytes"]
         lines.append(f"{row['world_size']:>5}  {row['processes']:>5}  {row['gate_open_s']:>11.3f}  "
                      f"{row['handshake_s']['p99']:>15.3f}  {row['store_ops_per_s']:>5}  "
                      f"{row['heartbeat_beats_per_s']:>7.1f}  {row['heartbeat_server_cpu_fraction']:>6.3f}  "
                      f"{row['store_connections']:>5}  {row['diagnosis_s']:>11.2f}  "
-                     f"{str(row['diagnosis_named_silent']):>5}  {b.get('startup_facts', 0):>10}  "
+                     f"{str(row['diagnosis_named_silent']):>5}  {row['gate_diagnosis_s']:>11.4f}  "
+                     f"{b.get('startup_facts', 0):>10}  "
                      f"{b.get('run_record', 0):>8}  {b.get('per_rank_rng_file', 0):>6}")
     for name, value in section["extrapolated_50000"].items():
         lines.append(f"extrapolated to 50,000 ranks (power law fitted to the rows): {name} = {value:.4g}")

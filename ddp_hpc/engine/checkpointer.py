@@ -57,6 +57,11 @@ class Loaded:
 #: is loaded from it; raises to refuse it.
 Accept = Callable[[Path, Mapping[str, Any]], None]
 
+#: Called with a checkpoint's path and its data (a single file's whole dict; a dcp folder's
+#: own data with its plain objects beside it) before ``Accept``: returns it in this layout
+#: (one written by an older version brought up to date), or raises to refuse it.
+Upgrade = Callable[[Path, dict[str, Any]], dict[str, Any]]
+
 
 class CheckpointFormat(Protocol):
     """How checkpoints are laid out in a folder. Every rank calls every method."""
@@ -69,10 +74,11 @@ class CheckpointFormat(Protocol):
         ...
 
     def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
-                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+                path: Path | None = None, accept: Accept | None = None,
+                upgrade: Upgrade | None = None) -> Loaded | None:
         """Load the newest readable checkpoint (or the one at ``path``) into ``objects``
         (None, or None saved: left alone); None when there is none. Unreadable ones are
-        refused in one line and kept; ``accept`` sees the checkpoint's own data first."""
+        refused in one line and kept; ``upgrade``, then ``accept``, see its data first."""
         ...
 
     def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
@@ -121,14 +127,20 @@ class SingleFileFormat:
         return path
 
     def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
-                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
+                path: Path | None = None, accept: Accept | None = None,
+                upgrade: Upgrade | None = None) -> Loaded | None:
         if path is None:
             found = files.newest_loadable(directory)
             if found is None:
                 return None
             path, state = found
         else:
+            if path.is_dir() or path.suffix == ".dcp":
+                raise files.CheckpointError(f"checkpoint {path} is sharded (checkpoint.format=dcp), and this run "
+                                            "reads format file: resume it with checkpoint.format=dcp")
             state = files.load_checkpoint(path)
+        if upgrade is not None:
+            state = upgrade(path, state)
         if accept is not None:
             accept(path, state)
         _load_objects(objects, state, path)
@@ -187,19 +199,23 @@ class ShardedFormat:
         return self.dcp.save(group, directory, step, state, keep_last=keep_last, best=best)
 
     def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
-                path: Path | None = None, accept: Accept | None = None) -> Loaded | None:
-        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, read_blob
+                path: Path | None = None, accept: Accept | None = None,
+                upgrade: Upgrade | None = None) -> Loaded | None:
+        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, named_checkpoint, read_blob
 
-        path = self.dcp.newest(group, directory) if path is None else Path(path)
+        path = self.dcp.newest(group, directory) if path is None else named_checkpoint(Path(path))
         if path is None:
             return None
         if accept is not None:
-            accept(path, _flat(read_blob(path, check_complete(path), SHARED_KEY)))
+            data = _flat(read_blob(path, check_complete(path), SHARED_KEY))
+            accept(path, upgrade(path, data) if upgrade is not None else data)
         modules, optimizers, others = self._parts(objects)
         restored = self.dcp.load(group, path, ShardedState(modules, optimizers))
-        saved = restored.shared.get("objects") or {}
-        _load_objects(others, saved, path)
-        return Loaded(path, _flat(restored.shared), restored.mine)
+        state = _flat(restored.shared)
+        if upgrade is not None:
+            state = upgrade(path, state)
+        _load_objects(others, state, path)
+        return Loaded(path, state, restored.mine)
 
     def prestage(self, group: Collectives, states: Mapping[str, Any]) -> None:
         """Nothing: ``dcp.async_save`` stages into its own host buffers."""
@@ -317,18 +333,22 @@ class Checkpointer:
         self._saved_path: Path | None = None
         self._sampler = next((obj for obj in self.objects.values() if isinstance(obj, ResumableSampler)), None)
 
-    def restore(self, path: str | Path | None = None, *, accept: Accept | None = None) -> Path | None:
+    def restore(self, path: str | Path | None = None, *, accept: Accept | None = None,
+                upgrade: Upgrade | None = None, quiet: bool = False) -> Path | None:
         """Load the newest readable checkpoint (or the one at ``path``) into the objects,
         the extras and this rank's RNG streams; the path it came from, or None (nothing
         saved yet: a fresh start). ``accept(path, data)`` may refuse it before anything is
-        loaded (raise)."""
+        loaded (raise); ``upgrade(path, data)``, called before it, returns a checkpoint of
+        an older layout in this one. ``quiet``: rank 0 logs no "resuming from" line (the
+        caller logs its own)."""
         if path is None:
             if self.group.is_rank_zero:
                 for name in files.remove_stale_temporaries(self.directory):
                     log.info("removed %s, left by a checkpoint write that was interrupted", name)
             self.group.barrier()  # no rank reads while rank 0 tidies
         loaded = self.format.restore(self.group, self.directory, self.objects,
-                                     path=Path(path) if path is not None else None, accept=accept)
+                                     path=Path(path) if path is not None else None, accept=accept,
+                                     upgrade=upgrade)
         if loaded is None:
             return None
         state, mine = loaded.state, loaded.mine
@@ -341,7 +361,7 @@ class Checkpointer:
         elif self.group.is_rank_zero:
             log.warning("checkpoint %s was written by %s ranks, this run has %d: the RNG streams start afresh",
                         loaded.path, state.get("world_size"), self.group.world_size)
-        if self.group.is_rank_zero:
+        if self.group.is_rank_zero and not quiet:
             log.info("resuming from %s (step %d)", loaded.path, self.step)
         return loaded.path
 

@@ -104,6 +104,30 @@ def sharded_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
 
 
+ACCEPTED_FORMS = f"a step-NNNNNNNN folder, a file in one, or {LAST_SHARDED_CHECKPOINT} / {BEST_SHARDED_CHECKPOINT}"
+
+
+def named_checkpoint(path: Path) -> Path:
+    """The checkpoint folder a user names, as they would type it: the folder itself, a
+    file in it (``.metadata``, a shard), or ``last.dcp``/``best.dcp`` (the folder that
+    pointer names). A ``CheckpointError`` in one line for anything else."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file() and path.suffix == ".dcp":  # last.dcp, best.dcp, or a copy of one
+        target = pointed_at(path.parent, path.name)
+        if target is None:
+            raise CheckpointError(f"{path} names no checkpoint folder (it should hold one line, step-NNNNNNNN)")
+        return target
+    if path.is_file() and _STEP_DIR.match(path.parent.name):
+        return path.parent
+    if path.is_dir() and (_STEP_DIR.match(path.name) or (path / METADATA_FILE).exists()):
+        return path
+    if path.is_file() and path.suffix == ".pt":
+        raise CheckpointError(f"checkpoint {path} is a single file (checkpoint.format=file), and this run reads "
+                              "format dcp: resume it with checkpoint.format=file")
+    raise CheckpointError(f"{path} is not a sharded checkpoint: name {ACCEPTED_FORMS}")
+
+
 # ----- reading, weights-only ------------------------------------------------------------
 
 _METADATA_CLASSES = {
@@ -347,6 +371,7 @@ class DcpFormat:
         self._pending: threading.Event | None = None
         self._pending_path: Path | None = None
         self._group: Any = None
+        self._stager: Any = None
         self._finished: list[WriteRecord] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -373,7 +398,7 @@ class DcpFormat:
         if self.background:
             with _quiet(no_dist):
                 response = dcp.async_save(to_save, checkpoint_id=path, process_group=self._writer_group(no_dist),
-                                          no_dist=no_dist)
+                                          no_dist=no_dist, async_stager=self._host_stager())
             future = getattr(response, "upload_completion", response)
             committed = threading.Event()
             self._pending, self._pending_path = committed, path
@@ -393,6 +418,17 @@ class DcpFormat:
         if self._group is None:  # a collective: every rank creates it at the same save
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    def _host_stager(self) -> Any:
+        """One stager for every save: it keeps its host copy of this rank's part and copies
+        into it again. async_save's default makes a new one per save, which allocates (and
+        page-faults) the whole part each time: most of the time training waited."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     def _committed(self, done: Future, commit: _Commit, committed: threading.Event) -> None:
         try:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
+
+#: The least margin ``auto`` keeps: process exit, launcher teardown, clocks of different nodes.
+MARGIN_FLOOR_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -25,10 +29,23 @@ class DeadlinePolicy:
     #: Steps between two chances to stop (``checkpoint.preemption_check_every_n_steps``).
     check_every_n_steps: int
     #: Kept free besides the predicted work: process exit, launcher teardown, clocks of
-    #: different nodes, and the first checkpoint before one has been measured.
-    margin_s: float
+    #: different nodes, a step or a checkpoint slower than measured. ``auto``: the measured
+    #: slowest step plus the slowest checkpoint, and at least ``MARGIN_FLOOR_S``.
+    margin_s: float | Literal["auto"] = "auto"
     #: Step times remembered; the slowest of them is the prediction.
     window: int = 20
+
+    def margin(self, timings: Timings) -> float:
+        """The margin in seconds, given what was measured so far."""
+        if self.margin_s == "auto":
+            return max(MARGIN_FLOOR_S, timings.step_s + timings.checkpoint_s)
+        return float(self.margin_s)
+
+    def describe_margin(self) -> str:
+        """For log lines: ``margin 60 s`` or ``margin auto, at least 10 s``."""
+        if self.margin_s == "auto":
+            return f"margin auto, at least {MARGIN_FLOOR_S:.0f} s"
+        return f"margin {float(self.margin_s):.0f} s"
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,7 @@ class Timings:
 def time_needed(policy: DeadlinePolicy, timings: Timings, steps_to_next_check: int, crosses_epoch_end: bool) -> float:
     """Seconds that going on to the next check and stopping there would take."""
     epoch_end = timings.epoch_end_s + timings.checkpoint_s if crosses_epoch_end else 0.0
-    return steps_to_next_check * timings.step_s + epoch_end + timings.checkpoint_s + policy.margin_s
+    return steps_to_next_check * timings.step_s + epoch_end + timings.checkpoint_s + policy.margin(timings)
 
 
 def must_stop_now(policy: DeadlinePolicy, now: float, timings: Timings, steps_to_next_check: int,

@@ -11,7 +11,8 @@ A signal lands on one rank (or some); ``now`` all-reduces the flag every
 ``check_every_n_steps`` steps, so all ranks stop at the same step. Rank 0 also requests
 the stop when the time left before the deadline gets shorter than the next interval's
 steps plus a checkpoint plus ``margin_s`` (measured as training goes:
-``ddp_hpc.engine.deadline``). The library installs no signal handler unless
+``ddp_hpc.engine.deadline``; ``auto``: the slowest step plus the slowest checkpoint, at
+least 10 s). The library installs no signal handler unless
 ``handle_signals`` is called.
 """
 
@@ -39,7 +40,7 @@ class StopAgreement:
     """Whether to checkpoint and stop now, answered alike on every rank."""
 
     def __init__(self, checkpointer: Checkpointer | None = None, *, check_every_n_steps: int = 1,
-                 deadline: float | None | Literal["env"] = "env", margin_s: float = 60.0,
+                 deadline: float | None | Literal["env"] = "env", margin_s: float | Literal["auto"] = "auto",
                  group: Collectives | None = None, clock: Callable[[], float] = time.time) -> None:
         if check_every_n_steps < 1:
             raise ValueError(f"StopAgreement: check_every_n_steps={check_every_n_steps} must be >= 1")
@@ -58,8 +59,8 @@ class StopAgreement:
         self._previous_handlers: dict[int, object] = {}
         self._last_save_s = 0.0
         if self.policy is not None and self.group.is_rank_zero:
-            log.info("job deadline in %.0f s: will checkpoint and stop ahead of it (margin %.0f s)",
-                     self.policy.deadline - clock(), margin_s)
+            log.info("job deadline in %.0f s: will checkpoint and stop ahead of it (%s)",
+                     self.policy.deadline - clock(), self.policy.describe_margin())
 
     @property
     def exit_status(self) -> ExitStatus:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import DistEnv
-from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
+from ddp_hpc.environment.hosts import job_hosts, with_suffix
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -110,15 +110,7 @@ HOSTS_TO_PROBE = 4
 
 def listed_hosts(environ: Mapping[str, str]) -> list[str]:
     """The first hosts of the SLURM node list or PBS node file, if the job has one."""
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-    try:
-        if nodelist:
-            return expand_nodelist(nodelist)[:HOSTS_TO_PROBE]
-        if environ.get("PBS_NODEFILE", "").strip():
-            return read_nodefile(environ["PBS_NODEFILE"].strip())[:HOSTS_TO_PROBE]
-    except UserError:  # resolve_env reports a malformed list
-        return []
-    return []
+    return job_hosts(environ)[:HOSTS_TO_PROBE]
 
 
 def other_machine(names: Sequence[str], resolve: Resolver,

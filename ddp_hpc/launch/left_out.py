@@ -1,7 +1,8 @@
 """The nodes a batch script left out of a restart, as ``ddp-hpc status`` shows them.
 
 The common launch loop (launch/script.py) appends one JSON line per node to
-``RUN/left-out-hosts.jsonl`` when a restart runs without it (``--spare-nodes``).
+``RUN/left-out-hosts.jsonl`` when a restart runs without it (``--spare-nodes``); a submitit
+command job's restart appends it with ``record_left_out``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class LeftOutHost:
 
     def describe(self) -> str:
         return f"{self.host} (attempt {self.attempt}: {self.reason or 'a rank failed there'})"
+
+
+def record_left_out(run_folder: Path, host: LeftOutHost) -> None:
+    """Append ``host`` as the launch loop's shell does: one JSON line, in one write."""
+    line = json.dumps({"host": host.host, "attempt": host.attempt, "reason": host.reason}) + "\n"
+    with open(run_folder / LEFT_OUT_FILE, "a") as handle:
+        handle.write(line)
 
 
 def read_left_out(run_folder: Path) -> list[LeftOutHost]:

@@ -33,6 +33,9 @@ class MpiLaunch:
     hostfile: str | None = None
     #: Variables every rank must see (exported to remote hosts too).
     export: Mapping[str, str] = field(default_factory=dict)
+    #: Variables passed on by name from mpiexec's environment to remote hosts (Open MPI's
+    #: ``-x NAME``; MPICH and PALS pass the whole environment anyway).
+    forward: tuple[str, ...] = ()
     #: Allow more ranks than cores (local runs; Open MPI refuses them otherwise).
     oversubscribe: bool = False
     #: Cray PALS only: ``--cpu-bind`` value and ``--depth`` (cores per rank).
@@ -81,6 +84,8 @@ def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
             args.append("--allow-run-as-root")
         for name, value in launch.export.items():
             args += ["-x", f"{name}={value}"]
+        for name in launch.forward:
+            args += ["-x", name]
     elif launch.flavour == "pals":
         args = [program, "-n", n, "-ppn", ppn]
         if launch.depth:

@@ -178,12 +178,14 @@ class LeaveOut:
 #: Wraps a rank's command under mpiexec: records ``RANK STATUS`` when it fails (SIGKILL
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
-#: others only after this wrapper has exited.
+#: others only after this wrapper has exited. A passed-on signal ends ``wait`` early
+#: (128 + its number): it waits again for the rank's own status.
 RANK_FAILURE_WRAPPER = (
     '"$@" & child=$!; '
     'trap \'kill -USR2 "$child" 2>/dev/null\' USR2; trap \'kill -TERM "$child" 2>/dev/null\' TERM; '
     'status=0; wait "$child" || status=$?; '
-    'while kill -0 "$child" 2>/dev/null; do wait "$child" || status=$?; done; '
+    'while [ "$status" -gt 128 ]; do again=0; wait "$child" 2>/dev/null || again=$?; '
+    '[ "$again" = 127 ] && break; status=$again; done; '
     f'if [ "$status" != 0 ] && [ "$status" != {ExitStatus.REQUEUE:d} ]; then '
     'printf \'%s %s\\n\' "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}" "$status" '
     f'>>"${RUN_FOLDER_VAR}/{RANK_FAILURES_PREFIX}${{{RESTART_COUNT_VAR}:-0}}"; fi; '
@@ -224,20 +226,19 @@ def hostfile_leave_out(hostfile_var: str, nodes: int, per_node: int, master_line
     )
 
 
-def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: str | None, *,
-                 restarts: int | None = None, forward_signal: str = "USR2",
+def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None, *,
+                 forward_signal: str = "USR2",
                  trap_signals: str = "USR2", leave_out: LeaveOut | None = None) -> list[str]:
     """Run the ranks' command in the background, pass the stop signal on, relaunch after a
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
     A trapped signal ends ``wait`` early, so the loop waits until the step is really over.
     ``ExitStatus.REQUEUE`` means the ranks checkpointed and stopped on request: no restart;
-    ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` defaults to the
+    ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` is the
     request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
     With ``leave_out`` (spare nodes), the node where a rank failed is left out of the next
     attempt and recorded (the family says how: srun's ``--exclude``, a hostfile).
     """
-    restarts = request.max_restarts if restarts is None else restarts
     capture = leave_out is not None and leave_out.capture_stderr
     lines = [
         "stop_requested=0",
@@ -257,7 +258,10 @@ def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: st
         "  step_pid=$!",
         "  status=0",
         '  wait "$step_pid" || status=$?',
-        '  while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done',
+        # A trapped stop signal ends wait early (status 128 + its number): wait again for the
+        # step's own status, until wait knows no such child (127: the status was its own).
+        '  while [ "$status" -gt 128 ]; do again=0; wait "$step_pid" 2>/dev/null || again=$?; '
+        '[ "$again" = 127 ] && break; status=$again; done',
         # srun --kill-on-bad-exit turns the ranks' REQUEUE into SIGTERM: the marker rank 0 wrote says it.
         f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
         f'  if [ "$status" != 0 ] && [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
@@ -279,7 +283,10 @@ def launch_lines(request: SubmitRequest, command: str, job_key: str, requeue: st
     ]
     if requeue:
         lines += [
-            f'if [ "$stop_requested" = 1 ] || [ "$status" = {ExitStatus.REQUEUE:d} ]; then',
+            # A stop signal that comes after the ranks finished (exit 0: Slurm may signal up to
+            # a minute early, during the run's teardown) requeues nothing: the run is done.
+            f'if [ "$status" = {ExitStatus.REQUEUE:d} ] || {{ [ "$stop_requested" = 1 ] && '
+            f'[ "$status" != {ExitStatus.OK:d} ]; }}; then',
             f'  echo "ddp_hpc: requeueing job {job_key}" >&2',
             f'  {requeue} || echo "ddp_hpc: requeue failed" >&2',
             '  exit "$status"',

@@ -190,6 +190,7 @@ def wait(submission: Submission, *, poll_s: float = 2.0, timeout_s: float | None
     started = time.monotonic()
     seen_done = 0
     while True:
+        submission = _resubmitted(submission)
         status = scheduler.status(submission)
         seen_done = seen_done + 1 if status.state.is_terminal else 0
         if seen_done >= confirmations:
@@ -198,6 +199,17 @@ def wait(submission: Submission, *, poll_s: float = 2.0, timeout_s: float | None
             raise UserError(f"job {submission.job_id} still {status.state.value} after {timeout_s:.0f}s")
         time.sleep(poll_s)
     return job_result(scheduler, submission, status)
+
+
+def _resubmitted(submission: Submission) -> Submission:
+    """The run folder's record of this submission, when the job submitted itself again (a
+    submitit command job's ``--max-restarts``) and the record names the new job."""
+    try:
+        recorded = read_submission(Path(submission.run_folder))
+    except (UserError, OSError, ValueError, TypeError):
+        return submission
+    same = recorded.submitted_at == submission.submitted_at and recorded.scheduler == submission.scheduler
+    return recorded if same and submission.job_id in recorded.chain else submission
 
 
 def read_summary(run_folder: str | Path, since: float) -> RunSummary | None:

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_reshard
 from ddp_hpc.engine.rng import seed_everything
 from ddp_hpc.errors import UserError
 from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.training.checkpoint_upgrade import upgrade_presplit
 from ddp_hpc.training.data import LoaderPlan
 from ddp_hpc.training.job import Job
 from ddp_hpc.training.optim import build_optimizer, build_scheduler, scaled_lr
@@ -114,7 +116,12 @@ class TrainingState:
                  on_written: Callable[[WriteRecord], None] | None = None) -> None:
         self.config, self.ctx, self.run = config, ctx, run
         training = config.training
-        if checkpoint_format is None and checkpoint_format_name(config) == "dcp" and training.zero_optimizer:
+        format_name = checkpoint_format_name(config, run.checkpoints)
+        if config.checkpoint.format is None and format_name != checkpoint_format_name(config, None) \
+                and ctx.is_rank_zero:
+            log.info("checkpoint.format unset: the run folder holds %s checkpoints only, so this run reads and "
+                     "writes that format", format_name)
+        if checkpoint_format is None and format_name == "dcp" and training.zero_optimizer:
             raise UserError("checkpoint.format dcp cannot save training.zero_optimizer's state: use "
                             "checkpoint.format=file")
         self.model = self._build_model(job)
@@ -131,8 +138,7 @@ class TrainingState:
         #: One row per finished epoch (what ``metrics.jsonl`` holds).
         self.history: list[dict[str, Any]] = []
 
-        file_format = checkpoint_format or make_format(checkpoint_format_name(config),
-                                                       background=config.checkpoint.async_write)
+        file_format = checkpoint_format or make_format(format_name, background=config.checkpoint.async_write)
         plan = LoaderPlan(self.sampler.num_samples, training.batch_size, config.data.drop_last)
         self.steps_per_epoch = math.ceil(plan.batches / training.grad_accum_steps)
         #: Steps the LR schedule spans (known for a resume on another world size only once
@@ -201,7 +207,9 @@ class TrainingState:
         training, resume = self.config.training, self.config.checkpoint.resume
         path = None
         if resume != "never":
-            path = self.checkpointer.restore(None if resume == "auto" else resume, accept=self._same_job)
+            path = self.checkpointer.restore(None if resume == "auto" else resume, accept=self._same_job,
+                                             upgrade=partial(upgrade_presplit, dataset_len=dataset_len),
+                                             quiet=True)
         if path is None:
             seed_everything(training.seed + self.ctx.rank)  # dropout, augmentation: per rank
             return None

@@ -8,17 +8,23 @@ A whole scheduler family: this package (the ``Scheduler`` subclass below, export
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddp_hpc.contract import ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.local import build_torchrun
 from ddp_hpc.launch.request import SubmitRequest
 from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
 from ddp_hpc.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
+
+log = logging.getLogger(__name__)
 
 #: The profiles this family serves: ``scheduler: local`` (``none`` is the older spelling).
 PROFILE_SCHEDULERS = ("local", "none")
@@ -35,7 +41,7 @@ def render_local(request: SubmitRequest) -> str:
         "",
         *run_folder_lines(request, "PWD"),
         # The job id is this script's PID: the exit file is named after it.
-        *launch_lines(request, render_argv(argv), "$$", requeue=None, trap_signals="USR2 TERM"),
+        *launch_lines(request.max_restarts, render_argv(argv), "$$", requeue=None, trap_signals="USR2 TERM"),
         "",
     ]
     return "\n".join(lines)
@@ -88,6 +94,28 @@ class LocalScheduler(Scheduler):
                 os.killpg(int(job_id), signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+
+def run_in_foreground(script: str, script_path: Path, run_folder: Path, world_size: int,
+                      command_line: Sequence[str]) -> int:
+    """Write ``script`` (one that writes the ``exit-$$`` file, as ``render_local``'s does), run
+    it with bash until it ends, recorded as a ``local`` job in ``run_folder`` (``ddp-hpc
+    status``/``cancel`` work from the folder); return its exit status. ``ddp-hpc launch
+    --hostfile`` runs its script this way."""
+    write_script(script, script_path)
+    sys.stdout.flush()
+    # Its own session and process group: ``ddp-hpc cancel RUN`` ends the script and every rank it started.
+    process = subprocess.Popen(["bash", str(script_path)], start_new_session=True)
+    try:
+        Submission(scheduler=LocalScheduler.name, job_id=str(process.pid), run_folder=str(run_folder),
+                   workdir=str(Path.cwd()), world_size=world_size, submitted_at=time.time(), kind="command",
+                   script=str(script_path), command_line=tuple(command_line)).record()
+        return ExitStatus.of_returncode(process.wait())
+    except KeyboardInterrupt:  # Ctrl-C reaches this session only: stop the script's too
+        log.warning("interrupted: stopping the launch (process group %d)", process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+        raise
 
 
 def _alive(pid: int) -> bool:

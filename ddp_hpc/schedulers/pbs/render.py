@@ -69,14 +69,16 @@ def pbs_directives(request: SubmitRequest) -> list[str]:
     return lines
 
 
-def mpiexec_argv(request: SubmitRequest, *, per_node: Sequence[str] | None = None) -> list[str]:
+def mpiexec_argv(request: SubmitRequest, *, per_node: Sequence[str] | None = None,
+                 spare_too: bool = False) -> list[str]:
     """The ranks' mpiexec line; with ``per_node``, that command once per node instead (the
-    pre-flight check, the environment's fan-out)."""
+    pre-flight check, the environment's fan-out), ``spare_too``: on the spare nodes as well."""
     profile = request.profile
     argv = rank_argv(request)
     if request.spare_nodes:  # the first rank to fail names the node a restart leaves out
         argv = recording_rank_failures(argv)
-    launch = MpiLaunch(profile.launcher, request.nodes, 1 if per_node else request.per_node,
+    nodes = request.nodes + (request.spare_nodes if spare_too else 0)
+    launch = MpiLaunch(profile.launcher, nodes, 1 if per_node else request.per_node,
                        list(per_node) if per_node else argv,
                        hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind,
                        depth=None if per_node else profile.depth)
@@ -115,12 +117,13 @@ def render_pbs(request: SubmitRequest) -> str:
           else run_folder_lines(request, "PBS_O_WORKDIR")),
         *(preflight_lines(render_argv(mpiexec_argv(request, per_node=PREFLIGHT_ARGV)), "${PBS_JOBID}")
           if request.preflight else []),
-        *stage_lines(request, render_argv(mpiexec_argv(request, per_node=STAGE_FAN_OUT_ARGV)), "PBS_JOBID",
-                     "${PBS_JOBID}"),
+        # The spare nodes get their copy too: a restart swaps one in for a failed node.
+        *stage_lines(request, render_argv(mpiexec_argv(request, per_node=STAGE_FAN_OUT_ARGV, spare_too=True)),
+                     "PBS_JOBID", "${PBS_JOBID}"),
         deadline_line(request),
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.
-        *launch_lines(request, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
+        *launch_lines(request.max_restarts, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
                       trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name))),
                       leave_out=hostfile_leave_out(HOSTFILE_VAR, request.nodes, request.per_node,
                                                    [f"export MASTER_ADDR={master}"])

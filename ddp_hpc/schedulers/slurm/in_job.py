@@ -6,16 +6,20 @@ checkpoint taken on request. The batch-script backend's in-job side is its rende
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddp_hpc.contract import ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.contract import RESTART_COUNT_VAR, SUBMISSION_FILE, ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.request import CommandPayload, TrainPayload
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
@@ -62,15 +66,36 @@ class SubmititTrainTask:
         return submitit.helpers.DelayedSubmission(SubmititTrainTask(self.payload, self.workdir))
 
 
+@dataclass(frozen=True)
+class RestartPlan:
+    """``--max-restarts`` for a submitit command job: after a rank's command fails, the job is
+    submitted again with the same executor parameters and ``--exclude`` of every node where a
+    rank failed (submitit has no batch script to loop in)."""
+
+    #: The executor's parameters as submitted (``executor_parameters``).
+    parameters: dict[str, Any]
+    #: submitit's folder for the job's files.
+    folder: str
+    max_restarts: int
+    attempt: int = 0
+    excluded: tuple[str, ...] = ()
+
+    @property
+    def restarts_left(self) -> bool:
+        return self.attempt < self.max_restarts
+
+
 class SubmititCommandTask:
     """What each SLURM task runs for a command job: the command, as a child with torchrun's
     variables. A child that exits with ``ExitStatus.REQUEUE`` (checkpointed on request) gets the
-    job requeued."""
+    job requeued; one that fails, with ``restart`` and restarts left, gets the job submitted
+    again without this node."""
 
     def __init__(self, payload: CommandPayload, workdir: str, run_folder: str,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, restart: RestartPlan | None = None) -> None:
         self.payload, self.workdir, self.run_folder = payload, workdir, run_folder
         self.extra_env = dict(extra_env or {})  # a sweep element's variables
+        self.restart = restart
         self._child: subprocess.Popen | None = None
 
     def __call__(self) -> int:
@@ -79,7 +104,9 @@ class SubmititCommandTask:
         os.chdir(self.workdir)
         launch = command_environment(self.payload.argv)
         sys.stdout.flush()
-        self._child = subprocess.Popen(list(launch.argv), env={**launch.environment(os.environ), **self.extra_env})
+        attempt = {RESTART_COUNT_VAR: str(self.restart.attempt)} if self.restart else {}
+        self._child = subprocess.Popen(list(launch.argv),
+                                       env={**launch.environment(os.environ), **self.extra_env, **attempt})
         code = self._child.wait()
         rank = int(launch.environment(os.environ).get("RANK", "0"))
         job_id = job_key(os.environ)
@@ -88,9 +115,36 @@ class SubmititCommandTask:
             atomic_write(Path(self.run_folder) / exit_file_name(job_id), f"{code}\n")
         if code == ExitStatus.REQUEUE:
             requeue_from_rank_zero()  # the command checkpointed and asked to be run again
+        if code != 0 and self.restart is not None and self.restart.restarts_left:
+            self._restart_without_this_node(rank, code, job_id)
         if code != 0:
             raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
         return code
+
+    def _restart_without_this_node(self, rank: int, code: int, job_id: str | None) -> None:
+        """The first rank to fail submits the job again, leaving out its node, and points the
+        run folder's submission record at the new job (``status``/``--wait`` follow it)."""
+        import submitit
+
+        plan = self.restart
+        folder = Path(self.run_folder)
+        # One restart per failed job, the first failing rank's (named after the job: a later
+        # submission into the same run folder restarts again).
+        try:
+            os.close(os.open(folder / f".restarted-{job_id or plan.attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        reason = f"rank {rank} exited with status {ExitStatus.of_returncode(code):d}"  # 137, as the shell says
+        record_left_out(folder, LeftOutHost(host, plan.attempt, reason))
+        following = dataclasses.replace(plan, attempt=plan.attempt + 1, excluded=(*plan.excluded, host))
+        executor = submitit.AutoExecutor(folder=plan.folder, cluster="slurm")
+        executor.update_parameters(**plan.parameters, slurm_exclude=",".join(following.excluded))
+        job = executor.submit(SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env,
+                                                  following))
+        log.warning("leaving out node(s) %s, where a rank failed (%s): restart %d of %d as job %s",
+                    ",".join(following.excluded), reason, following.attempt, plan.max_restarts, job.job_id)
+        follow_resubmission(folder, job_id, job.job_id, plan.folder)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         """submitit's time-limit/preemption hook: pass the signal on, let the command
@@ -104,7 +158,22 @@ class SubmititCommandTask:
             except subprocess.TimeoutExpired:
                 pass
         return submitit.helpers.DelayedSubmission(
-            SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env))
+            SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env, self.restart))
+
+
+def follow_resubmission(run_folder: Path, old_job: str | None, new_job: str, submitit_folder: str) -> None:
+    """Point ``RUN/submission.json`` at ``new_job`` (the old one joins ``chain``), with its logs."""
+    from ddp_hpc.schedulers.base import Submission
+
+    try:
+        submission = Submission.from_json((run_folder / SUBMISSION_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        log.warning("no submission record in %s: status will not follow job %s", run_folder, new_job)
+        return
+    chain = submission.chain or (old_job or submission.job_id,)
+    logs = tuple(str(Path(submitit_folder) / f"{new_job}_{rank}_log.{kind}") for rank in range(submission.world_size)
+                 for kind in ("out", "err"))
+    dataclasses.replace(submission, job_id=new_job, chain=(*chain, new_job), logs=logs).record()
 
 
 #: How long the other ranks wait for rank 0's requeue to end them.

@@ -147,8 +147,8 @@ def render_sbatch(request: SubmitRequest) -> str:
         *SLURM_DEADLINE_LINES,
         # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
         # SIGUSR2, which would kill the agent) on to them.
-        *launch_lines(request, command, job_key(request), requeue=REQUEUE if request.chain == 1 else None,
-                      restarts=0 if torchrun else None, forward_signal="TERM" if torchrun else "USR2",
+        *launch_lines(0 if torchrun else request.max_restarts, command, job_key(request),
+                      requeue=REQUEUE if request.chain == 1 else None, forward_signal="TERM" if torchrun else "USR2",
                       trap_signals=request.stop_signal.name,
                       leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None),
         "",

@@ -14,7 +14,7 @@ from typing import Any
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import CommandPayload, SubmitRequest, export_lines, parse_walltime
 from ddp_hpc.schedulers.base import DryRun, Scheduler, Submission, run_tool
-from ddp_hpc.schedulers.slurm.in_job import SubmititCommandTask, SubmititTrainTask
+from ddp_hpc.schedulers.slurm.in_job import RestartPlan, SubmititCommandTask, SubmititTrainTask
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.schedulers.slurm.state import SlurmJobs
 
@@ -46,9 +46,13 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         self.check_profile(request)
         if request.torchrun_per_node:
             raise UserError("--torchrun renders a batch script: use it with --sbatch")
-        if request.max_restarts or request.spare_nodes:
-            raise UserError("--max-restarts and --spare-nodes relaunch ranks from a batch script: use them with "
-                            "--sbatch")
+        if request.spare_nodes:
+            raise UserError("--spare-nodes allocates nodes for a batch script's restarts: use it with --sbatch "
+                            "(submitit's --max-restarts submits the job again without the failed node)")
+        if request.max_restarts and (not isinstance(request.payload, CommandPayload) or request.elements
+                                     or request.chain > 1):
+            raise UserError("--max-restarts under submitit restarts a command job (its tasks outlive the command); "
+                            "for a training config, a sweep or a chain use --sbatch")
         if request.preflight:
             raise UserError("--preflight runs a step before the ranks in a batch script: use it with --sbatch")
         if request.stage_env:
@@ -70,7 +74,9 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         request, workdir = dry_run.request, str(dry_run.workdir)
         if isinstance(request.payload, CommandPayload):
             if not request.elements:
-                return [SubmititCommandTask(request.payload, workdir, str(dry_run.run_folder))]
+                restart = (RestartPlan(dict(dry_run.parameters), str(self.folder(dry_run)), request.max_restarts)
+                           if request.max_restarts else None)
+                return [SubmititCommandTask(request.payload, workdir, str(dry_run.run_folder), restart=restart)]
             return [SubmititCommandTask(request.payload, workdir, str(dry_run.workdir / request.element_run_folder(e)),
                                         e.environment()) for e in request.elements]
         payloads = [request.element_payload(e) for e in request.elements] or [request.payload]

@@ -61,10 +61,10 @@ class DeadlineStop(Callback):
                         (trainer.progress.global_step // self.policy.check_every_n_steps + 1)
                         * self.policy.check_every_n_steps)
         elif trainer.ctx.is_rank_zero:
-            log.info("job deadline in %.0f s (%s): will checkpoint and stop ahead of it (margin %.0f s)",
+            log.info("job deadline in %.0f s (%s): will checkpoint and stop ahead of it (%s)",
                      self.policy.deadline - now, time.strftime("%Y-%m-%d %H:%M:%S %Z",
                                                                time.localtime(self.policy.deadline)),
-                     self.policy.margin_s)
+                     self.policy.describe_margin())
 
     def on_checkpoint_saved(self, trainer: Trainer, path) -> None:
         self.measured.checkpoint_written(trainer.last_checkpoint_s)
@@ -87,6 +87,6 @@ class DeadlineStop(Callback):
             log.warning("job deadline in %.1f s, but going on to step %d and stopping there needs about %.1f s "
                         "(steps of up to %.2f s, checkpoint %.1f s, epoch end %.1f s, margin %.0f s): "
                         "checkpointing and stopping at step %d", self.policy.deadline - now, step + every, needed,
-                        timings.step_s, timings.checkpoint_s, timings.epoch_end_s, self.policy.margin_s, step)
+                        timings.step_s, timings.checkpoint_s, timings.epoch_end_s, self.policy.margin(timings), step)
             self.stopped_at = step
             trainer.request_stop()
