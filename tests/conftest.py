@@ -47,6 +47,12 @@ def ddp_hpc_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "ddp_hpc"]
 
 
+#: ``submit --wait`` for jobs that are never requeued: the end must be seen on 3 polls in a
+#: row (schedulers.wait), 4-6 s after it at the default 2 s, 1-1.5 s at 0.5 s. Requeued jobs
+#: keep the default: its 3 polls span the moment a requeue looks like an end.
+FAST_WAIT = ("--wait", "--poll", "0.5")
+
+
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """os.environ without any launcher's variables, so tests behave the same anywhere."""
     env = {k: v for k, v in os.environ.items()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, ddp_hpc_command, run
+from conftest import FAST_WAIT, REPO, clean_env, ddp_hpc_command, run
 from ddp_hpc.device import DeviceChoice
 from ddp_hpc.environment import DistEnv, resolve_env
 from ddp_hpc.errors import UserError
@@ -170,7 +170,7 @@ def submit(tmp_path: Path, *args: str, timeout: float = 400):
     (["pbs", "--cluster", "pbs-generic"], WITH_API, 1)], ids=["submitit-plain", "sbatch-plain", "qsub-plain", "qsub-api"])
 def test_command_job_waits_for_the_end_and_reports_it(variant, script, per_node, slurm_cluster, tmp_path):
     result = submit(tmp_path, *variant, "--nodes", "2", "--tasks-per-node", str(per_node), "--walltime", "10",
-                    "--wait", "--job-name", "example", "--", "python", script)
+                    *FAST_WAIT, "--job-name", "example", "--", "python", script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     job_id = re.search(r"submitted job (\S+)", result.stdout).group(1)
     assert f"job {job_id}: completed (exit status 0" in result.stdout
@@ -186,7 +186,7 @@ def test_command_job_waits_for_the_end_and_reports_it(variant, script, per_node,
                          ids=["sbatch", "qsub"])
 def test_a_command_failing_on_one_rank_fails_the_wait(variant, slurm_cluster, tmp_path):
     fail = 'import os, sys; print("rank", os.environ["RANK"], flush=True); sys.exit(3 if os.environ["RANK"] == "1" else 0)'
-    result = submit(tmp_path, *variant, "--nodes", "1", "--tasks-per-node", "2", "--walltime", "5", "--wait",
+    result = submit(tmp_path, *variant, "--nodes", "1", "--tasks-per-node", "2", "--walltime", "5", *FAST_WAIT,
                     "--job-name", "fails", "--", "python", "-c", fail)
     job_id = re.search(r"submitted job (\S+)", result.stdout).group(1)
     assert result.returncode != 0
@@ -203,7 +203,7 @@ def test_wait_and_status_without_sacct(slurm_cluster, tmp_path):
     (fake / "sacct").chmod(0o755)
     env = clean_env({"PATH": f"{fake}:{clean_env()['PATH']}"})
     result = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "1", "--tasks-per-node", "1",
-                  "--walltime", "5", "--wait", "--job-name", "nosacct", "--", "sh", "-c", "echo hello; exit 4"],
+                  "--walltime", "5", *FAST_WAIT, "--job-name", "nosacct", "--", "sh", "-c", "echo hello; exit 4"],
                  env=env, cwd=tmp_path, timeout=300)
     assert result.returncode == 4, result.stdout + result.stderr
     assert "hello" in result.stderr and "sacct" not in result.stdout.split("job ")[-1].split(")")[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIGURES, REPO, clean_env, ddp_hpc_command
+from conftest import FAST_WAIT, FIGURES, REPO, clean_env, ddp_hpc_command
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.reliability]
 LIMIT_S = 60
@@ -198,7 +198,7 @@ def test_ranks_listen_on_loopback_only(tmp_path, mpich):
 def test_a_dead_rank_fails_a_submitit_job_and_wait_reports_it(tmp_path, slurm_cluster):
     marker = tmp_path / "fault-time"
     argv = [*ddp_hpc_command(), "submit", "slurm", str(REPO / "configs" / "synthetic.yaml"), "--nodes", "1",
-            "--tasks-per-node", "2", "--walltime", "10", "--wait", *TRAIN[2:], f"logging.run_dir={tmp_path / 'runs'}",
+            "--tasks-per-node", "2", "--walltime", "10", *FAST_WAIT, *TRAIN[2:], f"logging.run_dir={tmp_path / 'runs'}",
             fault("KillRankAtStep", marker)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env=clean_env({"PYTHONPATH": str(REPO / "tests")}))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import FIGURES, REPO, assert_same_training_state, ddp_hpc_command, run
+from conftest import FAST_WAIT, FIGURES, REPO, assert_same_training_state, ddp_hpc_command, run
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
@@ -52,7 +52,7 @@ def test_launch_restarts_once_after_a_killed_rank(launcher, reference, tmp_path,
 @pytest.mark.slurm
 def test_sbatch_script_restarts_in_the_same_allocation(reference, slurm_cluster, tmp_path):
     result = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--max-restarts", "1", "--nodes", "1",
-                  "--walltime", "10", "--wait", CONFIG, *COMMON, f"logging.run_dir={tmp_path / 'runs'}",
+                  "--walltime", "10", *FAST_WAIT, CONFIG, *COMMON, f"logging.run_dir={tmp_path / 'runs'}",
                   "logging.name=r", kill_once(tmp_path)], cwd=tmp_path, timeout=500,
                  env={"PYTHONPATH": str(REPO / "tests")})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -68,7 +68,7 @@ def test_a_restart_with_a_spare_node_leaves_out_the_node_where_a_rank_failed(slu
     probe = ('echo "attempt $DDP_HPC_RESTART_COUNT rank $RANK on $SLURMD_NODENAME"; '
              'if [ "$DDP_HPC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 2')
     result = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "1", "--tasks-per-node", "2",
-                  "--spare-nodes", "1", "--max-restarts", "1", "--walltime", "5", "--wait", "--job-name", "spare",
+                  "--spare-nodes", "1", "--max-restarts", "1", "--walltime", "5", *FAST_WAIT, "--job-name", "spare",
                   "--", "sh", "-c", probe], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = "".join(p.read_text() for p in (tmp_path / "logs").glob("spare-*.out"))
@@ -88,7 +88,7 @@ def test_a_qsub_restart_with_a_spare_node_runs_without_the_host_where_a_rank_die
     first host; the restart's mpiexec runs on the other host, rank 0's address with it, and
     ends bit-identical; ``ddp-hpc status`` shows the host left out and why."""
     result = run([*ddp_hpc_command(), "submit", "pbs", "--cluster", "pbs-generic", "--nodes", "1", "--spare-nodes", "1",
-                  "--max-restarts", "1", "--walltime", "10", "--wait", CONFIG, *COMMON,
+                  "--max-restarts", "1", "--walltime", "10", *FAST_WAIT, CONFIG, *COMMON,
                   f"logging.run_dir={tmp_path / 'runs'}", "logging.name=r", kill_once(tmp_path)], cwd=tmp_path,
                  timeout=500, env={"PYTHONPATH": str(REPO / "tests")})
     log = "".join(p.read_text() for p in tmp_path.glob("*.[oe][0-9]*"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, ddp_hpc_command, run
+from conftest import FAST_WAIT, REPO, clean_env, ddp_hpc_command, run
 
 pytestmark = pytest.mark.multiproc
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -48,7 +48,7 @@ def test_pbs_script_runs_with_pbs_pro_variables(tmp_path, mpich):
 
 @pytest.mark.slurm
 def test_qsub_wait_on_two_nodes(tmp_path, slurm_cluster, qsub):
-    result = submit(tmp_path, "pbs", DIGITS, "--cluster", "pbs-generic", "--nodes", "2", "--walltime", "10", "--wait")
+    result = submit(tmp_path, "pbs", DIGITS, "--cluster", "pbs-generic", "--nodes", "2", "--walltime", "10", *FAST_WAIT)
     summary = finished_summary(result, tmp_path, "digits")
     assert summary["world_size"] == 4
     assert (tmp_path / "runs" / "digits" / "job.pbs").exists()
@@ -56,7 +56,7 @@ def test_qsub_wait_on_two_nodes(tmp_path, slurm_cluster, qsub):
 
 @pytest.mark.slurm
 def test_submitit_wait_on_two_nodes(tmp_path, slurm_cluster):
-    result = submit(tmp_path, "slurm", DIGITS, "--nodes", "2", "--tasks-per-node", "2", "--walltime", "10", "--wait")
+    result = submit(tmp_path, "slurm", DIGITS, "--nodes", "2", "--tasks-per-node", "2", "--walltime", "10", *FAST_WAIT)
     summary = finished_summary(result, tmp_path, "digits")
     assert summary["world_size"] == 4 and summary["epochs_run_per_rank"] == [3, 3, 3, 3]
     assert (tmp_path / "runs" / "digits" / "submitit").is_dir()
@@ -66,7 +66,7 @@ def test_submitit_wait_on_two_nodes(tmp_path, slurm_cluster):
 @pytest.mark.parametrize("variant", [[], ["--torchrun"]], ids=["srun-per-rank", "torchrun-per-node"])
 def test_sbatch_script_wait_on_two_nodes(tmp_path, slurm_cluster, variant):
     result = submit(tmp_path, "slurm", DIGITS, "--nodes", "2", "--tasks-per-node", "2", "--walltime", "10",
-                    "--sbatch", *variant, "--wait")
+                    "--sbatch", *variant, *FAST_WAIT)
     summary = finished_summary(result, tmp_path, "digits")
     assert summary["world_size"] == 4
     log = next((tmp_path / "logs").glob("digits-*.out")).read_text()
