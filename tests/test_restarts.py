@@ -4,6 +4,7 @@ rank once, resumes from its checkpoint and ends bit-identical to an uninterrupte
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -23,8 +24,11 @@ def reference(tmp_path_factory):
     result = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", *ddp_hpc_command(), "train", CONFIG,
                   *COMMON, f"logging.run_dir={runs}", "logging.name=reference"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    # An unperturbed run: rank 0's heartbeat (every 10 s) named no straggler.
-    assert not (runs / "reference" / "record" / "stragglers.json").exists() and "straggler" not in result.stderr
+    # An unperturbed run: rank 0's heartbeat (every 10 s) named no straggler. Not on an xdist
+    # worker: there the other worker's ranks share the 2 cores, and the OS may give one of
+    # these two ranks half the CPU of the other for a whole window, which is a straggler.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        assert not (runs / "reference" / "record" / "stragglers.json").exists() and "straggler" not in result.stderr
     return load_checkpoint(runs / "reference" / "checkpoints" / "last.pt")
 
 
