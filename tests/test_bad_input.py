@@ -180,6 +180,9 @@ CORPUS = [
     ("more nodes than the hostfile lists", {"hosts": "h1\nh2\n"},
      ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--nodes", "3", "--run-folder", "{tmp}/run",
       "--", "true"], {}, "--nodes 3: the hostfile lists 2 host(s)"),
+    ("hostfile that is not text", {"hosts": b"\xff\xfe\x00h1\n"},
+     ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/run", "--", "true"], {},
+     "--hostfile {tmp}/hosts: not a text file of host names"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

@@ -205,6 +205,9 @@ def test_the_default_margin_lets_a_one_minute_job_train_and_grows_with_the_measu
     assert policy.margin(slow) == 32.0  # the slowest step and checkpoint once more
     assert time_needed(policy, slow, 4, False) == 4 * 2.0 + 30.0 + 32.0
     assert DeadlinePolicy(0.0, 4, margin_s=5.0).margin(slow) == 5.0  # a number is kept as given
+    for bad in ("soon", -1.0, True):  # refused when made, not at the first deadline check
+        with pytest.raises(ValueError, match="margin_s=.* must be 'auto' or seconds >= 0"):
+            ddp_hpc.StopAgreement(deadline=1040.0, margin_s=bad)
 
 
 def test_stop_agreement_signal_and_deadline(tmp_path):

@@ -44,6 +44,9 @@ class StopAgreement:
                  group: Collectives | None = None, clock: Callable[[], float] = time.time) -> None:
         if check_every_n_steps < 1:
             raise ValueError(f"StopAgreement: check_every_n_steps={check_every_n_steps} must be >= 1")
+        if margin_s != "auto" and (isinstance(margin_s, bool) or not isinstance(margin_s, (int, float))
+                                   or margin_s < 0):
+            raise ValueError(f"StopAgreement: margin_s={margin_s!r} must be 'auto' or seconds >= 0")
         self.checkpointer = checkpointer
         self.check_every_n_steps = check_every_n_steps
         self.group: Collectives = group or (checkpointer.group if checkpointer else ProcessGroupView.current())

@@ -49,6 +49,8 @@ def read_hostfile(path: Path) -> tuple[str, ...]:
         text = path.read_text()
     except OSError as exc:
         raise UserError(f"--hostfile {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--hostfile {path}: not a text file of host names") from None
     hosts: list[str] = []
     for number, line in enumerate(text.splitlines(), 1):
         name = line.split("#", 1)[0].strip()
