@@ -135,6 +135,9 @@ EXIT_FILE_PREFIX = "exit-"
 #: The nodes a batch script left out of a restart (``--spare-nodes``), one JSON line each:
 #: ``{"host": ..., "attempt": N, "reason": ...}``; ``ddp-hpc status`` shows them.
 LEFT_OUT_FILE = "left-out-hosts.jsonl"
+#: ``.restarted-<job>``: made (O_EXCL) by the first task of a failed submitit job that
+#: submits it again, so that the job is submitted again once.
+RESTARTED_MARKER_PREFIX = ".restarted-"
 #: ``rank-failures-<attempt>``: one line ``RANK STATUS`` per rank that failed in that attempt,
 #: in the order they failed (the first names the node a PBS restart leaves out).
 RANK_FAILURES_PREFIX = "rank-failures-"

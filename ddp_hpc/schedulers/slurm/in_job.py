@@ -18,8 +18,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddp_hpc.contract import (AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, SUBMISSION_FILE, ExitStatus, atomic_write,
-                              exit_file_name)
+from ddp_hpc.contract import (AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE,
+                              ExitStatus, atomic_write, exit_file_name)
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.request import CommandPayload, TrainPayload
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
@@ -133,7 +133,8 @@ class SubmititCommandTask:
         # One restart per failed job, the first failing rank's (named after the job: a later
         # submission into the same run folder restarts again).
         try:
-            os.close(os.open(folder / f".restarted-{job_id or plan.attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            marker = folder / f"{RESTARTED_MARKER_PREFIX}{job_id or plan.attempt}"
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -179,9 +180,14 @@ def follow_resubmission(run_folder: Path, old_job: str | None, new_job: str, sub
         log.warning("no submission record in %s: status will not follow job %s", run_folder, new_job)
         return
     chain = submission.chain or (old_job or submission.job_id,)
-    logs = tuple(str(Path(submitit_folder) / f"{new_job}_{rank}_log.{kind}") for rank in range(submission.world_size)
-                 for kind in ("out", "err"))
+    logs = tuple(submitit_logs(Path(submitit_folder), [new_job], submission.world_size))
     dataclasses.replace(submission, job_id=new_job, chain=(*chain, new_job), logs=logs).record()
+
+
+def submitit_logs(folder: Path, job_ids: list[str], ranks: int) -> list[str]:
+    """The files submitit writes each task's stdout and stderr to."""
+    return [str(folder / f"{job_id}_{rank}_log.{kind}") for job_id in job_ids for rank in range(ranks)
+            for kind in ("out", "err")]
 
 
 #: How long the other ranks wait for rank 0's requeue to end them.

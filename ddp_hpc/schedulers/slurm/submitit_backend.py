@@ -14,7 +14,7 @@ from typing import Any
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.request import CommandPayload, SubmitRequest, export_lines, parse_walltime
 from ddp_hpc.schedulers.base import DryRun, Scheduler, Submission, run_tool
-from ddp_hpc.schedulers.slurm.in_job import RestartPlan, SubmititCommandTask, SubmititTrainTask
+from ddp_hpc.schedulers.slurm.in_job import RestartPlan, SubmititCommandTask, SubmititTrainTask, submitit_logs
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.schedulers.slurm.state import SlurmJobs
 
@@ -107,8 +107,7 @@ class SubmititScheduler(SlurmJobs, Scheduler):
 
     @staticmethod
     def _logs(folder: Path, jobs, ranks: int) -> list[str]:
-        return [str(folder / f"{job.job_id}_{rank}_log.{kind}") for job in jobs for rank in range(ranks)
-                for kind in ("out", "err")]
+        return submitit_logs(folder, [job.job_id for job in jobs], ranks)
 
     def failure(self, submission: Submission) -> str | None:
         """Why a finished job failed, from submitit's result files (None if every rank
