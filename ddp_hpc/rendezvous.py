@@ -21,7 +21,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -127,6 +127,12 @@ SPLIT_DOWN_TO = 8
 KEYS_PER_REQUEST = 256
 
 
+def store_batches(keys: Sequence[str]) -> Iterator[list[str]]:
+    """``keys`` in requests the store serves in linear time (``KEYS_PER_REQUEST`` each)."""
+    for first in range(0, len(keys), KEYS_PER_REQUEST):
+        yield list(keys[first:first + KEYS_PER_REQUEST])
+
+
 def _joined_keys(ranks: Iterable[int]) -> list[str]:
     return [f"{JOINED_KEY}/{rank}" for rank in ranks]
 
@@ -190,8 +196,7 @@ def _hosts_of(store: dist.Store, missing: Sequence[int], env: DistEnv, listed: S
                              if r not in absent), None) for node in by_node}
     asked = {node: rank for node, rank in witnesses.items() if rank is not None}
     nodes, witness_ranks = list(asked), list(asked.values())
-    values = [value for first in range(0, len(witness_ranks), KEYS_PER_REQUEST)
-              for value in store.multi_get(_joined_keys(witness_ranks[first:first + KEYS_PER_REQUEST]))]
+    values = [value for batch in store_batches(_joined_keys(witness_ranks)) for value in store.multi_get(batch)]
     found = {node: value.decode(errors="replace") for node, value in zip(nodes, values)}
     known = {0: socket.gethostname(), **found}
     if any(node < len(listed) and _short(listed[node]) != _short(host) for node, host in known.items()):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ddp_hpc.engine.collectives import CollectivePosition, out_of_step, position
 from ddp_hpc.engine.watchdog import Watchdog
-from ddp_hpc.rendezvous import KEYS_PER_REQUEST
+from ddp_hpc.rendezvous import store_batches
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +98,10 @@ def find_stragglers(step_s: dict[int, float], factor: float = STRAGGLER_FACTOR) 
     return found
 
 
-def _batches(keys: Sequence[str]) -> Iterator[list[str]]:
-    """``keys`` in requests the store serves in linear time (``KEYS_PER_REQUEST`` each)."""
-    for first in range(0, len(keys), KEYS_PER_REQUEST):
-        yield list(keys[first:first + KEYS_PER_REQUEST])
-
-
 def read_texts(store: dist.Store, keys: Sequence[str]) -> list[str | None]:
     """Each key's value, None for one not set (yet)."""
     values: list[str | None] = []
-    for batch in _batches(keys):
+    for batch in store_batches(keys):
         if store.check(batch):
             values += [value.decode() for value in store.multi_get(batch)]
         else:
@@ -129,7 +123,7 @@ def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
     """Every counter's value: batched reads where all exist (the usual case), else one
     ``add(key, 0)`` a key (which also creates a missing one at 0, for the second read)."""
     values: list[int] = []
-    for batch in _batches(keys):
+    for batch in store_batches(keys):
         if store.check(batch):
             values += [int(value) for value in store.multi_get(batch)]
         else:
