@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
 import traceback
@@ -308,7 +309,15 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
+    # The script runs in a session of its own (so `cancel` can end it whole): a SIGTERM or
+    # SIGHUP to this process (a timeout wrapper, a closed terminal) must end it too, as Ctrl-C does.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_keyboard_interrupt)
     return run_in_foreground(script, launch.run_folder / SCRIPT_NAME, launch.run_folder, launch.world_size, sys.argv)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -197,3 +197,36 @@ def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, 
     assert "# per-rank command (2 ranks): ddp-hpc run -- true" in out and "# would run: toy-submit job.sh" in out
     args = cli.parse(["render", "toy", "--run-dir", str(tmp_path), "--", "true"])
     assert args.func(args) == 0 and capsys.readouterr().out == "#!/bin/sh\n# toy script for 2 ranks, torchrun False\n"
+
+
+def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path):
+    """``launch --hostfile`` runs its script in a session of its own (for ``cancel``): a SIGTERM
+    to ``ddp-hpc`` itself (a timeout wrapper, a closed terminal) must end the ranks too."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from conftest import clean_env
+
+    (tmp_path / "hosts").write_text(socket.gethostname() + "\n")
+    marker = f"sleep {4000 + tmp_path.stat().st_ino % 1000}"  # a command line no other test runs
+    argv = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"),
+            "--nproc", "2", "--run-folder", str(tmp_path / "run"), "--", *marker.split()]
+    process = subprocess.Popen(argv, env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+
+    def ranks() -> int:
+        found = subprocess.run(["pgrep", "-fx", marker], capture_output=True, text=True)
+        return len(found.stdout.split())
+
+    deadline = time.monotonic() + 60
+    while ranks() < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ranks() == 2, "the ranks never started"
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    deadline = time.monotonic() + 20
+    while ranks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ranks() == 0, "the ranks outlived the launch"
