@@ -123,7 +123,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Before torch is imported: a stop signal during start-up (a scheduler may send it at
     # any moment of a short job) is kept for the trainer instead of killing the rank.
     outside_training = StopSignalsOutsideTraining()
-    outside_training.install(StopSignalsOutsideTraining.signals(parse_stop_signal(config.checkpoint.stop_signal)))
+    stop_signal = parse_stop_signal(config.checkpoint.stop_signal)
+    outside_training.install(StopSignalsOutsideTraining.signals(stop_signal))
     from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.training.run_on_rank import TrainOptions, train
 
