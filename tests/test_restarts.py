@@ -112,27 +112,33 @@ def test_a_qsub_restart_with_a_spare_node_runs_without_the_host_where_a_rank_die
 
 
 @pytest.mark.slurm
-def test_a_submitit_command_job_restarts_as_a_new_job_without_the_node_where_a_rank_failed(slurm_cluster, tmp_path):
-    """submitit (no batch script): rank 1's command is killed in the first job; its task
-    submits the job again with ``--exclude`` of that node, ``--wait`` follows the new job, and
-    ``ddp-hpc status`` shows the node left out."""
-    probe = ('echo "attempt $DDP_HPC_RESTART_COUNT rank $RANK on $SLURMD_NODENAME"; '
-             'if [ "$DDP_HPC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then kill -9 $$; fi')
+def test_a_submitit_job_restarts_as_a_new_job_without_the_node_where_a_rank_failed(reference, slurm_cluster, tmp_path):
+    """submitit (no batch script): rank 1 SIGKILLed at step 12 in the first job; its task (which
+    runs ``ddp-hpc train`` as a child, and so outlives it) submits the job again with
+    ``--exclude`` of that node; ``--wait`` follows the new job, which resumes from the
+    checkpoint on the other node and ends bit-identical; ``ddp-hpc status`` shows the node
+    left out."""
     result = run([*ddp_hpc_command(), "submit", "slurm", "--nodes", "1", "--tasks-per-node", "2", "--max-restarts", "1",
-                  "--walltime", "5", "--wait", "--poll", "1", "--job-name", "resub", "--", "sh", "-c", probe],
-                 cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+                  "--walltime", "10", *FAST_WAIT, CONFIG, *COMMON, f"logging.run_dir={tmp_path / 'runs'}",
+                  "logging.name=resub", kill_once(tmp_path)], cwd=tmp_path, timeout=500,
+                 env={"PYTHONPATH": str(REPO / "tests")})
     folder = tmp_path / "runs" / "resub"
-    logs = "".join(p.read_text() for p in (folder / "submitit").glob("*_log.*"))
-    places = set(re.findall(r"attempt (\d) rank \d on (n\d)", logs))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [(failed, reason)] = [(r["host"], r["reason"]) for r in map(json.loads, (folder / "left-out-hosts.jsonl")
                                                                 .read_text().splitlines())]
-    assert ("0", failed) in places and reason == "rank 1 exited with status 137", logs[-3000:]
-    assert {host for attempt, host in places if attempt == "1"} == {"n1", "n2"} - {failed}, logs[-3000:]
-    status = run([*ddp_hpc_command(), "status", "runs/resub"], cwd=tmp_path, timeout=60)
+    assert reason == "rank 1 exited with status 137" and (tmp_path / "killed").exists()
+    submission = json.loads((folder / "submission.json").read_text())
+    first, again = submission["chain"]
+    assert submission["job_id"] == again
+    ran_on = {job: run(["sacct", "-X", "-n", "-P", "-o", "NodeList", "-j", job], timeout=60).stdout.strip()
+              for job in (first, again)}
+    assert ran_on == {first: failed, again: {"n1": "n2", "n2": "n1"}[failed]}, ran_on
+    assert_same_training_state(reference, load_checkpoint(folder / "checkpoints" / "last.pt"))
+    status = run([*ddp_hpc_command(), "status", str(folder)], cwd=tmp_path, timeout=60)
     assert ": completed, exit status 0" in status.stdout, status.stdout
     assert f"left out: {failed} (attempt 0: rank 1 exited with status 137)" in status.stdout, status.stdout
-    FIGURES.append(f"--max-restarts 1 (submitit): a rank killed on {failed}, the job was submitted again without it")
+    FIGURES.append(f"--max-restarts 1 (submitit): rank 1 SIGKILLed at step 12 on {failed}, the job was submitted "
+                   f"again without it, ran on {ran_on[again]} and ended bit-identical")
 
 
 def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(tmp_path, monkeypatch):

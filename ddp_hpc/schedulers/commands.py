@@ -60,7 +60,7 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--max-restarts", type=int, default=None, metavar="N",
                         help="relaunch all ranks in the same allocation after a failure, at most N times "
                              "(they resume from the newest checkpoint; default: the config's "
-                             "distributed.max_restarts, else 0); submitit: a command job is submitted again "
+                             "distributed.max_restarts, else 0); submitit: the job is submitted again "
                              "without the node where a rank failed")
     for opt in schedulers.run_opts(family, "job"):  # what the family's backends declare
         opt.add_to(parser)

@@ -8,11 +8,12 @@ callable's ``checkpoint()`` and requeues the job with what that returns.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.request import CommandPayload, SubmitRequest, export_lines, parse_walltime
+from ddp_hpc.launch.request import CommandPayload, SubmitRequest, TrainPayload, export_lines, parse_walltime
 from ddp_hpc.schedulers.base import DryRun, Scheduler, Submission, run_tool
 from ddp_hpc.schedulers.slurm.in_job import RestartPlan, SubmititCommandTask, SubmititTrainTask, submitit_logs
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
@@ -49,10 +50,8 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         if request.spare_nodes:
             raise UserError("--spare-nodes allocates nodes for a batch script's restarts: use it with --sbatch "
                             "(submitit's --max-restarts submits the job again without the failed node)")
-        if request.max_restarts and (not isinstance(request.payload, CommandPayload) or request.elements
-                                     or request.chain > 1):
-            raise UserError("--max-restarts under submitit restarts a command job (its tasks outlive the command); "
-                            "for a training config, a sweep or a chain use --sbatch")
+        if request.max_restarts and (request.elements or request.chain > 1):
+            raise UserError("--max-restarts under submitit submits one job again: for a sweep or a chain use --sbatch")
         if request.preflight:
             raise UserError("--preflight runs a step before the ranks in a batch script: use it with --sbatch")
         if request.stage_env:
@@ -72,15 +71,27 @@ class SubmititScheduler(SlurmJobs, Scheduler):
     def tasks(self, dry_run: DryRun) -> list:
         """One callable, or one per sweep element (submitted as one array job)."""
         request, workdir = dry_run.request, str(dry_run.workdir)
+        if request.max_restarts:
+            # The task must outlive its rank to submit the job again without the rank's node: a
+            # training config runs as a command job then (`ddp-hpc train` as each task's child).
+            restart = RestartPlan(dict(dry_run.parameters), str(self.folder(dry_run)), request.max_restarts)
+            return [SubmititCommandTask(self.command_payload(request.payload), workdir, str(dry_run.run_folder),
+                                        restart=restart)]
         if isinstance(request.payload, CommandPayload):
             if not request.elements:
-                restart = (RestartPlan(dict(dry_run.parameters), str(self.folder(dry_run)), request.max_restarts)
-                           if request.max_restarts else None)
-                return [SubmititCommandTask(request.payload, workdir, str(dry_run.run_folder), restart=restart)]
+                return [SubmititCommandTask(request.payload, workdir, str(dry_run.run_folder))]
             return [SubmititCommandTask(request.payload, workdir, str(dry_run.workdir / request.element_run_folder(e)),
                                         e.environment()) for e in request.elements]
         payloads = [request.element_payload(e) for e in request.elements] or [request.payload]
         return [SubmititTrainTask(payload, workdir, requeue=request.chain == 1) for payload in payloads]
+
+    @staticmethod
+    def command_payload(payload: CommandPayload | TrainPayload) -> CommandPayload:
+        """A training config as the command each rank runs: ``ddp-hpc train`` of the
+        submitting Python, which submitit's tasks run too."""
+        if isinstance(payload, CommandPayload):
+            return payload
+        return CommandPayload(tuple(payload.rank_command((sys.executable, "-m", "ddp_hpc"))))
 
     def submit(self, dry_run: DryRun) -> Submission:
         import submitit
