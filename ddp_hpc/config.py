@@ -6,7 +6,6 @@ of that list. Values are checked here, before any rank starts work or writes a f
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from ddp_hpc.config_loader import (
     positive,
     to_plain,
 )
+from ddp_hpc.contract import checkpoint_format_of
 from ddp_hpc.errors import UserError
 from ddp_hpc.stop import parse_stop_signal
 
@@ -265,7 +265,7 @@ def checkpoint_format(config: Config, checkpoints: Path | None = None) -> str:
     default = "dcp" if getattr(config.training, "strategy", "ddp") == "fsdp2" else "file"
     resume = config.checkpoint.resume
     if resume not in ("auto", "never"):
-        return format_of_checkpoint(Path(resume)) or default
+        return checkpoint_format_of(Path(resume)) or default
     if resume == "auto" and checkpoints is not None:
         found = formats_in(checkpoints)
         if found and default not in found:
@@ -273,26 +273,13 @@ def checkpoint_format(config: Config, checkpoints: Path | None = None) -> str:
     return default
 
 
-_STEP_FOLDER = re.compile(r"^step-\d{8}$")
-
-
-def format_of_checkpoint(path: Path) -> str | None:
-    """``dcp`` or ``file``, by how ``path`` is named (a step folder or a file in one,
-    ``last.dcp``, ``best.dcp``; a ``.pt`` file); None when its name says neither."""
-    if path.suffix == ".pt":
-        return "file"
-    if path.suffix == ".dcp" or _STEP_FOLDER.match(path.name) or _STEP_FOLDER.match(path.parent.name):
-        return "dcp"
-    return None
-
-
 def formats_in(checkpoints: Path) -> set[str]:
     """The formats of the checkpoints in a run's checkpoint folder (empty when none)."""
     try:
-        names = [entry.name for entry in checkpoints.iterdir()]
+        entries = list(checkpoints.iterdir())
     except OSError:
         return set()
-    return {fmt for fmt in map(format_of_checkpoint, map(Path, names)) if fmt is not None}
+    return {fmt for fmt in map(checkpoint_format_of, entries) if fmt is not None}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +114,22 @@ BEST_CHECKPOINT = "best.pt"
 #: one-line files naming the newest complete one and the best one.
 LAST_SHARDED_CHECKPOINT = "last.dcp"
 BEST_SHARDED_CHECKPOINT = "best.dcp"
+#: A sharded checkpoint's step folder, and the file written last in it (complete once it exists).
+SHARDED_STEP_FOLDER = re.compile(r"^step-(\d{8})$")
+SHARDED_METADATA_FILE = ".metadata"
+
+
+def checkpoint_format_of(path: Path) -> str | None:
+    """``file`` or ``dcp``: the format of the checkpoint at ``path`` as a user names it (a
+    ``.pt`` file; a step folder, a file in one, ``last.dcp``/``best.dcp``, or any folder
+    holding the sharded metadata); None when neither its name nor its contents say."""
+    if path.suffix == ".pt":
+        return "file"
+    if path.suffix == ".dcp" or SHARDED_STEP_FOLDER.match(path.name) or SHARDED_STEP_FOLDER.match(path.parent.name):
+        return "dcp"
+    if path.is_dir() and (path / SHARDED_METADATA_FILE).exists():
+        return "dcp"
+    return None
 #: Run records (``<UTC stamp>-step<N>.json``): who ran what, where, with which versions.
 RECORD_DIR = "record"
 #: In the record folder: the stragglers rank 0 named (a JSON list; rewritten as it names more).

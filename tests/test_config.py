@@ -114,6 +114,10 @@ def test_an_unset_checkpoint_format_follows_the_checkpoint_resume_names_or_the_o
         for strategy in ("ddp", "fsdp2"):
             config = load_config(None, [f"training.strategy={strategy}", f"checkpoint.resume={named}"])
             assert checkpoint_format(config) == fmt, (named, strategy)
+    copied = tmp_path / "kept-for-later"  # a sharded checkpoint copied under a name of one's own
+    copied.mkdir()
+    (copied / ".metadata").write_bytes(b"")
+    assert checkpoint_format(load_config(None, [f"checkpoint.resume={copied}"])) == "dcp"
     # auto: the strategy's default, unless the run folder holds only the other format's checkpoints
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()

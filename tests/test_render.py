@@ -511,6 +511,30 @@ def test_a_stop_signal_requeues_the_job_unless_the_ranks_had_finished(tmp_path, 
     assert ("requeueing job 7" in result.stderr) is requeued
 
 
+def test_a_stop_signal_before_the_step_has_started_requeues_the_job_without_starting_it(tmp_path):
+    """Slurm's signal can come while the script is still setting up its step (here: from
+    the ``date`` that times the step's start): the ranks are not started (there is nothing
+    to checkpoint yet) and the job requeues, instead of failing on a pid it does not have."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    stubs = {
+        # Its first call sets the deadline, before the trap; the second times the step.
+        "date": '#!/bin/sh\necho >>"$RECORD.date"\n'
+                '[ "$(wc -l <"$RECORD.date")" = 2 ] && kill -USR2 "$PPID"\necho 1700000000\n',
+        "srun": '#!/bin/sh\necho srun ran >>"$RECORD"\n',
+        "scontrol": RECORDING_SCONTROL, "squeue": "#!/bin/sh\n"}
+    for name, text in stubs.items():
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    script = render_sbatch(request("slurm-cpu", nodes=1, overrides=[f"logging.run_dir={tmp_path / 'runs'}"]))
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    result = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert "unbound variable" not in result.stderr, result.stderr
+    assert (tmp_path / "record").read_text() == "requeue 7\n", result.stderr  # srun never ran
+    assert result.returncode == 75, result.stderr
+
+
 @pytest.mark.parametrize("rank_exit", [0, 75, 3, 137])
 def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_status(tmp_path, rank_exit):
     """Under mpiexec every rank runs in a small sh wrapper that passes USR2 on; the signal

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ddp_hpc.contract import CHECKPOINTS_DIR
+from ddp_hpc.contract import CHECKPOINTS_DIR, checkpoint_format_of
 from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, WriteRecord
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
@@ -135,7 +135,7 @@ class SingleFileFormat:
                 return None
             path, state = found
         else:
-            if path.is_dir() or path.suffix == ".dcp":
+            if checkpoint_format_of(path) == "dcp":
                 raise files.CheckpointError(f"checkpoint {path} is sharded (checkpoint.format=dcp), and this run "
                                             "reads format file: resume it with checkpoint.format=dcp")
             state = files.load_checkpoint(path)

@@ -32,7 +32,6 @@ import io
 import logging
 import os
 import pickle
-import re
 import shutil
 import threading
 import time
@@ -61,7 +60,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ddp_hpc.contract import BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, atomic_write, fsync_directory
+from ddp_hpc.contract import (BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, SHARDED_METADATA_FILE, SHARDED_STEP_FOLDER,
+                              atomic_write, fsync_directory)
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
 from ddp_hpc.engine.checkpoint_files import CheckpointError
 from ddp_hpc.engine.group import Collectives
@@ -69,8 +69,8 @@ from ddp_hpc.engine.group import Collectives
 log = logging.getLogger(__name__)
 
 SHARED_KEY = "ddp_hpc.shared"
-METADATA_FILE = ".metadata"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+METADATA_FILE = SHARDED_METADATA_FILE
+_STEP_DIR = SHARDED_STEP_FOLDER
 
 
 @contextmanager
