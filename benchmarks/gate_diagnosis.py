@@ -16,24 +16,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ddp_hpc.bench.store_calls import CountingStore
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.rendezvous import JOINED_KEY, absent_ranks
-
-
-class Counted:
-    """The store, counting its calls (each is one round trip)."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store, self.calls = store, 0
-
-    def __getattr__(self, name: str):
-        method = getattr(self.store, name)
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return method(*args, **kwargs)
-        return counted
 
 
 def measure(store: dist.Store, size: int, absent: list[int]) -> str:
@@ -44,7 +30,7 @@ def measure(store: dist.Store, size: int, absent: list[int]) -> str:
         store.delete_key(keys[rank])
     env = DistEnv(rank=0, world_size=size, local_rank=0, local_world_size=8, node_rank=0,
                   num_nodes=-(-size // 8), master_addr="127.0.0.1", master_port=0, source="bench")
-    counted = Counted(store)
+    counted = CountingStore(store)
     started = time.perf_counter()
     found = absent_ranks(counted, env)
     now_s = time.perf_counter() - started

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_hpc import fail_fast
+from ddp_hpc.bench.store_calls import CountingStore
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.distributed import DistributedOptions, create_store, process_group
 from ddp_hpc.environment import resolve_env
@@ -110,21 +111,6 @@ def test_a_node_list_that_disagrees_with_the_joined_hosts_names_no_host():
                             f"{HOST} (ranks 1-3), c3 (ranks 5-7); host unknown for node(s) 2")
     assert absent_ranks(store, env, (HOST, "c3", "c2")) == Absent(
         "ranks 1-3, 5-11 (10 of 12)", f"{HOST} (ranks 1-3), c3 (ranks 5-7), c2 (ranks 8-11, from the node list)")
-
-
-class CountingStore:
-    """A store that counts its round trips (every call is one)."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store, self.calls = store, 0
-
-    def __getattr__(self, name: str):
-        method = getattr(self.store, name)
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return method(*args, **kwargs)
-        return counted
 
 
 @pytest.mark.parametrize("missing", [[], [3, 4, 5, 6, 7, 2048, 4095], list(range(1, 4096, 2))],
