@@ -27,6 +27,11 @@ DEFAULT_LEAD_S = 90
 MAX_LEAD_S = 65535
 
 
+#: Signals that always ask the ranks to checkpoint and stop, whatever ``checkpoint.stop_signal``
+#: says: SLURM's warning before the time limit (USR2); preemption, scancel, PBS at walltime (TERM).
+ALWAYS_STOP = (signal.SIGUSR2, signal.SIGTERM)
+
+
 @dataclass(frozen=True)
 class StopSignal:
     """A signal that asks the ranks to checkpoint and stop, sent ``lead_s`` before the end."""
@@ -100,6 +105,11 @@ def _seconds(environ: Mapping[str, str], name: str) -> float | None:
     return value
 
 
+def stop_signals(stop_signal: StopSignal) -> tuple[signal.Signals, ...]:
+    """Every signal that asks the ranks to stop: ``ALWAYS_STOP`` and the configured one."""
+    return tuple(dict.fromkeys((*ALWAYS_STOP, stop_signal.signal)))
+
+
 def job_deadline(environ: Mapping[str, str]) -> float | None:
     """The job's end in seconds since the epoch, or None where nothing says.
 
@@ -143,10 +153,10 @@ class StopSignalsOutsideTraining:
 
     @staticmethod
     def signals(stop_signal: StopSignal) -> tuple[signal.Signals, ...]:
-        """SIGUSR2 and the configured stop signal. Not SIGTERM: a launcher that ends its ranks
-        (torchrun after another rank failed, srun at the time limit) sends it and expects them
-        gone, whatever they are doing."""
-        return tuple(dict.fromkeys(s for s in (signal.SIGUSR2, stop_signal.signal) if s != signal.SIGTERM))
+        """The stop signals but SIGTERM: a launcher that ends its ranks (torchrun after another
+        rank failed, srun at the time limit) sends it and expects them gone, whatever they are
+        doing."""
+        return tuple(s for s in stop_signals(stop_signal) if s != signal.SIGTERM)
 
     def install(self, signals: Iterable[int]) -> None:
         for signum in signals:

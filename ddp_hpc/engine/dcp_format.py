@@ -60,8 +60,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ddp_hpc.contract import (BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, SHARDED_METADATA_FILE, SHARDED_STEP_FOLDER,
-                              atomic_write, fsync_directory)
+from ddp_hpc.contract import (BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, SHARDED_METADATA_FILE,
+                              SHARDED_STEP_FOLDER, atomic_write, fsync_directory)
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
 from ddp_hpc.engine.checkpoint_files import CheckpointError
 from ddp_hpc.engine.group import Collectives
@@ -69,8 +69,6 @@ from ddp_hpc.engine.group import Collectives
 log = logging.getLogger(__name__)
 
 SHARED_KEY = "ddp_hpc.shared"
-METADATA_FILE = SHARDED_METADATA_FILE
-_STEP_DIR = SHARDED_STEP_FOLDER
 
 
 @contextmanager
@@ -91,7 +89,7 @@ def step_dir(directory: Path, step: int) -> Path:
 
 
 def step_of(path: Path) -> int:
-    match = _STEP_DIR.match(path.name)
+    match = SHARDED_STEP_FOLDER.match(path.name)
     if not match:
         raise CheckpointError(f"{path} is not a sharded checkpoint folder (step-NNNNNNNN)")
     return int(match.group(1))
@@ -101,7 +99,7 @@ def sharded_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint folders, complete or not, oldest first."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+    return sorted(p for p in directory.iterdir() if SHARDED_STEP_FOLDER.match(p.name) and p.is_dir())
 
 
 ACCEPTED_FORMS = f"a step-NNNNNNNN folder, a file in one, or {LAST_SHARDED_CHECKPOINT} / {BEST_SHARDED_CHECKPOINT}"
@@ -118,9 +116,9 @@ def named_checkpoint(path: Path) -> Path:
         if target is None:
             raise CheckpointError(f"{path} names no checkpoint folder (it should hold one line, step-NNNNNNNN)")
         return target
-    if path.is_file() and _STEP_DIR.match(path.parent.name):
+    if path.is_file() and SHARDED_STEP_FOLDER.match(path.parent.name):
         return path.parent
-    if path.is_dir() and (_STEP_DIR.match(path.name) or (path / METADATA_FILE).exists()):
+    if path.is_dir() and (SHARDED_STEP_FOLDER.match(path.name) or (path / SHARDED_METADATA_FILE).exists()):
         return path
     if path.is_file() and path.suffix == ".pt":
         raise CheckpointError(f"checkpoint {path} is a single file (checkpoint.format=file), and this run reads "
@@ -175,19 +173,19 @@ class _WholeLoadPlanner(_EmptyStateDictLoadPlanner):
 
 def read_metadata(path: Path) -> Metadata:
     """The checkpoint folder's metadata; a ``CheckpointError`` when absent or unreadable."""
-    file = path / METADATA_FILE
+    file = path / SHARDED_METADATA_FILE
     try:
         with open(file, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {METADATA_FILE} (its write "
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {file.name} (its write "
                               "was interrupted)") from None
     except (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, AttributeError, ImportError,
             IndexError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {METADATA_FILE} is corrupt "
+        raise CheckpointError(f"checkpoint {path} is unreadable: {file.name} is corrupt "
                               f"({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path} is unreadable: {METADATA_FILE} holds no DCP metadata")
+        raise CheckpointError(f"checkpoint {path} is unreadable: {file.name} holds no DCP metadata")
     return metadata
 
 
@@ -216,9 +214,9 @@ def newest_complete(directory: Path, *, report: bool = True) -> tuple[Path, Meta
     (starting over would throw the run away: the user decides). Nothing is deleted."""
     broken: list[CheckpointError] = []
     for path in reversed(sharded_checkpoints(directory)):
-        if not (path / METADATA_FILE).exists():
+        if not (path / SHARDED_METADATA_FILE).exists():
             if report:
-                log.info("skipping %s: its write was interrupted (no %s)", path, METADATA_FILE)
+                log.info("skipping %s: its write was interrupted (no %s)", path, SHARDED_METADATA_FILE)
             continue
         try:
             metadata = check_complete(path)
@@ -447,7 +445,7 @@ class DcpFormat:
     def _set_aside(path: Path) -> None:
         """A complete folder of this very step (a second save of one step) is moved aside
         while the new one is written: rewritten in place, a kill would leave neither."""
-        if (path / METADATA_FILE).exists():
+        if (path / SHARDED_METADATA_FILE).exists():
             os.replace(path, path.with_name(f".{path.name}.replaced-{os.getpid()}"))
             fsync_directory(path.parent)
 
@@ -545,13 +543,13 @@ def pointed_at(directory: Path, pointer: str) -> Path | None:
         name = (directory / pointer).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return directory / name if _STEP_DIR.match(name) else None
+    return directory / name if SHARDED_STEP_FOLDER.match(name) else None
 
 
 def prune(directory: Path, keep_last: int) -> None:
     """Delete complete folders beyond the newest ``keep_last`` complete ones, except those
     ``last.dcp``/``best.dcp`` name. Incomplete folders are left: they are reported, not deleted."""
-    complete = [p for p in sharded_checkpoints(directory) if (p / METADATA_FILE).exists()]
+    complete = [p for p in sharded_checkpoints(directory) if (p / SHARDED_METADATA_FILE).exists()]
     keep = {pointed_at(directory, LAST_SHARDED_CHECKPOINT), pointed_at(directory, BEST_SHARDED_CHECKPOINT)}
     for old in complete[:-keep_last]:
         if old not in keep:

@@ -29,11 +29,11 @@ from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.contract import ExitStatus
-from ddp_hpc.stop import job_deadline
+from ddp_hpc.stop import ALWAYS_STOP, job_deadline
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+DEFAULT_SIGNALS = ALWAYS_STOP
 
 
 class StopAgreement:

@@ -17,7 +17,7 @@ from ddp_hpc.distributed import DistributedOptions, process_group
 from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
-from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal
+from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, create_callbacks
@@ -52,9 +52,6 @@ class TrainOptions:
     outside_training: StopSignalsOutsideTraining | None = None
 
 
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-
-
 def _install_stop_handlers(trainer: Trainer, received: list[int]) -> dict:
     """SIGUSR2 (SLURM's warning before the time limit), SIGTERM (preemption, scancel,
     PBS at walltime) and ``checkpoint.stop_signal`` ask the trainer to checkpoint and stop
@@ -66,8 +63,8 @@ def _install_stop_handlers(trainer: Trainer, received: list[int]) -> dict:
         log.warning("received %s: will checkpoint and stop within %d steps", signal.Signals(signum).name,
                     trainer.config.checkpoint.preemption_check_every_n_steps)
 
-    configured = parse_stop_signal(trainer.config.checkpoint.stop_signal).signal
-    return {signum: signal.signal(signum, handler) for signum in dict.fromkeys((*STOP_SIGNALS, configured))}
+    configured = parse_stop_signal(trainer.config.checkpoint.stop_signal)
+    return {signum: signal.signal(signum, handler) for signum in stop_signals(configured)}
 
 
 def distributed_options(config: Config, device: str | None, backend: str | None) -> DistributedOptions:

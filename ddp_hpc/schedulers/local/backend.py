@@ -113,7 +113,7 @@ def run_in_foreground(script: str, script_path: Path, run_folder: Path, world_si
         return ExitStatus.of_returncode(process.wait())
     except KeyboardInterrupt:  # Ctrl-C reaches this session only: stop the script's too
         log.warning("interrupted: stopping the launch (process group %d)", process.pid)
-        os.killpg(process.pid, signal.SIGTERM)
+        LocalScheduler().cancel_jobs([str(process.pid)])
         process.wait()
         raise
 
