@@ -278,7 +278,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
 def _gate_diagnosis(store: Any, world_size: int, absent: list[int]) -> tuple[float, bool]:
     """The join gate's timeout diagnosis at ``world_size``, timed, with ``absent`` taken out of
     the joined keys (they joined to let the run go on): (seconds, whether it named them)."""
-    from ddp_hpc.rendezvous import JOINED_KEY, absent_ranks
+    from ddp_hpc.rendezvous import JOINED_KEY, absent_ranks, rank_ranges
 
     for rank in absent:
         store.delete_key(f"{JOINED_KEY}/{rank}")
@@ -286,7 +286,7 @@ def _gate_diagnosis(store: Any, world_size: int, absent: list[int]) -> tuple[flo
     started = time.perf_counter()
     found = absent_ranks(store, rank_env(0, world_size, 8, ADDR, 0))
     seconds = time.perf_counter() - started
-    named = found is not None and found.ranks == f"ranks {', '.join(map(str, absent))} ({len(absent)} of {world_size})"
+    named = found is not None and found.ranks == f"ranks {rank_ranges(absent)} ({len(absent)} of {world_size})"
     return seconds, named
 
 
