@@ -141,6 +141,53 @@ def test_a_submitit_job_restarts_as_a_new_job_without_the_node_where_a_rank_fail
                    f"again without it, ran on {ran_on[again]} and ended bit-identical")
 
 
+def test_submitits_checkpoint_hook_returns_as_soon_as_the_command_has_stopped(tmp_path, monkeypatch):
+    """submitit calls ``checkpoint`` from its signal handler, in the main thread, while the
+    task waits on its command: the hook passes the signal on and returns once the command
+    has exited (here 0.3 s after it), not after its whole wait (set to 20 s here; it was 80 s
+    in every requeue of a submitit command job). The command's status stays for the task."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    from ddp_hpc.launch.request import CommandPayload
+    from ddp_hpc.schedulers.slurm import in_job
+
+    monkeypatch.setattr(in_job, "COMMAND_STOP_WAIT_S", 20)
+    monkeypatch.setattr(in_job, "requeue_from_rank_zero", lambda: None)
+    for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    ready = tmp_path / "ready"
+    command = ("import pathlib, signal, sys, time\n"
+               "signal.signal(signal.SIGUSR2, lambda *_: (time.sleep(0.3), sys.exit(75)))\n"
+               f"pathlib.Path({str(ready)!r}).touch()\n"
+               "time.sleep(60)\n")
+    task = in_job.SubmititCommandTask(CommandPayload((sys.executable, "-c", command)), str(tmp_path),
+                                      str(tmp_path / "run"))
+    took: list[float] = []
+
+    def hook(signum, frame):  # what submitit's handler does with the task
+        started = time.monotonic()
+        task.checkpoint()
+        took.append(time.monotonic() - started)
+
+    def signal_once_ready():
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGALRM)
+
+    previous = signal.signal(signal.SIGALRM, hook)
+    try:
+        threading.Thread(target=signal_once_ready, daemon=True).start()
+        with pytest.raises(RuntimeError, match="exited with status 75"):
+            task()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert len(took) == 1 and took[0] < 10, took
+
+
 def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(tmp_path, monkeypatch):
     """Exit 75 is the command's own checkpointed stop (StopAgreement at the job's deadline):
     the task requeues the job and neither submits it again nor leaves its node out, even with

@@ -160,14 +160,30 @@ class SubmititCommandTask:
         checkpoint and exit, then requeue the same task."""
         import submitit
 
-        if self._child is not None and self._child.poll() is None:
+        if self._child is not None and self._child.returncode is None:
             self._child.send_signal(signal.SIGUSR2)
-            try:
-                self._child.wait(timeout=COMMAND_STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                pass
+            wait_for_exit(self._child.pid, COMMAND_STOP_WAIT_S)
         return submitit.helpers.DelayedSubmission(
             SubmititCommandTask(self.payload, self.workdir, self.run_folder, self.extra_env, self.restart))
+
+
+def wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Whether child ``pid`` exits within ``timeout_s``, leaving it for its ``Popen`` to reap.
+
+    Not ``Popen.wait``/``poll``: submitit calls ``checkpoint`` from its signal handler, which
+    interrupts ``__call__``'s ``wait`` on the same child while that holds the ``Popen``'s
+    waitpid lock; a nested ``wait(timeout)`` then never gets the lock and always waited the
+    whole timeout (80 s before each requeue)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped already
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def follow_resubmission(run_folder: Path, old_job: str | None, new_job: str, submitit_folder: str) -> None:
