@@ -70,6 +70,17 @@ def run(args: Sequence[str], *, timeout: float = 120, env: Mapping[str, str] | N
                           env=clean_env(env), cwd=cwd or REPO)
 
 
+@pytest.fixture(scope="session")
+def forked_cli():
+    """``ddp-hpc`` in forks of one interpreter that imported it and torch (tests/forked_cli.py):
+    for the many one-line refusals, a fraction of a second each instead of 2-3 s."""
+    from forked_cli import ForkedCli
+
+    cli = ForkedCli(clean_env())
+    yield cli
+    cli.close()
+
+
 @pytest.fixture
 def openmpi() -> str:
     program = shutil.which("mpiexec.openmpi")

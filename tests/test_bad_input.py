@@ -1,5 +1,10 @@
 """The bad-input corpus: each case exits 2 with one line naming the problem, shows no
-traceback (``--debug`` does), and leaves the run folder empty."""
+traceback (``--debug`` does), and leaves the run folder empty.
+
+Each case is a CLI process forked from one that imported the CLI and torch once
+(tests/forked_cli.py): a fresh interpreter per case was 3 minutes of the suite, nearly all
+of it ``import torch``. ``test_the_console_script_says_what_the_forked_cli_says`` runs one
+case of each group through the console script as well."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, ddp_hpc_command, run
+from conftest import REPO, clean_env, ddp_hpc_command, run
 
 pytestmark = pytest.mark.reliability
 
@@ -230,15 +235,20 @@ def materialise(tmp_path: Path, files: dict, argv: list[str]) -> list[str]:
     return [a.replace("{tmp}", str(tmp_path)) for a in argv]
 
 
-@pytest.mark.parametrize("name,files,argv,env,fragment", CORPUS,
-                         ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CORPUS])
-def test_bad_input(tmp_path, name, files, argv, env, fragment):
-    runs = tmp_path / "runs"
+def case_argv(tmp_path: Path, files: dict, argv: list[str]) -> list[str]:
+    """The case's files written and its argv filled in; ``train`` gets a run folder under tmp_path."""
     argv = materialise(tmp_path, files, argv)
     if argv[0] == "train" and not any(a.startswith("logging.run_dir=") for a in argv):
-        argv.append(f"logging.run_dir={runs}")
+        argv.append(f"logging.run_dir={tmp_path / 'runs'}")
+    return argv
+
+
+@pytest.mark.parametrize("name,files,argv,env,fragment", CORPUS,
+                         ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CORPUS])
+def test_bad_input(tmp_path, forked_cli, name, files, argv, env, fragment):
+    argv = case_argv(tmp_path, files, argv)
     before = sorted(tmp_path.rglob("*"))
-    result = run([*ddp_hpc_command(), *argv], env=env, cwd=tmp_path)
+    result = forked_cli.run(argv, clean_env(env), tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("ddp-hpc: error: "), result.stderr
@@ -246,13 +256,34 @@ def test_bad_input(tmp_path, name, files, argv, env, fragment):
     assert sorted(tmp_path.rglob("*")) == before, "nothing may be written"
     if name not in DEBUG_RERUN:
         return
-    debug = run([*ddp_hpc_command(), *argv, "--debug"], env=env, cwd=tmp_path)
+    debug = forked_cli.run([*argv, "--debug"], clean_env(env), tmp_path)
     assert debug.returncode == 2 and "Traceback" in debug.stderr
 
 
+#: One case of each group of the corpus, through the console script in a fresh interpreter.
+CONSOLE_SCRIPT_CASES = ["malformed YAML", "conflicting rank variables", "walltime nonsense", "config not UTF-8",
+                        "run folder under a file", "checkpoint that is a text file", "gloo interface this host lacks",
+                        "--stage-env with submitit", "hostfile under torchrun"]
+
+
+@pytest.mark.parametrize("name,files,argv,env,fragment",
+                         [case for case in CORPUS if case_name(case) in CONSOLE_SCRIPT_CASES],
+                         ids=CONSOLE_SCRIPT_CASES)
+def test_the_console_script_says_what_the_forked_cli_says(tmp_path, forked_cli, name, files, argv, env, fragment):
+    """The same exit status and the same stderr, byte for byte, from ``ddp-hpc`` started
+    afresh as from the fork: nothing the corpus checks depends on the forking."""
+    argv = case_argv(tmp_path, files, argv)
+    before = sorted(tmp_path.rglob("*"))
+    fresh = run([*ddp_hpc_command(), *argv], env=env, cwd=tmp_path)
+    forked = forked_cli.run(argv, clean_env(env), tmp_path)
+    assert (fresh.returncode, fresh.stderr, fresh.stdout) == (forked.returncode, forked.stderr, forked.stdout)
+    assert fresh.returncode == 2 and fragment.replace("{tmp}", str(tmp_path)) in fresh.stderr, fresh.stderr
+    assert sorted(tmp_path.rglob("*")) == before, "nothing may be written"
+
+
 @pytest.mark.parametrize("name,argv,fragment", FLAG_CORPUS, ids=[c[0] for c in FLAG_CORPUS])
-def test_bad_flag(tmp_path, name, argv, fragment):
-    result = run([*ddp_hpc_command(), *argv], cwd=tmp_path)
+def test_bad_flag(tmp_path, forked_cli, name, argv, fragment):
+    result = forked_cli.run(argv, clean_env(), tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and re.match(r"ddp-hpc( \w+)*: error: ", lines[0]), result.stderr
@@ -270,13 +301,13 @@ def test_every_case_is_distinct_and_its_fragment_says_what_is_wrong():
         assert len(words) >= 3, f"{name}: {fragment!r} does not say what is wrong"
 
 
-def test_checkpoint_from_another_model_is_refused(tmp_path):
-    first = run([*ddp_hpc_command(), *TRAIN, "training.epochs=1", "job.params.hidden=32",
-                 f"logging.run_dir={tmp_path}", "logging.name=small"])
+def test_checkpoint_from_another_model_is_refused(tmp_path, forked_cli):
+    first = forked_cli.run([*TRAIN, "training.epochs=1", "job.params.hidden=32", "logging.plot=false",
+                            f"logging.run_dir={tmp_path}", "logging.name=small"], clean_env(), REPO)
     assert first.returncode == 0, first.stderr
     checkpoint = tmp_path / "small" / "checkpoints" / "last.pt"
-    result = run([*ddp_hpc_command(), *TRAIN, f"checkpoint.resume={checkpoint}", f"logging.run_dir={tmp_path}",
-                  "logging.name=big"])
+    result = forked_cli.run([*TRAIN, f"checkpoint.resume={checkpoint}", f"logging.run_dir={tmp_path}",
+                             "logging.name=big"], clean_env(), REPO)
     assert result.returncode == 2
     assert "is from a different model: head.1.weight has shape [32, 512] there but [64, 512] here" in result.stderr
     assert not (tmp_path / "big").exists()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, ddp_hpc_command, run
+from conftest import REPO, clean_env, ddp_hpc_command, run
 
 
 def _one_error_line(result) -> str:
@@ -35,8 +35,8 @@ def test_env_json_for_one_process():
     (["launch", "--nproc", "2"], "no command to launch"),
     (["launch", "--nproc", "x"], "invalid int value: 'x'"),
 ])
-def test_bad_input_gives_one_line_and_exit_2(args, fragment):
-    result = run([*ddp_hpc_command(), *args])
+def test_bad_input_gives_one_line_and_exit_2(forked_cli, args, fragment):
+    result = forked_cli.run(args, clean_env(), REPO)
     assert result.returncode == 2
     assert fragment in _one_error_line(result)
 
@@ -96,8 +96,8 @@ def test_doctor_single_process():
     (["train", "configs/digits.yaml", "training.epochs"], "is not KEY=VALUE"),
     (["train", "configs/digits.yaml", "checkpoint.resume=/nonexistent.pt"], "checkpoint /nonexistent.pt does not exist"),
 ])
-def test_bad_training_input_exits_2_and_writes_nothing(tmp_path, args, fragment):
-    result = run([*ddp_hpc_command(), *args, f"logging.run_dir={tmp_path}"])
+def test_bad_training_input_exits_2_and_writes_nothing(tmp_path, forked_cli, args, fragment):
+    result = forked_cli.run([*args, f"logging.run_dir={tmp_path}"], clean_env(), REPO)
     assert result.returncode == 2, result.stderr
     assert fragment in _one_error_line(result)
     assert list(tmp_path.iterdir()) == []
