@@ -141,7 +141,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
-    from ddp_hpc.api import command_environment
+    from ddp_hpc.torchrun_env import command_environment
     from ddp_hpc.python_command import runner_argv
 
     launch = command_environment(args.command, device=args.device, backend=args.backend,

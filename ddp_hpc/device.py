@@ -14,12 +14,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
-
-import torch
-import torch.distributed as dist
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from ddp_hpc.errors import DeviceUnavailableError, UserError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class TorchHost:
     XPU or the ccl backend is in question, and only if the installed torch needs them."""
 
     def device_count(self, device_type: str) -> int:
+        import torch
+
         if device_type == "cuda":
             return torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device_type == "xpu":
@@ -61,6 +64,8 @@ class TorchHost:
 
     @cached_property
     def _xpu_count(self) -> int:
+        import torch
+
         xpu = getattr(torch, "xpu", None)
         if xpu is None or not xpu._is_compiled():
             # torch builds without native XPU support get it from IPEX.
@@ -70,6 +75,8 @@ class TorchHost:
         return xpu.device_count() if xpu is not None and xpu.is_available() else 0
 
     def backend_available(self, backend: str) -> bool:
+        import torch.distributed as dist
+
         if backend == "ccl":
             return self._ccl_bindings
         if backend == "xccl":
@@ -82,8 +89,44 @@ class TorchHost:
         return _try_import("oneccl_bindings_for_pytorch")
 
     def describe_build(self) -> str:
+        import torch
+
         cuda = torch.version.cuda or "no CUDA"
         return f"torch {torch.__version__} ({cuda})"
+
+
+#: Device files that a GPU gives its host: NVIDIA's driver (/dev/nvidia0, ...), a DRM render
+#: node (Intel, AMD), ROCm's /dev/kfd, WSL2's /dev/dxg. Without any, torch sees no GPU.
+GPU_DEVICE_FILES = ("nvidia[0-9]*", "dri/renderD*", "kfd", "dxg")
+
+
+class NoGpuHost:
+    """A host without any GPU device file: cpu and gloo, decided without importing torch.
+
+    ``ddp-hpc run`` execs the user's command, which imports torch itself: on a CPU job its
+    own torch import (about 2 s of CPU per rank, more from a shared file system) would be
+    spent only to learn that there is no GPU. Used only where the request is cpu or auto
+    with gloo or auto; any GPU device file, or any other request, asks torch."""
+
+    @staticmethod
+    def here(dev: Path = Path("/dev")) -> bool:
+        return not any(next(dev.glob(pattern), None) for pattern in GPU_DEVICE_FILES)
+
+    def device_count(self, device_type: str) -> int:
+        return 1 if device_type == "cpu" else 0
+
+    def backend_available(self, backend: str) -> bool:
+        return backend == "gloo"  # every torch build for Linux and macOS has gloo
+
+    def describe_build(self) -> str:
+        return "this host (no GPU device files)"
+
+
+def probe_host(device: str, backend: str) -> HostDevices:
+    """The cheapest host probe that answers ``device``/``backend`` requests as torch would."""
+    if device in ("auto", "cpu") and backend in ("auto", "gloo") and NoGpuHost.here():
+        return NoGpuHost()
+    return TorchHost()
 
 
 def _try_import(module: str) -> bool:
@@ -104,6 +147,8 @@ class DeviceChoice:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device_type, self.index) if self.index is not None else torch.device("cpu")
 
     @property
@@ -118,6 +163,8 @@ class DeviceChoice:
 
     def activate(self) -> None:
         """Make this rank's device current, before the process group is created."""
+        import torch
+
         if self.device_type == "cuda" and self.index is not None:
             torch.cuda.set_device(self.index)
         elif self.device_type == "xpu" and self.index is not None:

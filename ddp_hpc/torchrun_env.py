@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
@@ -119,3 +119,35 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
         exported["OMP_NUM_THREADS"] = str(omp_threads(dist_env.local_world_size, environ,
                                                       cpus if cpus is not None else visible_cpus()))
     return WorkerLaunch(tuple(command), exported)
+
+
+def command_environment(command: Sequence[str], *, device: str | None = None, backend: str | None = None,
+                        host_suffix: str | None = None,
+                        environ: Mapping[str, str] | None = None) -> WorkerLaunch:
+    """What ``ddp-hpc run -- COMMAND`` executes on this rank: the command and the torchrun
+    worker variables to export for it (nothing under torchrun itself). torch is imported only
+    where the host has a GPU or the request names one (``device.probe_host``): the command
+    imports it anyway."""
+    from ddp_hpc.device import probe_host, requested, select_device
+    from ddp_hpc.environment import resolve_env
+    from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
+    from ddp_hpc.environment.netcheck import check_network
+
+    environ = os.environ if environ is None else environ
+    dist_env = resolve_env(environ, host_suffix=host_suffix)
+    wanted_device, wanted_backend = requested(device, environ, DEVICE_VAR), requested(backend, environ, BACKEND_VAR)
+    choice = select_device(wanted_device, wanted_backend, local_rank=dist_env.local_rank,
+                           local_world_size=dist_env.local_world_size,
+                           host=probe_host(wanted_device, wanted_backend), env=environ)
+    # Before the command starts: it would wait for the other ranks before failing on a bad
+    # interface or plugin name.
+    check_fabric(choice.backend, environ, this_host(environ),
+                 where=where_label(dist_env.rank, dist_env.world_size))
+    launch = worker_environment(command, dist_env, choice, environ)
+    if dist_env.world_size > 1 and launch.exported:
+        # The same checks as before ddp_hpc's own rendezvous: a loopback host name across
+        # machines is refused, and a host suffix picks gloo's interface for the command too.
+        network = check_network(dist_env, choice.backend, host_suffix=host_suffix, environ=environ)
+        if network.gloo_ifname and not environ.get("GLOO_SOCKET_IFNAME"):
+            launch = replace(launch, exported={**launch.exported, "GLOO_SOCKET_IFNAME": network.gloo_ifname})
+    return launch

@@ -122,3 +122,33 @@ def test_this_host_for_real():
         assert select_device(host=host, env={}) == DeviceChoice("cpu", "gloo", None)
         with pytest.raises(DeviceUnavailableError):
             select_device("auto", "nccl", host=host, env={})
+
+
+def test_a_host_without_gpu_device_files_is_answered_without_torch_and_as_torch_answers(tmp_path):
+    """``ddp-hpc run`` on a CPU host: ``probe_host`` decides without importing torch (the
+    command imports it anyway), and only where torch could not answer otherwise: any GPU
+    device file, or a request that names a GPU or another backend, asks torch."""
+    import subprocess
+    import sys
+
+    from ddp_hpc.device import NoGpuHost, probe_host
+
+    assert NoGpuHost.here(tmp_path)
+    for device_file in ("nvidia0", "dri/renderD128", "kfd", "dxg"):
+        dev = tmp_path / device_file.replace("/", "-")
+        (dev / device_file).parent.mkdir(parents=True, exist_ok=True)
+        (dev / device_file).touch()
+        assert not NoGpuHost.here(dev), device_file
+    if NoGpuHost.here():  # this host: the same choice as torch's, for every request it takes
+        for device, backend in (("auto", "auto"), ("cpu", "auto"), ("auto", "gloo"), ("cpu", "gloo")):
+            assert isinstance(probe_host(device, backend), NoGpuHost)
+            assert (select_device(device, backend, host=NoGpuHost(), env={})
+                    == select_device(device, backend, host=TorchHost(), env={}))
+    for device, backend in (("cuda", "auto"), ("xpu", "auto"), ("auto", "nccl"), ("cpu", "ccl")):
+        assert isinstance(probe_host(device, backend), TorchHost), (device, backend)
+    probe = ("import sys; from ddp_hpc.torchrun_env import command_environment; "
+             "launch = command_environment(['true'], environ={'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', "
+             "'LOCAL_WORLD_SIZE': '1', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': '29500'}); "
+             "print('torch' in sys.modules, launch.exported.get('DDP_HPC_DEVICE'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == (["False", "cpu"] if NoGpuHost.here() else ["True", out[1]]), out

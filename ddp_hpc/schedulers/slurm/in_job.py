@@ -100,7 +100,7 @@ class SubmititCommandTask:
         self._child: subprocess.Popen | None = None
 
     def __call__(self) -> int:
-        from ddp_hpc.api import command_environment
+        from ddp_hpc.torchrun_env import command_environment
 
         os.chdir(self.workdir)
         launch = command_environment(self.payload.argv)
