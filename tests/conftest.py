@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,25 @@ def run(args: Sequence[str], *, timeout: float = 120, env: Mapping[str, str] | N
         cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
                           env=clean_env(env), cwd=cwd or REPO)
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that ``build`` fills once per test run, shared by every xdist worker: a
+    module's reference run is used by its SLURM-cluster tests on one worker and by its other
+    tests on another, and would otherwise run on each. The first worker builds it under a
+    lock; the others wait for it, then read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, holding each worker's popen-gwN/
+    folder = root / f"built-once-{name}"
+    with open(root / f"built-once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
 
 
 @pytest.fixture(scope="session")

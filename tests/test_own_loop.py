@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FIGURES, REPO, assert_same_model_and_optimizer, clean_env, ddp_hpc_command, run
+from conftest import FIGURES, REPO, assert_same_model_and_optimizer, built_once, clean_env, ddp_hpc_command, run
 from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
@@ -37,11 +37,12 @@ def torchrun(nproc: int, *args: str, max_restarts: int = 0, example: str = EXAMP
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
-    """The reference: one uninterrupted 2-rank run's final checkpoint."""
-    folder = tmp_path_factory.mktemp("whole")
-    done = run(torchrun(2), env={"RUN_DIR": str(folder)}, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return final_state(folder)
+    """The reference: one uninterrupted 2-rank run's final checkpoint (one run for all workers)."""
+    def build(folder: Path) -> None:
+        done = run(torchrun(2), env={"RUN_DIR": str(folder)}, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return final_state(built_once(tmp_path_factory, "own-loop-whole", build))
 
 
 def final_state(folder: Path) -> dict:
