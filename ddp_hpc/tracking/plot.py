@@ -72,11 +72,11 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     if not rows and not steps:
         raise UserError(f"{run} has no metrics yet (metrics.jsonl is empty or missing)")
     try:
-        import matplotlib
+        # A Figure of its own, not pyplot: no global figure registry or interactive backend,
+        # and a third less import time at the end of every run.
+        from matplotlib.figure import Figure
     except ImportError:
         raise MatplotlibMissing("matplotlib is not installed: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     names = sorted({k[6:] for row in rows for k in row if k.startswith("train_")}
                    | {k[4:] for row in rows for k in row if k.startswith("val_")}
@@ -88,7 +88,8 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     panels = names + (["lr"] if has_lr else [])
     columns = min(3, len(panels))
     lines = math.ceil(len(panels) / columns)
-    figure, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.6 * lines), squeeze=False)
+    figure = Figure(figsize=(5 * columns, 3.6 * lines))
+    axes = figure.subplots(lines, columns, squeeze=False)
     steps_per_epoch = rows[0]["step"] / rows[0]["epoch"] if rows and rows[0]["epoch"] else None
 
     for index, name in enumerate(panels):
@@ -119,8 +120,5 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     figure.suptitle(f"{run.name}: world size {world if world else '?'}, effective batch {batch if batch else '?'}")
     figure.tight_layout()
     output = output or run / CURVES_FILE
-    try:
-        atomic_write(output, lambda handle: figure.savefig(handle, format="png", dpi=110), durable=False)
-    finally:
-        plt.close(figure)
+    atomic_write(output, lambda handle: figure.savefig(handle, format="png", dpi=110), durable=False)
     return output
