@@ -138,7 +138,7 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
         plot_run(run)
 
 
-def test_plot_draws_train_and_validation_of_every_metric(tmp_path):
+def test_plot_draws_train_and_validation_of_every_metric(tmp_path, monkeypatch):
     require_module("matplotlib")
     from ddp_hpc.tracking import plot
 
@@ -149,20 +149,16 @@ def test_plot_draws_train_and_validation_of_every_metric(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "summary.json").write_text(json.dumps({"world_size": 4, "effective_batch_size": 256}))
     drawn = {}
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    original = plt.subplots
+    original = Figure.subplots
 
-    def spy(*args, **kwargs):
-        figure, axes = original(*args, **kwargs)
-        drawn["figure"], drawn["axes"] = figure, axes
-        return figure, axes
+    def spy(figure, *args, **kwargs):
+        drawn["figure"], drawn["axes"] = figure, original(figure, *args, **kwargs)
+        return drawn["axes"]
 
-    plt.subplots = spy
-    try:
-        path = plot.plot_run(run)
-    finally:
-        plt.subplots = original
+    monkeypatch.setattr(Figure, "subplots", spy)
+    path = plot.plot_run(run)
     assert path == run / "curves.png" and path.stat().st_size > 0
     axes = {ax.get_title(): ax for ax in drawn["axes"].flat if ax.get_title()}
     assert set(axes) == {"loss", "accuracy", "lr"}
