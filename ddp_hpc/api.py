@@ -7,8 +7,7 @@ the process: those belong to the program that owns the process (the CLI is one).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from ddp_hpc.distributed import DistContext, DistributedOptions

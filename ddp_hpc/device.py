@@ -95,22 +95,26 @@ class TorchHost:
         return f"torch {torch.__version__} ({cuda})"
 
 
-#: Device files that a GPU gives its host: NVIDIA's driver (/dev/nvidia0, ...), a DRM render
-#: node (Intel, AMD), ROCm's /dev/kfd, WSL2's /dev/dxg. Without any, torch sees no GPU.
-GPU_DEVICE_FILES = ("nvidia[0-9]*", "dri/renderD*", "kfd", "dxg")
+#: What a GPU leaves on its host, under ``/``: NVIDIA's device files (/dev/nvidia0 ...; the
+#: driver may make them only on first use, but its loaded module lists every GPU under
+#: /proc/driver/nvidia/gpus), Jetson's nvhost/nvgpu, a DRM render node (Intel, AMD; in /dev
+#: and /sys), ROCm's kfd, WSL2's dxg. Without any of them torch sees no GPU.
+GPU_TRACES = ("dev/nvidia[0-9]*", "proc/driver/nvidia/gpus/*", "dev/nvhost-ctrl-gpu", "dev/nvgpu",
+              "dev/dri/renderD*", "sys/class/drm/renderD*", "dev/kfd", "sys/class/kfd", "dev/dxg")
 
 
 class NoGpuHost:
-    """A host without any GPU device file: cpu and gloo, decided without importing torch.
+    """A host without any trace of a GPU: cpu and gloo, decided without importing torch.
 
     ``ddp-hpc run`` execs the user's command, which imports torch itself: on a CPU job its
     own torch import (about 2 s of CPU per rank, more from a shared file system) would be
     spent only to learn that there is no GPU. Used only where the request is cpu or auto
-    with gloo or auto; any GPU device file, or any other request, asks torch."""
+    with gloo or auto; any GPU trace (a server's BMC graphics included: then torch is asked,
+    as before), or any other request, asks torch."""
 
     @staticmethod
-    def here(dev: Path = Path("/dev")) -> bool:
-        return not any(next(dev.glob(pattern), None) for pattern in GPU_DEVICE_FILES)
+    def here(root: Path = Path("/")) -> bool:
+        return not any(next(root.glob(pattern), None) for pattern in GPU_TRACES)
 
     def device_count(self, device_type: str) -> int:
         return 1 if device_type == "cpu" else 0

@@ -22,7 +22,7 @@ from ddp_hpc.engine.collectives import flight_recorder_variables
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
 
-if TYPE_CHECKING:  # ddp_hpc.device imports torch; the job scripts' launch code must not
+if TYPE_CHECKING:  # ddp_hpc.device is imported where a device is chosen (command_environment)
     from ddp_hpc.device import DeviceChoice
 
 #: The role name torchrun gives workers when none is asked for (``--role``).

@@ -82,10 +82,16 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     folder = root / f"built-once-{name}"
     with open(root / f"built-once-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / ".failed").exists():  # one failure is enough: the waiting worker fails at once
+            pytest.fail(f"building {name} failed on another worker: {(folder / '.failed').read_text()}")
         if not (folder / ".built").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
-            build(folder)
+            try:
+                build(folder)
+            except BaseException as failure:
+                (folder / ".failed").write_text(str(failure).splitlines()[0] if str(failure) else repr(failure))
+                raise
             (folder / ".built").touch()
     return folder
 

@@ -14,8 +14,10 @@ through the console script too (tests/test_bad_input.py).
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,7 +60,7 @@ class ForkedCli:
     def close(self) -> None:
         self._server.stdin.close()
         self._server.wait(timeout=30)
-        self._files.rmdir()
+        shutil.rmtree(self._files, ignore_errors=True)
 
 
 #: Imported once by the server: what the corpus's commands import on their way to the error
@@ -105,13 +107,17 @@ def _child(request: dict) -> None:
         for fd, target in ((stdin, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
             os.close(fd)
+        # As the console script under PYTHONUNBUFFERED=1 (clean_env): written through at once.
         sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", closefd=False)
-        sys.stderr = open(2, "w", closefd=False)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [str(Path(sys.executable).parent / "ddp-hpc"), *request["argv"]]
+        console_script = Path(sys.executable).parent / "ddp-hpc"
+        sys.argv = [str(console_script), *request["argv"]]
+        sys.path[0] = str(console_script.parent)  # the script's folder, not tests/
         from ddp_hpc.cli import main
 
         try:
@@ -128,7 +134,10 @@ def _child(request: dict) -> None:
             traceback.print_exc()
             code = 1
     finally:
-        try:
+        try:  # what the interpreter does at exit (train ends itself with os._exit, as it does there)
+            import atexit
+
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

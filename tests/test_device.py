@@ -134,11 +134,12 @@ def test_a_host_without_gpu_device_files_is_answered_without_torch_and_as_torch_
     from ddp_hpc.device import NoGpuHost, probe_host
 
     assert NoGpuHost.here(tmp_path)
-    for device_file in ("nvidia0", "dri/renderD128", "kfd", "dxg"):
-        dev = tmp_path / device_file.replace("/", "-")
-        (dev / device_file).parent.mkdir(parents=True, exist_ok=True)
-        (dev / device_file).touch()
-        assert not NoGpuHost.here(dev), device_file
+    for trace in ("dev/nvidia0", "proc/driver/nvidia/gpus/0000:07:00.0", "dev/nvhost-ctrl-gpu", "dev/dri/renderD128",
+                  "sys/class/drm/renderD128", "dev/kfd", "sys/class/kfd", "dev/dxg"):
+        root = tmp_path / trace.replace("/", "-")
+        (root / trace).parent.mkdir(parents=True, exist_ok=True)
+        (root / trace).touch()
+        assert not NoGpuHost.here(root), trace
     if NoGpuHost.here():  # this host: the same choice as torch's, for every request it takes
         for device, backend in (("auto", "auto"), ("cpu", "auto"), ("auto", "gloo"), ("cpu", "gloo")):
             assert isinstance(probe_host(device, backend), NoGpuHost)

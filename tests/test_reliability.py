@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -135,6 +136,20 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective_number(lau
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 
 
+def _remove_cgroups(*groups: Path) -> None:
+    """Child groups first; a process still inside (a rank that outlived a failure) is moved to
+    the root group first, so nothing is left with the job's cpu.shares or rank 1's quota."""
+    for group in groups:
+        if not group.exists():
+            continue
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                (CPU_CGROUP / "cgroup.procs").write_text(pid)
+            except OSError:  # gone meanwhile
+                pass
+        group.rmdir()
+
+
 def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_keeps_it(tmp_path):
     """Rank 1 capped by a cgroup v1 cpu quota to 30% of one CPU: rank 0 names it with its
     ratio within 50 steps (each rank's median forward time over 20 steps, sent with its
@@ -157,13 +172,19 @@ def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_kee
                 "training.epochs=1", "training.max_steps=50", "logging.progress=never", "checkpoint.every_n_epochs=null",
                 "distributed.watchdog_s=10", f"logging.run_dir={tmp_path / 'runs'}", "logging.name=capped", cap]
         started = time.time()
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                                env=clean_env({"PYTHONPATH": str(REPO / "tests")}),
-                                preexec_fn=lambda: (job / "cgroup.procs").write_text(str(os.getpid())))
+        # The shell joins the job's group, then becomes torchrun: the ranks start inside it.
+        joined = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(job), *argv]
+        job_run = subprocess.Popen(joined, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                   env=clean_env({"PYTHONPATH": str(REPO / "tests")}), start_new_session=True)
+        try:
+            stdout, stderr = job_run.communicate(timeout=300)
+        finally:
+            if job_run.poll() is None:
+                os.killpg(job_run.pid, signal.SIGKILL)
+                job_run.wait()
+        result = subprocess.CompletedProcess(joined, job_run.returncode, stdout, stderr)
     finally:
-        for group in (capped, job):
-            if group.exists():
-                group.rmdir()
+        _remove_cgroups(capped, job)
     assert result.returncode == 0, result.stderr[-3000:]
     named = re.findall(r"straggler: rank (\d) \(host \S+\) takes ([\d.]+)x the median step time of the other "
                        r"ranks \([\d.e-]+s vs [\d.e-]+s of its own work a step, at step (\d+)\)", result.stderr)
