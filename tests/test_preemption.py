@@ -151,7 +151,8 @@ def test_the_rendered_sbatch_script_stops_before_its_walltime_and_requeues(tmp_p
     """``ddp-hpc submit slurm --sbatch --time 1``: the script ddp-hpc renders, on the test
     cluster, a 1-minute fsdp2 job (signal USR2@5): the ranks stop ahead of the job's end with a
     checkpoint (deadline_margin_s from the end the script exports, or the signal), the
-    script requeues, and the requeued job finishes bit-identical to an uninterrupted run."""
+    script requeues, and the requeued job (given 5 minutes) finishes bit-identical to an
+    uninterrupted run."""
     # A small model, so that the uninterrupted reference is quick on a loaded machine.
     common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",
               "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=20",
@@ -203,8 +204,21 @@ def _stop_requeue_and_resume(tmp_path: Path, runs: Path, job_id: str, submit: su
     step = int(stopped.group(1))
     checkpointed = (runs / "deadline" / "checkpoints" / f"step-{step:08d}.pt").stat().st_mtime
     assert checkpointed < deadline, "the checkpoint came after the time limit"
+    # The 1-minute limit is there to make the first attempt stop. The requeued job gets 5
+    # minutes, as a real requeued job gets its whole walltime: with 1 minute, margin 35 s, an
+    # attempt whose start-up took over 25 s on a loaded machine stopped at its first agreement
+    # step, 5 steps on, again and again (CI, 2026-11-23). Slurm's --signal comes any time in
+    # the last minute, so the new limit must be more than a minute beyond the start-up too.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=5"], check=True)
     release_requeued(job_id)
-    out, err = submit.communicate(timeout=300)
+    # Should an attempt still stop and be requeued, release it too instead of waiting out
+    # Slurm's requeue delay (minutes).
+    until = time.monotonic() + 300
+    while submit.poll() is None and time.monotonic() < until:
+        if "PENDING BeginTime" in job_state(job_id):
+            release_requeued(job_id)
+        time.sleep(1.0)
+    out, err = submit.communicate(timeout=max(1.0, until - time.monotonic()))
     assert submit.returncode == 0, out[-2000:] + err[-3000:]
     assert re.search(rf"resuming from \S+step-{step:08d}\.pt:", log()), log()[-3000:]
     assert_same_training_state(load_checkpoint(runs / "reference" / "checkpoints" / "last.pt"),
