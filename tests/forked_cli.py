@@ -64,9 +64,9 @@ class ForkedCli:
 
 
 #: Imported once by the server: what the corpus's commands import on their way to the error
-#: (torch's optimizers import torch._dynamo, the digits job scikit-learn's datasets).
+#: (torch's optimizers import torch._dynamo).
 PRELOADED = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "ddp_hpc.cli", "ddp_hpc.training.run_on_rank",
-             "ddp_hpc.training.trainer", "sklearn.datasets")
+             "ddp_hpc.training.trainer")
 
 
 def _serve() -> None:
