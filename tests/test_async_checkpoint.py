@@ -108,7 +108,7 @@ TRAIN = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=
          "job.params.input_dim=64", "job.params.hidden=256", "job.params.depth=2", "job.params.dropout=0.1",
          "training.batch_size=16", "training.epochs=2", "training.optimizer=adamw", "training.deterministic=true",
          "checkpoint.every_n_steps=16", "checkpoint.every_n_epochs=1", "checkpoint.async=true",
-         "checkpoint.keep_last=10", "logging.progress=never", "validation.early_stopping.patience=null"]
+         "checkpoint.keep_last=10", "logging.progress=never", "logging.plot=false", "validation.early_stopping.patience=null"]
 
 
 def _train(tmp_path: Path, name: str, extra: list[str] = ()) -> subprocess.CompletedProcess:

@@ -242,7 +242,7 @@ def test_a_run_whose_checkpoints_are_all_truncated_stops_and_keeps_them(tmp_path
     from conftest import REPO, ddp_hpc_command, run
 
     args = ["train", str(REPO / "configs" / "digits.yaml"), "training.epochs=1", f"logging.run_dir={tmp_path}",
-            "logging.progress=never"]
+            "logging.progress=never", "logging.plot=false"]
     first = run([*ddp_hpc_command(), *args])
     assert first.returncode == 0, first.stderr[-2000:]
     checkpoints = tmp_path / "digits" / "checkpoints"
@@ -289,7 +289,7 @@ def test_a_checkpoint_that_does_not_fit_ends_the_run_with_one_line_and_keeps_the
     args = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=256", "job.params.val_samples=0",
             "job.params.input_dim=128", "job.params.hidden=256", "job.params.depth=2", "training.batch_size=64",
             "training.epochs=3", "checkpoint.every_n_epochs=1", "checkpoint.keep_last=1", "checkpoint.save_best=false", "logging.progress=never",
-            "logging.name=full"]
+            "logging.plot=false", "logging.name=full"]
     sized = run([*ddp_hpc_command(), *args, "training.epochs=1", f"logging.run_dir={tmp_path / 'sizing'}"])
     assert sized.returncode == 0, sized.stderr[-2000:]
     size = (tmp_path / "sizing" / "full" / "checkpoints" / "last.pt").stat().st_size

@@ -143,7 +143,7 @@ def test_srun_digits_trains_over_the_high_speed_network(world, tmp_path):
     watcher.start()
     try:
         result = run(["srun", "-N2", "-n4", "--ntasks-per-node=2", *ddp_hpc_command(), "train",
-                      "configs/digits.yaml", "training.epochs=2", "logging.progress=never",
+                      "configs/digits.yaml", "training.epochs=2", "logging.progress=never", "logging.plot=false",
                       f"logging.run_dir={tmp_path}"],
                      env=slurm_env(DDP_HPC_HOST_SUFFIX="-hsn", MASTER_PORT=str(port)), timeout=TIMEOUT)
     finally:

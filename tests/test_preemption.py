@@ -19,6 +19,7 @@ from ddp_hpc.engine.checkpoint_files import load_checkpoint
 pytestmark = [pytest.mark.slurm, pytest.mark.reliability, pytest.mark.slow, pytest.mark.multiproc]
 CONFIG = str(REPO / "configs" / "synthetic.yaml")
 OVERRIDES = ["training.epochs=12", "job.params.dropout=0.1", "training.deterministic=true", "logging.progress=never",
+             "logging.plot=false",
              "checkpoint.preemption_check_every_n_steps=5", "validation.early_stopping.patience=null"]
 FSDP2 = ["training.strategy=fsdp2", "checkpoint.format=file", "job.params.hidden=128"]  # a smaller model: quick on a loaded machine
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.reliability]
 LIMIT_S = 60
 TRAIN = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=4096", "job.params.val_samples=0",
          "job.params.input_dim=32", "job.params.hidden=64", "job.params.depth=2", "training.batch_size=16",
-         "training.epochs=5", "logging.progress=never", "checkpoint.every_n_epochs=null"]
+         "training.epochs=5", "logging.progress=never", "logging.plot=false", "checkpoint.every_n_epochs=null"]
 
 
 def fault(kind: str, marker: Path, rank: int = 1, step: int = 3) -> str:
@@ -169,7 +169,8 @@ def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_kee
                f"quota_us: 3000, period_us: 10000}}}}]")
         argv = [*launch_prefix("torchrun", None), *ddp_hpc_command(), "train",
                 str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=6400", "job.params.val_samples=0",
-                "training.epochs=1", "training.max_steps=50", "logging.progress=never", "checkpoint.every_n_epochs=null",
+                "training.epochs=1", "training.max_steps=50", "logging.progress=never", "logging.plot=false",
+                "checkpoint.every_n_epochs=null",
                 "distributed.watchdog_s=10", f"logging.run_dir={tmp_path / 'runs'}", "logging.name=capped", cap]
         started = time.time()
         # The shell joins the job's group, then becomes torchrun: the ranks start inside it.

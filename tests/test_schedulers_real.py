@@ -15,7 +15,7 @@ from conftest import FAST_WAIT, REPO, clean_env, ddp_hpc_command, run
 
 pytestmark = pytest.mark.multiproc
 DIGITS = str(REPO / "configs" / "digits.yaml")
-QUICK = ["training.epochs=3", "validation.early_stopping.patience=null"]
+QUICK = ["training.epochs=3", "validation.early_stopping.patience=null", "logging.plot=false"]
 
 
 def submit(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

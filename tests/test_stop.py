@@ -257,7 +257,7 @@ def test_the_configured_stop_signal_checkpoints_and_exits_75(tmp_path):
     args = [*ddp_hpc_command(), "train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=512",
             "job.params.input_dim=16", "job.params.hidden=32", "job.params.depth=2", "training.epochs=200",
             "checkpoint.stop_signal=USR1@60", "checkpoint.preemption_check_every_n_steps=3",
-            "logging.progress=never", f"logging.run_dir={tmp_path}", "logging.name=usr1"]
+            "logging.progress=never", "logging.plot=false", f"logging.run_dir={tmp_path}", "logging.name=usr1"]
 
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     for line in process.stderr:

@@ -34,7 +34,7 @@ def torchrun(tmp_path: Path, nproc: int, config: str | Path, overrides: list[str
              env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "ddp_hpc", "train", str(config), f"logging.run_dir={tmp_path / 'runs'}", f"logging.name={name}",
-            "logging.progress=never", *overrides]
+            "logging.progress=never", "logging.plot=false", *overrides]
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                           env=clean_env({"PYTHONPATH": str(REPO / "tests"), **(env or {})}))
 

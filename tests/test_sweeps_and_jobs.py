@@ -19,7 +19,7 @@ DIGITS = str(REPO / "configs" / "digits.yaml")
                          ids=["submitit", "sbatch", "qsub"])
 def test_a_sweep_runs_as_one_array_job_and_wait_prints_every_element(variant, slurm_cluster, tmp_path):
     result = run([*ddp_hpc_command(), "submit", *variant, DIGITS, "--sweep", "training.lr=0.001,0.003",
-                  "--nodes", "1", "--walltime", "10", *FAST_WAIT, "training.epochs=2",
+                  "--nodes", "1", "--walltime", "10", *FAST_WAIT, "training.epochs=2", "logging.plot=false",
                   f"logging.run_dir={tmp_path / 'runs'}"], cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = [line.split() for line in result.stdout.splitlines() if re.match(r"^[01] +training\.lr=", line)]

@@ -28,7 +28,7 @@ from ddp_hpc.training.trainer import Trainer
 
 SMALL = ["job.name=synthetic", "job.params.samples=256", "job.params.val_samples=64", "job.params.input_dim=8",
          "job.params.hidden=16", "job.params.depth=1", "training.optimizer=sgd", "training.lr=0.05",
-         "training.batch_size=16", "logging.progress=never"]
+         "training.batch_size=16", "logging.progress=never", "logging.plot=false"]
 
 
 def launch(tmp_path: Path, nproc: int, config: str, overrides: list[str], *, name: str,
@@ -118,7 +118,8 @@ def test_a_log_that_is_not_a_terminal_gets_progress_lines_between_epoch_lines(tm
     assert any(epoch_lines[0] < i < epoch_lines[1] for i in progress)
     assert all("ETA epoch" in lines[i] and " loss " in lines[i] for i in progress)
 
-    # The curves of that run, from the command line; without matplotlib, one line.
+    # The curves of that run (which drew none: logging.plot=false), from the command line.
+    assert not (tmp_path / "runs" / "p" / "curves.png").exists()
     plot = subprocess.run([*ddp_hpc_command(), "plot", str(tmp_path / "runs" / "p")], capture_output=True,
                           text=True, timeout=120, env=clean_env(), cwd=tmp_path)
     assert plot.returncode == 0, plot.stderr
@@ -133,6 +134,9 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
     run = tmp_path / "r"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 4, "train_loss": 1.0}) + "\n")
+    # As if not installed, also where an earlier test in this worker imported it.
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MatplotlibMissing, match="pip install matplotlib"):
         plot_run(run)

@@ -130,7 +130,7 @@ def torchrun_train(tmp_path: Path, nproc: int, overrides: list[str], *, name: st
                    timeout: float = 240) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "ddp_hpc", "train", str(REPO / "configs" / "synthetic.yaml"),
-            f"logging.run_dir={tmp_path / 'runs'}", f"logging.name={name}", *overrides]
+            f"logging.run_dir={tmp_path / 'runs'}", f"logging.name={name}", "logging.plot=false", *overrides]
     env = clean_env({"PYTHONPATH": str(REPO / "tests")})
     # A session of its own, so that a test can SIGKILL the whole launch.
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,

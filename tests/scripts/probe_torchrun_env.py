@@ -1,9 +1,11 @@
-"""Print, as one JSON line, what a torchrun-aware framework would read on this rank."""
+"""Print, as one JSON line, what a torchrun-aware framework would read on this rank, and
+what a process group formed from those variables alone (env://) sums in an all_reduce."""
 
 import json
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -17,4 +19,9 @@ record["is_torchelastic_launched"] = dist.is_torchelastic_launched()
 record["slurm_node"] = os.environ.get("SLURMD_NODENAME")
 record["slurm"] = {name: os.environ.get(name) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")}
 record["host"] = socket.gethostname()
+dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only
+ranks_plus_one = torch.tensor([dist.get_rank() + 1])
+dist.all_reduce(ranks_plus_one)
+record["all_reduce_of_rank_plus_one"] = int(ranks_plus_one)
+dist.destroy_process_group()
 print(json.dumps(record), flush=True)
