@@ -69,8 +69,16 @@ def test_rank_zeros_heartbeat_names_a_straggler_with_its_host_and_ratio_and_nobo
                        status=lambda rank=rank: RankStatus(None, step_s[rank], 40),
                        on_straggler=found.append if rank == 0 else None) for rank in range(3)]
     with ExitStack() as stack:
-        for beat in beats:
+        # Ranks 1 and 2 publish first, so that rank 0's first check sees every rank: a check
+        # that saw rank 2 but not yet rank 1 (under load) names it against rank 0 alone.
+        for beat in beats[1:]:
             stack.enter_context(beat)
+        keys = [liveness.STATUS_KEY.format(rank=rank) for rank in (1, 2)]
+        deadline = time.monotonic() + 10
+        while not server.check(keys):
+            assert time.monotonic() < deadline, "ranks 1 and 2 published no status"
+            time.sleep(0.05)
+        stack.enter_context(beats[0])
         deadline = time.monotonic() + 5
         while not found and time.monotonic() < deadline:
             time.sleep(0.05)

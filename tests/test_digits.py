@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import require_module
+from conftest import clean_env, require_module
 
 CHECK = """
 import sys
@@ -27,5 +27,6 @@ print("same")
 
 def test_the_digits_are_scikit_learns_exactly_and_reading_them_does_not_import_it():
     require_module("sklearn", "examples")
-    result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120,
+                            env=clean_env())
     assert result.returncode == 0 and result.stdout.strip() == "same", result.stderr[-2000:]

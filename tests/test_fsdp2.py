@@ -78,7 +78,8 @@ TWO_RANK_FSDP2 = [*SMALL_SYNTHETIC, "training.epochs=2", "training.optimizer=ada
 
 def _fit_one_process(tmp_path: Path, overrides: list[str]):
     config = load_config(REPO / "configs" / "synthetic.yaml",
-                         [f"logging.run_dir={tmp_path / 'runs'}", "logging.name=one", *overrides])
+                         [f"logging.run_dir={tmp_path / 'runs'}", "logging.name=one", "logging.plot=false",
+                          *overrides])
     with process_group(environ={}) as ctx:
         trainer = Trainer(create_job(config.job.name, config.job.params), config, ctx, RunFolder(tmp_path / "runs" / "one"))
         return trainer.fit()

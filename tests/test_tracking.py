@@ -80,7 +80,7 @@ def test_a_tracker_that_fails_to_start_is_a_warning_and_training_goes_on(tmp_pat
     with caplog.at_level(logging.WARNING, logger="ddp_hpc"):
         summary = fit_in_process(tmp_path, ["training.epochs=1", "logging.trackers=[mlflow,csv]",
                                             "logging.mlflow.tracking_uri=nosuchscheme://nowhere",
-                                            "logging.log_every_n_steps=2", "logging.plot=false"])
+                                            "logging.log_every_n_steps=2"])
     assert summary.epochs_completed == 1
     warnings = [r.getMessage() for r in caplog.records if "tracker mlflow did not start" in r.getMessage()]
     assert len(warnings) == 1
@@ -323,7 +323,7 @@ def test_epoch_rows_become_tracker_metrics():
 def test_a_resumed_run_neither_repeats_nor_skips_points_the_killed_attempt_logged(tmp_path):
     # 256 samples, batch 16: 16 steps per epoch. The first attempt stops at step 6 with a
     # checkpoint there; then, as a killed attempt would, it logged steps 7 and 8 and half a line.
-    common = ["training.epochs=1", "logging.trackers=[csv]", "logging.log_every_n_steps=1", "logging.plot=false",
+    common = ["training.epochs=1", "logging.trackers=[csv]", "logging.log_every_n_steps=1",
               "checkpoint.every_n_epochs=null"]
     fit_in_process(tmp_path, [*common, "training.max_steps=6"])
     csv_file = tmp_path / "r" / "tracking" / "metrics.csv"

@@ -56,7 +56,7 @@ class IndexJob(Job):
 
 def _fit_in_process(job: Job, tmp_path: Path, overrides: list[str]) -> RunSummary:
     config = load_config(None, [f"logging.run_dir={tmp_path}", "logging.name=r", "logging.progress=never",
-                                *overrides])
+                                "logging.plot=false", *overrides])
     with process_group(environ={}) as ctx:
         return Trainer(job, config, ctx, RunFolder(tmp_path / "r")).fit()
 

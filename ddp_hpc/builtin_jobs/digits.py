@@ -31,8 +31,11 @@ def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
             # What sklearn.datasets.load_digits does with the same file.
             data = np.loadtxt(data_file, delimiter=",")
             return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
-    from sklearn.datasets import load_digits  # a scikit-learn that keeps the file elsewhere
-
+    try:  # a scikit-learn that keeps the file elsewhere
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise UserError(f"the digits job cannot import scikit-learn ({error}): "
+                        "pip install 'ddp_hpc[examples]'") from None
     digits = load_digits()
     return digits.images, digits.target
 

@@ -1,6 +1,7 @@
 """Print, as one JSON line, what a torchrun-aware framework would read on this rank, and
 what a process group formed from those variables alone (env://) sums in an all_reduce."""
 
+import datetime
 import json
 import os
 import socket
@@ -19,7 +20,8 @@ record["is_torchelastic_launched"] = dist.is_torchelastic_launched()
 record["slurm_node"] = os.environ.get("SLURMD_NODENAME")
 record["slurm"] = {name: os.environ.get(name) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")}
 record["host"] = socket.gethostname()
-dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only
+# env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only; a rank that cannot join fails in a minute.
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 ranks_plus_one = torch.tensor([dist.get_rank() + 1])
 dist.all_reduce(ranks_plus_one)
 record["all_reduce_of_rank_plus_one"] = int(ranks_plus_one)
