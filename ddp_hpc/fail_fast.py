@@ -8,7 +8,7 @@ Plain ``srun`` waits too. So a failing rank asks the launcher, in its own terms:
 
 - Hydra (``PMI_FD`` set): the PMI-1 wire command ``cmd=abort exitcode=N``, as
   ``MPI_Abort`` sends it; ``mpiexec`` then kills every rank and exits with ``N``;
-- ``srun`` tasks: ``scancel --signal=KILL JOB.STEP`` for this job step only.
+- ``srun`` tasks: ``scancel --ctld --signal=KILL JOB.STEP`` for this job step only.
 
 Each launcher's environment class says how (``ClusterEnvironment.abort_request`` in
 ``environment/launchers.py``). The CLI calls :func:`end_job` after it has printed its

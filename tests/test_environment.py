@@ -210,7 +210,7 @@ def test_the_job_is_named_once_by_the_launcher_class(capsys):
 @pytest.mark.parametrize("env,expected", [
     ({**rec.MPICH_RANK1, "PMI_FD": "7"}, ("pmi", "7")),
     ({**rec.SRUN_RANK3, "SLURM_JOB_ID": "17", "SLURM_STEP_ID": "2"},
-     ("command", ["scancel", "--quiet", "--signal=KILL", "17.2"])),
+     ("command", ["scancel", "--ctld", "--quiet", "--signal=KILL", "17.2"])),
     (rec.TORCHRUN_RANK1, None),
     (rec.OPENMPI_RANK1, None),
 ])

@@ -192,8 +192,8 @@ def srun_step(monkeypatch) -> tuple[dict[str, str], list[list[str]]]:
 
 def test_a_plain_srun_step_is_cancelled(srun_step):
     env, ran = srun_step
-    assert fail_fast.end_job(1, env, run=ran.append) == "scancel --quiet --signal=KILL 17.2"
-    assert ran == [["scancel", "--quiet", "--signal=KILL", "17.2"]]
+    assert fail_fast.end_job(1, env, run=ran.append) == "scancel --ctld --quiet --signal=KILL 17.2"
+    assert ran == [["scancel", "--ctld", "--quiet", "--signal=KILL", "17.2"]]
 
 
 @pytest.mark.parametrize("env", [TORCHRUN_RANK1, OPENMPI_RANK1, {}], ids=["torchrun", "openmpi", "single"])
