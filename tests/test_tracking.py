@@ -135,9 +135,8 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 4, "train_loss": 1.0}) + "\n")
     # As if not installed, also where an earlier test in this worker imported it.
-    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+    for name in ["matplotlib", *(name for name in sys.modules if name.startswith("matplotlib."))]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MatplotlibMissing, match="pip install matplotlib"):
         plot_run(run)
 
