@@ -26,6 +26,12 @@ FSDP2 = (2, 8)
 XCCL = (2, 8)
 #: The last torch that Intel's extension (IPEX) and oneCCL bindings are released for.
 IPEX_LAST = (2, 8)
+#: ``torch.distributed.checkpoint.save``/``load`` take ``no_dist`` from 2.7; before, they
+#: work it out themselves (no default group: no collectives), which is what we would pass.
+DCP_NO_DIST = (2, 7)
+#: ``dcp.async_save`` takes ``no_dist`` and ``async_stager`` (a stager kept between saves)
+#: from 2.9; before, each save stages through a stager of its own.
+DCP_ASYNC_STAGER = (2, 9)
 
 
 def parse(version: str) -> tuple[int, int]:
@@ -60,3 +66,13 @@ def fsdp2_refusal(version: str) -> str | None:
     return (f"training.strategy=fsdp2 needs torch {named(FSDP2)} or newer, and this is torch {version}: "
             f"use training.strategy=ddp, or install torch>={named(FSDP2)}")
 
+
+
+def dcp_takes_no_dist(version: str) -> bool:
+    """Whether ``dcp.save``/``dcp.load`` take the ``no_dist`` keyword."""
+    return parse(version) >= DCP_NO_DIST
+
+
+def dcp_async_takes_stager(version: str) -> bool:
+    """Whether ``dcp.async_save`` takes ``no_dist`` and ``async_stager``."""
+    return parse(version) >= DCP_ASYNC_STAGER

@@ -60,3 +60,23 @@ def test_the_ipex_extra_pins_intels_builds_for_the_last_torch_they_support_as_th
     assert all(f"`{pin}`" in devices for pin in pins)
     assert (f"pip install 'ddp_hpc[ipex]' --extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/"
             in devices)
+
+
+@pytest.mark.parametrize("version,save_load,async_save", [("2.5.1", False, False), ("2.6.0", False, False),
+                                                          ("2.7.1", True, False), ("2.8.0", True, False),
+                                                          ("2.9.0", True, True), ("2.14.1", True, True)])
+def test_dcp_takes_no_dist_from_2_7_and_async_save_a_stager_from_2_9(version, save_load, async_save):
+    assert torch_support.dcp_takes_no_dist(version) is save_load
+    assert torch_support.dcp_async_takes_stager(version) is async_save
+
+
+def test_the_dcp_gates_agree_with_the_installed_torchs_own_signatures():
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    version = torch_support.installed()
+    assert ("no_dist" in inspect.signature(dcp.save).parameters) is torch_support.dcp_takes_no_dist(version)
+    assert ("no_dist" in inspect.signature(dcp.load).parameters) is torch_support.dcp_takes_no_dist(version)
+    assert ("async_stager" in inspect.signature(dcp.async_save).parameters) is \
+        torch_support.dcp_async_takes_stager(version)

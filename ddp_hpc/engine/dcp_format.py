@@ -65,6 +65,7 @@ from ddp_hpc.contract import (BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, 
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
 from ddp_hpc.engine.checkpoint_files import CheckpointError
 from ddp_hpc.engine.group import Collectives
+from ddp_hpc.torch_support import dcp_async_takes_stager, dcp_takes_no_dist
 
 log = logging.getLogger(__name__)
 
@@ -255,13 +256,33 @@ def _blob_template(metadata: Metadata, key: str) -> torch.Tensor:
     return torch.empty(tuple(entry.size), dtype=torch.uint8)
 
 
+def _host_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor copied to host memory (nested dicts and lists kept)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: _host_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_copy(value) for value in state)
+    return state
+
+
+def _load_tensors(template: dict[str, Any], path: Path, *, no_dist: bool) -> None:
+    """Read ``path`` into ``template``'s tensors (plain tensors, no ``Stateful`` objects), as
+    the weights-only reader allows; ``no_dist``: this process alone, no collectives."""
+    reader, planner = _WeightsOnlyReader(path), _WeightsOnlyLoadPlanner(allow_partial_load=True)
+    if dcp_takes_no_dist(torch.__version__):
+        dcp.load(template, storage_reader=reader, planner=planner, no_dist=no_dist)
+    else:  # before torch 2.7 only the loader under load() takes no_dist; for plain tensors it is the same call
+        _load_state_dict(template, storage_reader=reader, planner=planner, no_dist=no_dist)
+
+
 def read_blob(path: Path, metadata: Metadata, key: str) -> Any:
     """One blob (``ddp_hpc.shared`` or a rank's), read by this process alone (no collectives)."""
     template = {key: _blob_template(metadata, key)}
     try:
         with _quiet(True):
-            dcp.load(template, storage_reader=_WeightsOnlyReader(path),
-                     planner=_WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=True)
+            _load_tensors(template, path, no_dist=True)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - a shard file that does not read
@@ -394,16 +415,24 @@ class DcpFormat:
         no_dist = not group.group_initialized
         commit = _Commit(directory, path, keep_last, best, group.is_rank_zero, started)
         if self.background:
+            if dcp_async_takes_stager(torch.__version__):
+                options = {"no_dist": no_dist, "async_stager": self._host_stager()}
+            else:
+                # Before torch 2.9 async_save stages without a stager of ours, and on 2.5 a
+                # resume from what it wrote was not the state at the save (seen on CPU): it
+                # gets a copy of its own, taken here, before training goes on.
+                options, to_save = {}, _host_copy(to_save)
             with _quiet(no_dist):
                 response = dcp.async_save(to_save, checkpoint_id=path, process_group=self._writer_group(no_dist),
-                                          no_dist=no_dist, async_stager=self._host_stager())
+                                          **options)
             future = getattr(response, "upload_completion", response)
             committed = threading.Event()
             self._pending, self._pending_path = committed, path
             future.add_done_callback(lambda done: self._committed(done, commit, committed))
         else:
             with _quiet(no_dist):
-                dcp.save(to_save, checkpoint_id=path, no_dist=no_dist)
+                # Before torch 2.7 save() takes no no_dist: it works out the same from the default group.
+                dcp.save(to_save, checkpoint_id=path, **({"no_dist": no_dist} if dcp_takes_no_dist(torch.__version__) else {}))
             record = commit()
             group.barrier()  # returns on every rank once last.dcp names the new folder
             self._finished.append(record)
@@ -499,8 +528,7 @@ class DcpFormat:
             template[key] = _blob_template(metadata, key)
         try:
             with _quiet(not group.group_initialized):
-                dcp.load(template, storage_reader=_WeightsOnlyReader(path),
-                         planner=_WeightsOnlyLoadPlanner(allow_partial_load=True), no_dist=not group.group_initialized)
+                _load_tensors(template, path, no_dist=not group.group_initialized)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - DCP wraps a rank's failure in its own exception
