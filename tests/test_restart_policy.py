@@ -86,7 +86,8 @@ def test_a_stop_signal_reaches_every_rank_and_nothing_is_restarted(tmp_path):
     """``request_stop`` (what the CLI's SIGUSR2 handler calls) passes the signal on: rank 0
     stops (75), rank 1 fails on it (1); the launch ends with the failure, not restarted."""
     starts = tmp_path / "starts"
-    wait = f"echo >>{starts}; touch {tmp_path}/ready$RANK; while :; do sleep 0.1; done"
+    # Each rank gives up after 30 s (exit 9): a missing signal fails the test, not hangs it.
+    wait = f"echo >>{starts}; touch {tmp_path}/ready$RANK; for i in $(seq 300); do sleep 0.1; done; exit 9"
     supervisor = Supervisor(sh(f"trap 'exit 75' USR2; {wait}", f"trap 'exit 1' USR2; {wait}").start,
                             RestartPolicy(2))
 
