@@ -276,7 +276,9 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from ddp_hpc.launch.local import LocalLaunch, build_local_command, run_with_restarts
+    from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
+    from ddp_hpc.launch.restart import RestartPolicy
+    from ddp_hpc.launch.supervisor import Supervisor
 
     if args.hostfile:
         return _launch_on_hosts(args)
@@ -284,14 +286,16 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         raise UserError("--nodes and --run-folder go with --hostfile (a launch on this machine has one node)")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
-    argv = build_local_command(launch)
     if args.dry_run:
-        print(shlex.join(argv))
+        print(describe(launch), end="")
         return 0
     sys.stdout.flush()
-    if launch.restarts_here:
-        return run_with_restarts(argv, launch.max_restarts)
-    os.execvp(argv[0], argv)
+    supervisor = Supervisor(attempt_starter(launch).start, RestartPolicy(launch.max_restarts))
+    # A stop signal (preemption, the time limit) reaches the ranks through the
+    # supervisor, which then restarts nothing: the launch exits with the ranks' 75.
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
+    return supervisor.run()
 
 
 def _launch_on_hosts(args: argparse.Namespace) -> int:
@@ -466,11 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich"))
+    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich"),
+                        help="torchrun (default): ddp-hpc starts the ranks itself with torchrun's variables; "
+                             "openmpi, mpich: mpiexec starts them")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="relaunch all ranks after a failure, at most N times (torchrun's own "
-                             "--max-restarts; a loop for mpiexec); they resume from the newest checkpoint")
+                        help="relaunch all ranks after a failure, at most N times; they resume from the newest "
+                             "checkpoint. A stop (exit 75) is never restarted: the launch exits 75")
     launch.add_argument("--hostfile", metavar="FILE",
                         help="start the ranks on these hosts (one name per line) with mpiexec (--launcher openmpi "
                              "or mpich): --nproc ranks on each of the first --nodes; the rest are spares a restart "

@@ -18,7 +18,7 @@ def test_submit_local_runs_the_rendered_script_with_bash_and_waits_for_it(tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     folder = tmp_path / "hello"
     script = (folder / "job.sh").read_text()
-    assert script.startswith("#!/bin/bash") and "torch.distributed.run --standalone --nproc-per-node 2" in script
+    assert script.startswith("#!/bin/bash") and "ddp-hpc launch --nproc 2 -- ddp-hpc run -- python" in script
     submission = (folder / "submission.json").read_text()
     assert '"scheduler": "local"' in submission
     log = (folder / "job.log").read_text()

@@ -80,9 +80,11 @@ def test_slurm_script_torchrun_per_node():
             '--rdzv-id "${SLURM_JOB_ID}" --max-restarts 0 --no-python ddp-hpc train') in script
     assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script
-    # With restarts, each attempt gets a fresh store (launch/local.py says why).
+    # With restarts, torchrun still never restarts (it would restart a stop, exit 75): the
+    # script's loop does, and each attempt is a new torchrun with a fresh store.
     restarting = render_sbatch(request("slurm-gpu", torchrun_per_node=True, max_restarts=2))
-    assert "srun --kill-on-bad-exit=1 --wait=60 env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2" in restarting
+    assert "srun --kill-on-bad-exit=1 --wait=60 torchrun --nnodes 2" in restarting
+    assert '--max-restarts 0 --no-python' in restarting and '[ "$attempt" -ge 2 ]' in restarting
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),

@@ -1,20 +1,18 @@
-"""Start N ranks on this machine: torchrun, or mpiexec of either MPI."""
+"""``ddp-hpc launch`` on this machine: what starts the ranks (ddp-hpc itself with torchrun's
+variables, or mpiexec of either MPI); ``launch/supervisor.py`` runs and restarts them."""
 
 from __future__ import annotations
 
-import logging
 import os
-import subprocess
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-
-log = logging.getLogger(__name__)
+from ddp_hpc.launch.supervisor import LocalRanks, OneLauncher
 
 LOCAL_LAUNCHERS = ("torchrun", "openmpi", "mpich")
 
@@ -36,40 +34,12 @@ class LocalLaunch:
         if self.max_restarts < 0:
             raise UserError(f"--max-restarts {self.max_restarts} must be >= 0")
 
-    @property
-    def restarts_here(self) -> bool:
-        """mpiexec has no restarts of its own: ddp-hpc relaunches it."""
-        return self.max_restarts > 0 and self.launcher != "torchrun"
 
-
-#: torchrun's agent hands every restart attempt the same store, unprefixed
-#: (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, ``_shared_tcp_store_server``),
-#: so a script's own ``init_process_group`` in attempt 1 reads attempt 0's gloo addresses and
-#: fails ("connectFullMesh ... Connection refused"). This makes the agent start a fresh store
-#: per attempt. ddp_hpc's ``process_group()`` prefixes its keys per attempt and needs it not.
-FRESH_STORE_PER_ATTEMPT = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-
-def build_torchrun(nproc: int, command: Sequence[str], max_restarts: int = 0) -> list[str]:
-    """torchrun on this node only; ``--no-python`` runs any executable (``ddp-hpc ...``)."""
-    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
-    fresh_store = ["env", "=".join(FRESH_STORE_PER_ATTEMPT)] if max_restarts else []
-    return [*fresh_store, sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), *restarts, "--no-python", *command]
-
-
-def run_with_restarts(argv: Sequence[str], max_restarts: int) -> int:
-    """Run the launch; after a failure (not OK, not REQUEUE: stopped on request) run it again,
-    at most ``max_restarts`` times, with ``$DDP_HPC_RESTART_COUNT`` set. The ranks resume
-    from the newest checkpoint. Returns the last exit status."""
-    for attempt in range(max_restarts + 1):
-        env = {**os.environ, RESTART_COUNT_VAR: str(attempt)}
-        status = subprocess.run(list(argv), env=env).returncode
-        if status in AGREED_EXIT_STATUSES or attempt == max_restarts:
-            return ExitStatus.of_returncode(status)
-        log.warning("the ranks failed (exit %d): restart %d of %d, resuming from the newest checkpoint",
-                    status, attempt + 1, max_restarts)
-    return status
+def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
+    """torchrun on this node only, without restarts (the benchmarks time it against the
+    other launchers); ``--no-python`` runs any executable (``ddp-hpc ...``)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--no-python", *command]
 
 
 def rank_command(command: Sequence[str]) -> list[str]:
@@ -79,10 +49,23 @@ def rank_command(command: Sequence[str]) -> list[str]:
     return list(command) if own else ["ddp-hpc", "run", "--", *command]
 
 
-def build_local_command(launch: LocalLaunch) -> list[str]:
+def attempt_starter(launch: LocalLaunch) -> LocalRanks | OneLauncher:
+    """What starts each attempt's ranks: ddp-hpc itself (``torchrun``: torchrun's variables,
+    no torchrun), or one mpiexec."""
     command = rank_command(launch.command)
     if launch.launcher == "torchrun":
-        return build_torchrun(launch.nproc, command, launch.max_restarts)
-    return build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
-                                   command=command, oversubscribe=True,
-                                   allow_root=os.geteuid() == 0))
+        return LocalRanks(launch.nproc, command)
+    return OneLauncher(build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
+                                               command=command, oversubscribe=True,
+                                               allow_root=os.geteuid() == 0)))
+
+
+def describe(launch: LocalLaunch) -> str:
+    """``--dry-run``: what each attempt starts, and the restarts."""
+    starter = attempt_starter(launch)
+    restarts = f"at most {launch.max_restarts} restart(s) after a failure, none after a stop (75)"
+    if isinstance(starter, OneLauncher):
+        return f"{shlex.join(starter.argv)}\n# {restarts}\n"
+    return (f"# {launch.nproc} ranks, each with torchrun's worker variables (RANK, LOCAL_RANK, WORLD_SIZE, "
+            f"MASTER_ADDR, MASTER_PORT, ...); rank 0 serves a fresh store on a free port each attempt; {restarts}\n"
+            f"{shlex.join(starter.command)}\n")

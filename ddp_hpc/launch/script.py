@@ -19,6 +19,7 @@ from ddp_hpc.contract import (
     exit_file_name,
 )
 from ddp_hpc.launch.mpi import PROGRAMS
+from ddp_hpc.launch.restart import RestartPolicy
 from ddp_hpc.launch.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 from ddp_hpc.staging.fanout import NODE_NAME_SHELL
 
@@ -236,13 +237,15 @@ def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None,
     failure (``--max-restarts``), and record the exit status for ``--wait``/``status``.
 
     A trapped signal ends ``wait`` early, so the loop waits until the step is really over.
-    ``ExitStatus.REQUEUE`` means the ranks checkpointed and stopped on request: no restart;
-    ``requeue`` (a shell command) then runs, if the scheduler has one. ``restarts`` is the
-    request's ``max_restarts`` (0 where the launcher restarts by itself, like torchrun).
+    Whether to restart, end or requeue is ``RestartPolicy``'s decision (launch/restart.py),
+    rendered as bash: ``ExitStatus.REQUEUE`` means the ranks checkpointed and stopped on
+    request: no restart; ``requeue`` (a shell command) then runs, if the scheduler has one.
+    ``restarts`` is the request's ``max_restarts``.
     With ``leave_out`` (spare nodes), the node where a rank failed is left out of the next
     attempt and recorded (the family says how: srun's ``--exclude``, a hostfile).
     """
     capture = leave_out is not None and leave_out.capture_stderr
+    policy = RestartPolicy(restarts).shell_tests()  # the one restart policy, as bash
     lines = [
         "stop_requested=0",
         "step_pid=",
@@ -277,8 +280,7 @@ def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None,
         f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
         f'  if [ "$status" != 0 ] && [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
         f'status={ExitStatus.REQUEUE:d}; fi',
-        f'  if [ "$status" = {ExitStatus.OK:d} ] || [ "$status" = {ExitStatus.REQUEUE:d} ] || '
-        f'[ "$stop_requested" = 1 ] || [ "$attempt" -ge {restarts} ]; then break; fi',
+        f"  if {policy.ends}; then break; fi",
         "  attempt=$((attempt + 1))",
         *([*leave_out.find, '  if [ -n "$failed" ]; then',
            '    excluded="${excluded:+$excluded,}$failed"',
@@ -296,8 +298,7 @@ def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None,
         lines += [
             # A stop signal that comes after the ranks finished (exit 0: Slurm may signal up to
             # a minute early, during the run's teardown) requeues nothing: the run is done.
-            f'if [ "$status" = {ExitStatus.REQUEUE:d} ] || {{ [ "$stop_requested" = 1 ] && '
-            f'[ "$status" != {ExitStatus.OK:d} ]; }}; then',
+            f"if {policy.requeues}; then",
             f'  echo "ddp_hpc: requeueing job {job_key}" >&2',
             f'  {requeue} || echo "ddp_hpc: requeue failed" >&2',
             '  exit "$status"',

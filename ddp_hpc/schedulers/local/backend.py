@@ -19,7 +19,6 @@ from pathlib import Path
 
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.local import build_torchrun
 from ddp_hpc.launch.request import SubmitRequest
 from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
 from ddp_hpc.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
@@ -31,8 +30,9 @@ PROFILE_SCHEDULERS = ("local", "none")
 
 
 def render_local(request: SubmitRequest) -> str:
-    """A bash script that runs every rank on this machine with ``torchrun --standalone``."""
-    argv = build_torchrun(request.per_node, rank_argv(request))
+    """A bash script that runs every rank on this machine with ``ddp-hpc launch`` (each rank's
+    own exit status, 75 included, reaches the script's loop; the loop restarts)."""
+    argv = ["ddp-hpc", "launch", "--nproc", str(request.per_node), "--", *rank_argv(request)]
     lines = [
         "#!/bin/bash",
         header_comment(request, "local"),

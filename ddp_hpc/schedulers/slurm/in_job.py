@@ -18,10 +18,11 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddp_hpc.contract import (AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE,
+from ddp_hpc.contract import (RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE,
                               ExitStatus, atomic_write, exit_file_name)
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.request import CommandPayload, TrainPayload
+from ddp_hpc.launch.restart import RestartPolicy
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,9 @@ class SubmititTrainTask:
 
 @dataclass(frozen=True)
 class RestartPlan:
-    """``--max-restarts`` for a submitit command job: after a rank's command fails, the job is
-    submitted again with the same executor parameters and ``--exclude`` of every node where a
-    rank failed (submitit has no batch script to loop in)."""
+    """``--max-restarts`` for a submitit command job: when the restart policy says so after a
+    rank's command fails (``launch/restart.py``), the job is submitted again with the same
+    executor parameters and ``--exclude`` of every node where a rank failed (submitit has no batch script to loop in)."""
 
     #: The executor's parameters as submitted (``executor_parameters``).
     parameters: dict[str, Any]
@@ -82,8 +83,8 @@ class RestartPlan:
     excluded: tuple[str, ...] = ()
 
     @property
-    def restarts_left(self) -> bool:
-        return self.attempt < self.max_restarts
+    def policy(self) -> RestartPolicy:
+        return RestartPolicy(self.max_restarts)
 
 
 class SubmititCommandTask:
@@ -114,10 +115,11 @@ class SubmititCommandTask:
         if rank == 0 and job_id and code != ExitStatus.REQUEUE:
             Path(self.run_folder).mkdir(parents=True, exist_ok=True)
             atomic_write(Path(self.run_folder) / exit_file_name(job_id), f"{code}\n")
-        if code == ExitStatus.REQUEUE:
+        policy, attempt = (self.restart.policy, self.restart.attempt) if self.restart else (RestartPolicy(0), 0)
+        decision = policy.decide(ExitStatus.of_returncode(code), attempt)
+        if decision.requeue:
             requeue_from_rank_zero()  # the command checkpointed and asked to be run again
-        # 75 is the command's own stop, requeued above: no restart, no node left out.
-        if code not in AGREED_EXIT_STATUSES and self.restart is not None and self.restart.restarts_left:
+        elif decision.restart:
             self._restart_without_this_node(rank, code, job_id)
         if code != 0:
             raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddp_hpc.contract import DEADLINE_VAR
-from ddp_hpc.launch.local import FRESH_STORE_PER_ATTEMPT
 from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
     LeaveOut,
@@ -104,10 +103,11 @@ def step_argv(request: SubmitRequest) -> list[str]:
                  f"--ntasks-per-node={tasks_per_node}", ShellArray(EXCLUDE_ARGS)]
     if not request.torchrun_per_node:
         return [*srun, *rank_argv(request)]
-    fresh_store = ["env", "=".join(FRESH_STORE_PER_ATTEMPT)] if request.max_restarts else []
-    return [*srun, *fresh_store, *staged_argv(request, ["torchrun"]), "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
+    # torchrun never restarts (--max-restarts 0): it would restart a stop (75) as a failure. The
+    # script's loop restarts the step under the one restart policy (launch/restart.py).
+    return [*srun, *staged_argv(request, ["torchrun"]), "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
-            "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", str(request.max_restarts),
+            "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", "0",
             "--no-python", *rank_argv(request)]
 
 
@@ -145,9 +145,8 @@ def render_sbatch(request: SubmitRequest) -> str:
                      job_key(request)),
         deadline_line(request),
         *SLURM_DEADLINE_LINES,
-        # torchrun restarts its workers itself (--max-restarts), and passes SIGTERM (not
-        # SIGUSR2, which would kill the agent) on to them.
-        *launch_lines(0 if torchrun else request.max_restarts, command, job_key(request),
+        # torchrun passes SIGTERM (not SIGUSR2, which would kill the agent) on to its workers.
+        *launch_lines(request.max_restarts, command, job_key(request),
                       requeue=REQUEUE if request.chain == 1 else None, forward_signal="TERM" if torchrun else "USR2",
                       trap_signals=request.stop_signal.name,
                       leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None),

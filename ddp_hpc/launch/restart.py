@@ -1,0 +1,67 @@
+"""The one restart policy: what an attempt's exit status means for the launch.
+
+Every path that restarts or requeues asks it: ``ddp-hpc launch`` (its supervisor, under each
+launcher), the rendered PBS, SLURM and local scripts (their loop's condition is rendered
+from ``ENDING_STATUSES``) and a submitit command job. docs/reliability.md has the table.
+
+- 0 ends the launch.
+- ``ExitStatus.REQUEUE`` (75) is a stop on request (a signal, the job's deadline): the ranks
+  checkpointed. Never restarted in place: handed back as 75 to whatever started the launch,
+  which requeues it (a batch script) or runs it again later (a user).
+- Anything else is a failure: restarted up to ``max_restarts`` times, resuming from the
+  newest checkpoint; the last failure's status is handed back.
+- Once a stop was requested (a stop signal reached the launch), nothing is restarted, and a
+  launch that can requeue does so unless the ranks finished (0).
+
+The rendered scripts cannot call Python between attempts cheaply, so ``shell_tests`` renders
+the same decision as bash tests; ``tests/test_restart_policy.py`` runs them against ``decide``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddp_hpc.contract import ExitStatus
+
+#: Statuses that end a launch whatever restarts are left.
+ENDING_STATUSES = (ExitStatus.OK, ExitStatus.REQUEUE)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Restart the ranks, or end the launch with ``status`` (and ask for a requeue, where the
+    launch has one)."""
+
+    restart: bool
+    status: int
+    requeue: bool = False
+
+
+@dataclass(frozen=True)
+class ShellTests:
+    """``decide`` as bash conditions over the script's ``$status``, ``$attempt`` (0 first) and
+    ``$stop_requested`` (0 or 1)."""
+
+    #: True when the loop ends (no restart).
+    ends: str
+    #: True when the ended launch asks for a requeue.
+    requeues: str
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 0
+
+    def decide(self, status: int, attempt: int, stop_requested: bool = False) -> Decision:
+        """What follows attempt ``attempt`` (0 first) that ended with ``status``."""
+        if status in ENDING_STATUSES or stop_requested or attempt >= self.max_restarts:
+            requeue = status == ExitStatus.REQUEUE or (stop_requested and status != ExitStatus.OK)
+            return Decision(restart=False, status=status, requeue=requeue)
+        return Decision(restart=True, status=status)
+
+    def shell_tests(self) -> ShellTests:
+        ending = " || ".join(f'[ "$status" = {status:d} ]' for status in ENDING_STATUSES)
+        return ShellTests(
+            ends=f'{ending} || [ "$stop_requested" = 1 ] || [ "$attempt" -ge {self.max_restarts} ]',
+            requeues=(f'[ "$status" = {ExitStatus.REQUEUE:d} ] || '
+                      f'{{ [ "$stop_requested" = 1 ] && [ "$status" != {ExitStatus.OK:d} ]; }}'))

@@ -1,0 +1,175 @@
+"""``ddp-hpc launch`` on this machine: the process that owns the ranks' processes.
+
+Each attempt starts the ranks (``RankStarter``: each rank as a child with torchrun's worker
+variables, or one ``mpiexec`` that starts them), passes a stop signal on, sees every
+child's real exit status, ends the others when one fails, and asks the one restart policy
+(``launch/restart.py``) what follows. torchrun is not used underneath: its agent turns any
+non-zero status into 1 and restarts a stop (75) as a failure, so neither a requeue nor a
+restart could keep the contract through it.
+
+Later in-job recovery (issue 31) sits here: the supervisor already knows which rank ended
+and keeps the others' ``Popen``; replacing one rank while the survivors stay up means a
+``Supervisor`` that, on a failure, starts that rank again (``RankStarter.start_rank``)
+instead of ending the attempt (see docs/architecture.md, "Recovery").
+
+Library code: signal handlers are the CLI's; it calls ``Supervisor.request_stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
+from ddp_hpc.environment import DistEnv
+from ddp_hpc.environment.ports import free_port
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.restart import RestartPolicy
+from ddp_hpc.torchrun_env import torchrun_variables
+
+log = logging.getLogger(__name__)
+
+#: How long the other ranks have to end after SIGTERM once one failed (torchrun's agent
+#: also waits 30 s before SIGKILL).
+END_GRACE_S = 30.0
+#: How often the supervisor looks at its children.
+POLL_S = 0.05
+
+#: Starts one attempt's processes: ``attempt`` (0 first) -> the children.
+StartAttempt = Callable[[int], Sequence[subprocess.Popen]]
+
+
+@dataclass(frozen=True)
+class LocalRanks:
+    """``nproc`` ranks of ``command`` on this machine, each with torchrun's worker variables
+    (``torch/distributed/elastic/agent/server/local_elastic_agent.py``, ``_start_workers``):
+    scripts written for torchrun and ddp_hpc's own verbs (``TorchrunEnvironment``) read them."""
+
+    nproc: int
+    command: Sequence[str]
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def environment(self, local_rank: int, attempt: int, port: int, run_id: str) -> dict[str, str]:
+        rank = DistEnv(rank=local_rank, world_size=self.nproc, local_rank=local_rank, local_world_size=self.nproc,
+                       node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=port, source="ddp-hpc launch")
+        env = {**self.base_env, **torchrun_variables(rank, run_id, attempt), RESTART_COUNT_VAR: str(attempt)}
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if self.nproc > 1 and not env.get("OMP_NUM_THREADS", "").strip():
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node do not oversubscribe it
+        return env
+
+    def start(self, attempt: int) -> list[subprocess.Popen]:
+        """Every rank of attempt ``attempt``; rank 0 serves a fresh store on a free port."""
+        port, run_id = free_port(), uuid.uuid4().hex[:12]
+        return start_all([(self.command, self.environment(local_rank, attempt, port, run_id))
+                          for local_rank in range(self.nproc)])
+
+
+@dataclass(frozen=True)
+class OneLauncher:
+    """One process per attempt that starts the ranks itself (``mpiexec``)."""
+
+    argv: Sequence[str]
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def start(self, attempt: int) -> list[subprocess.Popen]:
+        return start_all([(self.argv, {**self.base_env, RESTART_COUNT_VAR: str(attempt)})])
+
+
+def start_all(processes: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> list[subprocess.Popen]:
+    """Start each ``(argv, env)``; a command that cannot start is the user's mistake (one line),
+    and ends the ones already started."""
+    started: list[subprocess.Popen] = []
+    for argv, env in processes:
+        try:
+            started.append(subprocess.Popen(list(argv), env=dict(env)))
+        except OSError as exc:
+            for child in started:
+                child.kill()
+                child.wait()
+            raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+    return started
+
+
+class Supervisor:
+    """Attempts of a launch under one ``RestartPolicy``; ``run()`` returns the launch's status."""
+
+    def __init__(self, start: StartAttempt, policy: RestartPolicy, end_grace_s: float = END_GRACE_S) -> None:
+        self._start, self.policy, self.end_grace_s = start, policy, end_grace_s
+        self._children: list[subprocess.Popen] = []
+        self.stop_signal: int | None = None
+
+    def request_stop(self, signum: int) -> None:
+        """A stop signal reached the launch (the CLI's handler calls this): the ranks get it,
+        checkpoint at an agreed step and exit 75; nothing is restarted after it."""
+        self.stop_signal = signum
+        self._signal_running(signum)
+
+    def run(self) -> int:
+        attempt = 0
+        while True:
+            if self.stop_signal is not None:  # asked to stop before the ranks started: nothing to save
+                return ExitStatus.REQUEUE
+            self._children = list(self._start(attempt))
+            if self.stop_signal is not None:  # came while they were being started
+                self._signal_running(self.stop_signal)
+            try:
+                status = self._wait_for_attempt()
+            except KeyboardInterrupt:
+                self._end_running(signal.SIGINT)
+                raise
+            decision = self.policy.decide(status, attempt, stop_requested=self.stop_signal is not None)
+            if not decision.restart:
+                return decision.status
+            attempt += 1
+            log.warning("the ranks failed (exit %d): restart %d of %d, resuming from the newest checkpoint",
+                        status, attempt, self.policy.max_restarts)
+
+    def _wait_for_attempt(self) -> int:
+        """The attempt's status: the first failure's (after which the others are ended),
+        else 75 if any process stopped on request, else 0."""
+        statuses: dict[int, int] = {}
+        first_failure: int | None = None
+        kill_at: float | None = None
+        while len(statuses) < len(self._children):
+            for index, child in enumerate(self._children):
+                if index in statuses or child.poll() is None:
+                    continue
+                statuses[index] = ExitStatus.of_returncode(child.returncode)
+                if first_failure is None and statuses[index] not in AGREED_EXIT_STATUSES:
+                    first_failure = statuses[index]
+                    log.error("process %d of %d (pid %d) exited with status %d: ending the others",
+                              index, len(self._children), child.pid, first_failure)
+                    self._signal_running(signal.SIGTERM)
+                    kill_at = time.monotonic() + self.end_grace_s
+            if kill_at is not None and time.monotonic() >= kill_at:
+                self._signal_running(signal.SIGKILL)
+                kill_at = None
+            time.sleep(POLL_S)
+        if first_failure is not None:
+            return first_failure
+        return ExitStatus.REQUEUE if ExitStatus.REQUEUE in statuses.values() else ExitStatus.OK
+
+    def _signal_running(self, signum: int) -> None:
+        for child in self._children:
+            if child.returncode is None:
+                try:
+                    child.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def _end_running(self, signum: int) -> None:
+        self._signal_running(signum)
+        deadline = time.monotonic() + self.end_grace_s
+        for child in self._children:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
