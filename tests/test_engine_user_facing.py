@@ -31,3 +31,17 @@ def test_the_sampler_names_the_epoch_it_continues_by_sampler_epoch(caplog):
     assert new.epoch == 1
     (message,) = [r.getMessage() for r in caplog.records if "continues on 3 ranks" in r.getMessage()]
     assert "epoch 1 (sampler.epoch, counted from 0) goes on after 24 of its samples" in message, message
+
+
+def test_a_stop_names_what_caused_it_the_deadline_or_a_request(caplog):
+    clock = [1000.0]
+    by_deadline = ddp_hpc.StopAgreement(deadline=1100.0, margin_s=30.0, clock=lambda: clock[0])
+    by_request = ddp_hpc.StopAgreement(deadline=None)
+    with caplog.at_level(logging.WARNING, logger="ddp_hpc.engine.stop_agreement"):
+        while not by_deadline.now():
+            clock[0] += 10
+        by_request.request()
+        assert by_request.now()
+    stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped")]
+    assert stops == ["stopped ahead of the job deadline at step 8: rerun or requeue to resume",
+                     "stopped on request at step 1: rerun or requeue to resume"], stops

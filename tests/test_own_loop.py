@@ -342,7 +342,7 @@ def test_pbs_chain_of_short_jobs_stops_at_each_deadline_and_ends_bit_identical(t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The ranks' stderr, link after link (job.pbs.e<job id>).
     logs = "".join(path.read_text() for path in sorted(tmp_path.glob("job.pbs.e*"), key=lambda p: int(p.suffix[2:])))
-    stops = [int(step) for step in re.findall(r"stopped on request at step (\d+)", logs)]
+    stops = [int(step) for step in re.findall(r"stopped ahead of the job deadline at step (\d+)", logs)]
     assert stops, logs[-3000:]  # at least one link stopped itself before its walltime
     assert _restores(logs)[:len(stops) + 1] == [None, *stops]
     assert_bit_identical(uninterrupted, final_state(run_dir))

@@ -61,6 +61,7 @@ class StopAgreement:
         self._steps = 0
         self._previous_handlers: dict[int, object] = {}
         self._last_save_s = 0.0
+        self._by_deadline = False
         if self.policy is not None and self.group.is_rank_zero:
             log.info("job deadline in %.0f s: will checkpoint and stop ahead of it (%s)",
                      self.policy.deadline - clock(), self.policy.describe_margin())
@@ -108,6 +109,7 @@ class StopAgreement:
             log.warning("job deadline in %.1f s: checkpointing and stopping at step %d",
                         self.policy.deadline - now, step)
         wanted = self.requested or deadline_near
+        self._by_deadline = deadline_near  # rank 0's own prediction: what its stop line names
         if self.group.group_initialized:
             wanted = self.group.all_reduce([1.0 if wanted else 0.0], op="max")[0] > 0
         self.stopped = self.stopped or wanted
@@ -126,6 +128,7 @@ class StopAgreement:
         if self.checkpointer is not None:
             self.checkpointer.save(wait=True)  # no rank exits before the checkpoint is whole on disk
         if self.group.is_rank_zero:
-            log.warning("stopped on request at step %d%s: rerun or requeue to resume", self._step(),
+            log.warning("stopped %s at step %d%s: rerun or requeue to resume",
+                        "ahead of the job deadline" if self._by_deadline else "on request", self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")
         return True
