@@ -3,13 +3,20 @@ parts in a single process, the messages they log, the refusals of a corrupt chec
 
 from __future__ import annotations
 
+import io
 import logging
+import os
+import zipfile
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddp_hpc
+from ddp_hpc.engine import checkpoint_files as files
 
 
 def test_the_sampler_in_a_single_process_without_a_group_deals_everything_to_rank_0():
@@ -45,3 +52,111 @@ def test_a_stop_names_what_caused_it_the_deadline_or_a_request(caplog):
     stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped")]
     assert stops == ["stopped ahead of the job deadline at step 8: rerun or requeue to resume",
                      "stopped on request at step 1: rerun or requeue to resume"], stops
+
+
+# ----- refusals of a checkpoint that cannot be used ----------------------------------------
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def _corrupt(kind: str, path: Path) -> None:
+    """``path`` made into a file of ``kind`` that is no usable checkpoint."""
+    if kind == "folder":
+        path.mkdir()
+        return
+    good = io.BytesIO()
+    torch.save({"format": files.FORMAT_VERSION, "model": {"w": torch.randn(4000)}}, good)
+    path.write_bytes({"text": b"my notes, not a checkpoint\n" * 10, "random bytes": bytes(range(7, 256)) * 40,
+                      "empty": b"", "truncated": good.getvalue()[:len(good.getvalue()) // 2]}.get(kind, b""))
+    if kind == "pickled code":
+        torch.save({"format": files.FORMAT_VERSION, "model": _Payload()}, path)
+    if kind == "zip of something else":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes.txt", "hello")
+
+
+REFUSALS = {
+    "text": "is not a checkpoint file: its bytes are not what torch.save writes (text, or another kind of file)",
+    "random bytes": "is not a checkpoint file: its bytes are not what torch.save writes (text, or another kind of "
+                    "file)",
+    "folder": "is a folder, not a checkpoint file",
+    "empty": "is unreadable (truncated or corrupt: it is empty, 0 bytes)",
+    "truncated": "is unreadable (truncated or corrupt: its end is missing, {size} bytes, as a write or a copy that "
+                 "did not finish leaves it)",
+    "pickled code": "holds objects other than tensors and plain data (posix.system) and is refused: checkpoints are "
+                    "read weights-only, never running code from a file",
+    "zip of something else": "is a zip archive, not a checkpoint torch.save wrote",
+}
+
+
+@pytest.mark.parametrize("kind", REFUSALS)
+def test_a_file_that_is_no_usable_checkpoint_is_refused_saying_what_is_wrong_in_one_whole_line(tmp_path, kind):
+    path = tmp_path / "step-00000003.pt"
+    _corrupt(kind, path)
+    with pytest.raises(files.CheckpointError) as refused:
+        files.load_checkpoint(path)
+    size = path.stat().st_size if path.is_file() else 0
+    assert str(refused.value) == f"checkpoint {path} {REFUSALS[kind].format(size=size)}"
+
+
+def test_checkpoint_inspect_shows_the_whole_refusal(tmp_path):
+    from ddp_hpc.engine.checkpoint_tools import format_table, inspect_checkpoints
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    _corrupt("truncated", folder / "step-00000003.pt")
+    (row,) = format_table(inspect_checkpoints(tmp_path)).splitlines()[1:]
+    assert row.endswith("(is unreadable (truncated or corrupt: its end is missing, "
+                        f"{(folder / 'step-00000003.pt').stat().st_size} bytes, as a write or a copy that did not "
+                        "finish leaves it))"), row
+
+
+class _Rank:
+    """The group as one rank sees it (the files are the same for every rank)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.world_size, self.is_rank_zero, self.group_initialized = rank, 2, rank == 0, False
+
+    def barrier(self) -> None:
+        pass
+
+
+def _checkpointer(folder: Path, rank: int = 0, **kwargs) -> ddp_hpc.Checkpointer:
+    torch.manual_seed(0)
+    return ddp_hpc.Checkpointer(folder, {"model": nn.Linear(2, 1)}, group=_Rank(rank), **kwargs)
+
+
+def test_a_refused_checkpoint_is_logged_by_one_rank_only(tmp_path, caplog):
+    for step in (1, 2):
+        checkpointer = _checkpointer(tmp_path)
+        checkpointer.step = step
+        checkpointer.save()
+    _corrupt("text", tmp_path / "checkpoints" / "step-00000002.pt")
+    for rank in (0, 1):
+        assert _checkpointer(tmp_path, rank).restore() == tmp_path / "checkpoints" / "step-00000001.pt"
+    refusals = [r.getMessage() for r in caplog.records if "step-00000002.pt" in r.getMessage()]
+    assert len(refusals) == 1, refusals
+
+
+def test_a_refused_checkpoint_neither_counts_toward_keep_last_nor_is_pruned(tmp_path):
+    """keep_last=2, checkpoints at 3, 6, 9; 9 is damaged: the resume from 6 stops at 7
+    and 8. Both readable ones stay each time, and the damaged one is kept for the user."""
+    folder = tmp_path / "checkpoints"
+    checkpointer = _checkpointer(tmp_path, every_n_steps=3, keep_last=2)
+    for _ in range(9):
+        checkpointer.step_done()
+    _corrupt("truncated", folder / "step-00000009.pt")
+    resumed = _checkpointer(tmp_path, every_n_steps=3, keep_last=2)
+    assert resumed.restore() == folder / "step-00000006.pt"
+    names = []
+    for _ in range(2):
+        resumed.step_done()
+        resumed.save()
+        names.append(sorted(p.name for p in files.periodic_checkpoints(folder)))
+    assert names == [["step-00000006.pt", "step-00000007.pt", "step-00000009.pt"],
+                     ["step-00000007.pt", "step-00000008.pt", "step-00000009.pt"]]
+    resumed.step_done()  # step 9 written again, whole: an ordinary checkpoint from now on
+    resumed.step_done()
+    resumed.save()
+    assert sorted(p.name for p in files.periodic_checkpoints(folder)) == ["step-00000009.pt", "step-00000010.pt"]
