@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import sys
 import zipfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddp_hpc
+from conftest import REPO, run
 from ddp_hpc.engine import checkpoint_files as files
 
 
@@ -160,3 +162,36 @@ def test_a_refused_checkpoint_neither_counts_toward_keep_last_nor_is_pruned(tmp_
     resumed.step_done()
     resumed.save()
     assert sorted(p.name for p in files.periodic_checkpoints(folder)) == ["step-00000009.pt", "step-00000010.pt"]
+
+
+# ----- the own-loop example as one process -------------------------------------------------
+
+EXAMPLE = REPO / "examples" / "resumable_loop.py"
+# Sends this process a real SIGUSR2 while the Checkpointer is made: after the example's
+# ddp_hpc.record_stop_signals(), before its stop.handle_signals().
+EARLY_SIGNAL = """
+import os, runpy, signal, sys
+from ddp_hpc.engine.checkpointer import Checkpointer
+real_init = Checkpointer.__init__
+def init(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGUSR2)
+    real_init(self, *args, **kwargs)
+Checkpointer.__init__ = init
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.multiproc
+def test_the_example_runs_as_one_process_stops_on_a_sigusr2_sent_before_handle_signals_and_resumes(tmp_path):
+    env = {"RUN_DIR": str(tmp_path / "run")}
+    stopped = run([sys.executable, "-c", EARLY_SIGNAL, str(EXAMPLE)], env=env, timeout=300)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "SIGUSR2 received before the loop could act on it" in stopped.stderr
+    assert "stopped on request at step 1 with a checkpoint" in stopped.stderr
+    resumed = run([sys.executable, str(EXAMPLE)], env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Rank 0's INFO line: the example configures logging, as docs/api.md says a script must.
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-00000001.pt'} (step 1)" in resumed.stderr
+    assert "rank 0/1 local_rank 0: all_reduce correct=" in resumed.stdout
+    assert files.load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == 5 * 47

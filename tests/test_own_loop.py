@@ -135,6 +135,20 @@ def test_stopped_mid_epoch_on_2_ranks_resumed_on_3_trains_every_sample_once(tmp_
             == Counter(range(1500))
     final = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert final["world_size"] == 3 and final["sampler"]["epoch"] == 5
+    # The learning-rate schedule was planned after the restore for the steps 3 ranks had left
+    # (docs/api.md): 30 + 12 (epoch 1's rest) + 3 x 16, and it ended with the run.
+    assert final["step"] == 90
+    assert final["optimizer"]["param_groups"][0]["lr"] == one_cycle_lr_at_end(90)
+
+
+def one_cycle_lr_at_end(total_steps: int) -> float:
+    """The example's OneCycleLR after all of its ``total_steps`` steps."""
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=total_steps)
+    for _ in range(total_steps):
+        optimizer.step()
+        scheduler.step()
+    return optimizer.param_groups[0]["lr"]
 
 
 def _dcp_final_state(folder: Path) -> dict:

@@ -29,7 +29,7 @@ from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.contract import ExitStatus
-from ddp_hpc.stop import ALWAYS_STOP, job_deadline
+from ddp_hpc.stop import ALWAYS_STOP, StopSignalsOutsideTraining, job_deadline
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,20 @@ class StopAgreement:
 
     def handle_signals(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
         """Install handlers that call ``request`` for ``signals`` (your choice to make:
-        the library never installs one by itself). ``restore_signals`` puts the old ones back."""
+        the library never installs one by itself). ``restore_signals`` puts the old ones back.
+        A signal that ``ddp_hpc.record_stop_signals()`` recorded since the script began is
+        requested now."""
         def handler(signum: int, frame: object) -> None:
             self.requested = True
 
         for signum in signals:
-            self._previous_handlers.setdefault(int(signum), signal.signal(signum, handler))
+            previous = signal.signal(signum, handler)
+            self._previous_handlers.setdefault(int(signum), previous)
+            recorder = getattr(previous, "__self__", None)  # ddp_hpc.record_stop_signals()'s, if it ran
+            if isinstance(recorder, StopSignalsOutsideTraining) and int(signum) in recorder.received:
+                log.warning("%s received before the loop could act on it: stopping at the first agreed step",
+                            signal.Signals(signum).name)
+                self.requested = True
 
     def restore_signals(self) -> None:
         for signum, previous in self._previous_handlers.items():
