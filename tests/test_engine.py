@@ -18,13 +18,17 @@ from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine.dcp_format import sharded_checkpoints
 
 
-def _setup(folder: Path, **kwargs):
+def _setup(folder: Path, init_seed: int = 0, **kwargs):
+    """``init_seed``: the seed of the initial weights, the sampler's order and dropout (the
+    data are the same whatever it is). A resume under another seed ends as the run it
+    resumes only if the checkpoint was restored: a silent start-over cannot pass for one."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    torch.manual_seed(init_seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-    sampler = ddp_hpc.ResumableSampler(data, 1, 0, shuffle=True, seed=3, batch_size=8)
+    sampler = ddp_hpc.ResumableSampler(data, 1, 0, shuffle=True, seed=3 + init_seed, batch_size=8)
     loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
     checkpointer = ddp_hpc.Checkpointer(folder, {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                                                  "sampler": sampler}, extras={"seen": 0}, **kwargs)
@@ -32,9 +36,14 @@ def _setup(folder: Path, **kwargs):
 
 
 def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> tuple[dict, ddp_hpc.Checkpointer]:
-    """Train (resuming from ``folder``) until ``epochs`` or until step ``stop_at``."""
+    """Train (resuming from ``folder``) until ``epochs`` or until step ``stop_at``. The
+    result's ``restored``: what ``restore`` gave back (path, step, extras, the sampler's
+    place); ``trained``: the steps this call took."""
     model, optimizer, scheduler, sampler, loader, checkpointer = _setup(folder, **kwargs)
-    checkpointer.restore()
+    path = checkpointer.restore()
+    restored = {"path": path, "step": checkpointer.step, "extras": dict(checkpointer.extras),
+                "sampler": sampler.progress(), "lr": scheduler.get_last_lr()}
+    first = checkpointer.step
     for epoch in range(sampler.epoch, epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -49,7 +58,8 @@ def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> t
                 return {}, checkpointer
     checkpointer.save(wait=True)
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-            "seen": checkpointer.extras["seen"], "step": checkpointer.step}, checkpointer
+            "seen": checkpointer.extras["seen"], "step": checkpointer.step, "restored": restored,
+            "trained": checkpointer.step - first}, checkpointer
 
 
 @pytest.mark.parametrize("fmt", ["file", "dcp"])
@@ -57,7 +67,12 @@ def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> t
 def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_path, background, fmt):
     whole, _ = _train(tmp_path / "whole", epochs=3, background=background, format=fmt)
     _train(tmp_path / "cut", epochs=3, stop_at=7, background=background, format=fmt)  # 5 batches per epoch: mid-epoch 2
-    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, background=background, format=fmt)
+    # Another seed (weights, order, dropout): only the restored state makes it end as ``whole``.
+    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, init_seed=1, background=background, format=fmt)
+    saved = checkpointer.directory / ("step-00000007" if fmt == "dcp" else "step-00000007.pt")
+    assert resumed["restored"] == {"path": saved, "step": 7, "extras": {"seen": 56},
+                                   "sampler": {"epoch": 1, "batches_done": 2, "epoch_offset": 0}, "lr": [0.05]}
+    assert resumed["trained"] == 8  # the 8 steps after step 7, not 15 from the start
     assert resumed["step"] == whole["step"] == 15 and resumed["seen"] == whole["seen"] == 120
     assert torch.equal(resumed["rng"], whole["rng"])  # dropout drew the same numbers
     for key, value in whole["model"].items():
