@@ -161,6 +161,52 @@ def test_unreadable_newest_is_refused_in_one_line_and_kept(tmp_path, caplog):
     assert len(warnings) == 1 and "\n" not in warnings[0] and "unreadable" in warnings[0]
 
 
+def _damage(folder: Path, how: str) -> None:
+    if how == "truncated shard":  # the biggest shard (the weights), cut to half its bytes
+        shard = max(folder.glob("*.distcp"), key=lambda path: path.stat().st_size)
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    elif how == "corrupt .metadata":
+        (folder / ".metadata").write_bytes(b"\x80\x04not a pickle at all" * 8)
+    else:  # "no .metadata": the write was interrupted before its last step
+        (folder / ".metadata").unlink()
+
+
+# What the one line about the refused folder names (its wording is the engine's).
+@pytest.mark.parametrize("how, said", [("truncated shard", "__0_0.distcp"), ("corrupt .metadata", ".metadata"),
+                                       ("no .metadata", ".metadata")],
+                         ids=["truncated-shard", "corrupt-metadata", "no-metadata"])
+def test_an_incomplete_dcp_checkpoint_is_refused_and_the_previous_one_restored(tmp_path, caplog, how, said):
+    """A dcp folder with a shard shorter than its metadata says, an unreadable ``.metadata``
+    or none at all is never loaded: ``restore`` loads the one before it, and keeps it."""
+    import logging
+
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    _train(tmp_path, epochs=1, stop_at=3, every_n_steps=1, format="dcp")
+    checkpoints = tmp_path / "checkpoints"
+    _damage(checkpoints / "step-00000003", how)
+    caplog.set_level(logging.INFO)
+    model, *_, checkpointer = _setup(tmp_path, init_seed=1, format="dcp")
+    assert checkpointer.restore() == checkpoints / "step-00000002"
+    assert checkpointer.step == 2 and checkpointer.extras["seen"] == 16
+    saved = read_whole(checkpoints / "step-00000002")["model"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    assert (checkpoints / "step-00000003").is_dir(), "a refused checkpoint is kept"
+    told = [r.getMessage() for r in caplog.records if "step-00000003" in r.getMessage()]
+    assert len(told) == 1 and said in told[0] and "\n" not in told[0], told
+
+
+def test_a_first_dcp_checkpoint_whose_write_was_interrupted_is_a_fresh_start(tmp_path):
+    """No ``.metadata`` in the only folder: nothing was ever saved whole, so ``restore``
+    starts afresh (it does not refuse to start) and leaves the folder alone."""
+    _train(tmp_path, epochs=1, stop_at=1, format="dcp")
+    _damage(tmp_path / "checkpoints" / "step-00000001", "no .metadata")
+    *_, checkpointer = _setup(tmp_path, format="dcp")
+    assert checkpointer.restore() is None and checkpointer.step == 0
+    assert (tmp_path / "checkpoints" / "step-00000001").is_dir()
+
+
 def test_checkpoint_of_other_objects_is_refused(tmp_path):
     _train(tmp_path, epochs=1, stop_at=2)
     other = ddp_hpc.Checkpointer(tmp_path, {"net": nn.Linear(4, 1)})
