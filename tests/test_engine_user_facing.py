@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -54,6 +55,48 @@ def test_a_stop_names_what_caused_it_the_deadline_or_a_request(caplog):
     stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped")]
     assert stops == ["stopped ahead of the job deadline at step 8: rerun or requeue to resume",
                      "stopped on request at step 1: rerun or requeue to resume"], stops
+
+
+class _ThreadRank:
+    """One of two ranks played by threads of this process: ``all_reduce`` meets the other's values."""
+
+    def __init__(self, rank: int, meeting: threading.Barrier, values: list) -> None:
+        self.rank, self.world_size, self.is_rank_zero, self.group_initialized = rank, 2, rank == 0, True
+        self._meeting, self._values = meeting, values
+
+    def barrier(self) -> None:
+        self._meeting.wait(timeout=60)
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        self._values[self.rank] = list(values)
+        self._meeting.wait(timeout=60)
+        both = list(self._values)
+        self._meeting.wait(timeout=60)  # both have read before either writes again
+        return [{"sum": sum, "max": max, "min": min}[op](column) for column in zip(*both)]
+
+
+def test_a_stop_requested_on_rank_1_alone_stops_both_ranks_at_the_same_step():
+    """docs/api.md: stop.now() is True on every rank at the same step once *any* rank
+    called stop.request(); every test before asked on rank 0 (or on all)."""
+    meeting, values = threading.Barrier(2), [None, None]
+    stopped_at: dict[int, int | None] = {}
+
+    def rank(r: int) -> None:
+        stop = ddp_hpc.StopAgreement(deadline=None, group=_ThreadRank(r, meeting, values))
+        stopped_at[r] = None
+        for step in range(1, 11):
+            if r == 1 and step == 4:
+                stop.request()  # as rank 1's signal handler would
+            if stop.now():
+                stopped_at[r] = step
+                break
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert stopped_at == {0: 4, 1: 4}
 
 
 # ----- refusals of a checkpoint that cannot be used ----------------------------------------
