@@ -113,11 +113,13 @@ def _ids(folder: Path) -> Counter:
 
 
 def test_stopped_mid_epoch_on_2_ranks_resumed_on_3_trains_every_sample_once(tmp_path):
-    """SIGUSR2 to rank 0 after step 30 (epoch 2, 6 steps in): every rank stops at the same
-    step with a checkpoint and exits 75; 3 ranks then finish the run."""
+    """SIGUSR2 to rank 1 alone after step 30 (epoch 2, 6 steps in): every rank stops at the
+    same step with a checkpoint and exits 75 (a stop any rank requested, not only rank 0);
+    3 ranks then finish the run."""
     first, second = tmp_path / "ids-2", tmp_path / "ids-3"
     first.mkdir(), second.mkdir()
-    env = {"RUN_DIR": str(tmp_path / "run"), "FAULT_SIGNAL_AT_STEP": "30", "FAULT_MARKER": str(tmp_path / "sent")}
+    env = {"RUN_DIR": str(tmp_path / "run"), "FAULT_SIGNAL_AT_STEP": "30", "FAULT_SIGNAL_RANK": "1",
+           "FAULT_MARKER": str(tmp_path / "sent")}
     stopped = run(torchrun(2), timeout=240, env={**env, "RECORD_IDS": str(first)})
     assert stopped.returncode != 0 and re.search(r"exitcode\s*:\s*75", stopped.stderr), stopped.stderr[-3000:]
     assert "stopped on request at step 30" in stopped.stderr
@@ -149,6 +151,17 @@ def one_cycle_lr_at_end(total_steps: int) -> float:
         optimizer.step()
         scheduler.step()
     return optimizer.param_groups[0]["lr"]
+
+
+def _dcp_whole(path: Path) -> dict:
+    """A dcp checkpoint folder as one dict, optimizer state keyed like the file format's
+    (parameter index)."""
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    state = read_whole(path)
+    names = state["optimizer"]["param_groups"][0]["params"]
+    state["optimizer"]["state"] = {names.index(name): value for name, value in state["optimizer"]["state"].items()}
+    return state
 
 
 def _dcp_final_state(folder: Path) -> dict:
@@ -217,21 +230,31 @@ def test_dcp_stopped_on_2_ranks_resumed_on_3_then_on_1_trains_every_sample_once_
     """dcp checkpoints: SIGUSR2 stops 2 ranks at step 30 (epoch 1, 6 steps in), 3 ranks
     resume from that folder (the model and optimizer resharded) and are stopped at step 50
     (epoch 2, 8 steps in), 1 rank finishes. Every sample of each interrupted epoch is
-    trained once. Then ``ddp-hpc checkpoint inspect`` and ``convert`` as a user runs them."""
+    trained once. Each resumed rank starts with exactly the weights and Adam moments the
+    checkpoint holds. Then ``ddp-hpc checkpoint inspect`` and ``convert`` as a user runs them."""
     folders = [tmp_path / f"ids-{n}" for n in (2, 3, 1)]
-    for folder in folders:
+    for folder in [*folders, tmp_path / "restored"]:
         folder.mkdir()
-    base = {"RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp"}
+    base = {"RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp", "RECORD_RESTORED": str(tmp_path / "restored")}
+    checkpoints = tmp_path / "run" / "checkpoints"
     first = run(torchrun(2), timeout=240, env={**base, "RECORD_IDS": str(folders[0]), "FAULT_SIGNAL_AT_STEP": "30",
                                                "FAULT_MARKER": str(tmp_path / "sent-1")})
     assert re.search(r"exitcode\s*:\s*75", first.stderr), first.stderr[-3000:]
+    at_30 = _dcp_whole(checkpoints / "step-00000030")
     second = run(torchrun(3), timeout=240, env={**base, "RECORD_IDS": str(folders[1]), "FAULT_SIGNAL_AT_STEP": "50",
                                                 "FAULT_MARKER": str(tmp_path / "sent-2")})
     assert re.search(r"exitcode\s*:\s*75", second.stderr), second.stderr[-3000:]
     assert re.search(r"rank 2: restored \S+step-00000030 at step 30", second.stderr), second.stderr[-3000:]
+    at_50 = _dcp_whole(checkpoints / "step-00000050")
     third = run(torchrun(1), timeout=240, env={**base, "RECORD_IDS": str(folders[2])})
     assert third.returncode == 0, third.stderr[-3000:]
     assert "rank 0: restored" in third.stderr and "step-00000050 at step 50" in third.stderr
+    for world, saved in ((3, at_30), (1, at_50)):
+        for rank in range(world):
+            held = torch.load(tmp_path / "restored" / f"restored-{world}-{rank}.pt", weights_only=True)
+            assert int(saved["optimizer"]["state"][0]["step"]) == (30 if world == 3 else 50)
+            assert_same_model_and_optimizer(saved, held)
+            assert sorted(held["optimizer"]["state"]) == sorted(saved["optimizer"]["state"])
 
     ids = [_ids(folder) for folder in folders]
     for epoch, parts in ((1, ids[:2]), (2, ids[1:])):

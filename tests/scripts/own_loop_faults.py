@@ -3,8 +3,11 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
 
 - FAULT_KILL_RANK + FAULT_AT_STEP: that rank SIGKILLs itself right after step N, once per
   FAULT_MARKER file (a restarted run goes through).
-- FAULT_SIGNAL_AT_STEP: rank 0 sends itself SIGUSR2 right after step N, once per FAULT_MARKER.
+- FAULT_SIGNAL_AT_STEP: rank FAULT_SIGNAL_RANK (default 0) sends itself SIGUSR2 right after
+  step N, once per FAULT_MARKER.
 - Every rank prints what ``restore`` restored ("rank R: restored PATH at step N").
+- RECORD_RESTORED=FOLDER: after a restore that loaded a checkpoint, every rank saves what
+  its model and optimizer then hold to FOLDER/restored-W-R.pt (W: the world size).
 - RECORD_IDS=FOLDER: every rank appends "epoch id" for each sample its sampler hands out
   (num_workers=0: fetched just before it is trained) to FOLDER/rank-R.txt.
 - CHECKPOINT_FORMAT, CHECKPOINT_EVERY: the Checkpointer's ``format`` and ``every_n_steps``.
@@ -130,6 +133,7 @@ def _inject() -> None:
     real_step_done = Checkpointer.step_done
     kill_rank, at_step = os.environ.get("FAULT_KILL_RANK"), os.environ.get("FAULT_AT_STEP")
     signal_step, marker = os.environ.get("FAULT_SIGNAL_AT_STEP"), os.environ.get("FAULT_MARKER", "")
+    signal_rank = int(os.environ.get("FAULT_SIGNAL_RANK", "0"))
 
     sleep_s = float(os.environ.get("FAULT_STEP_SLEEP", "0"))
 
@@ -140,7 +144,7 @@ def _inject() -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if kill_rank is not None and rank == int(kill_rank) and self.step == int(at_step) and _once(marker):
             os.kill(os.getpid(), signal.SIGKILL)
-        if signal_step is not None and rank == 0 and self.step == int(signal_step) and _once(marker):
+        if signal_step is not None and rank == signal_rank and self.step == int(signal_step) and _once(marker):
             os.kill(os.getpid(), signal.SIGUSR2)
         return path
 
@@ -148,9 +152,16 @@ def _inject() -> None:
 
     real_restore = Checkpointer.restore
 
+    restored_folder = os.environ.get("RECORD_RESTORED")
+
     def restore(self):
         path = real_restore(self)
         print(f"rank {self.group.rank}: restored {path} at step {self.step}", file=sys.stderr, flush=True)
+        if restored_folder and path is not None:
+            model = self.objects["model"]
+            held = {"model": getattr(model, "module", model).state_dict(),
+                    "optimizer": self.objects["optimizer"].state_dict()}
+            torch.save(held, Path(restored_folder) / f"restored-{self.group.world_size}-{self.group.rank}.pt")
         return path
 
     Checkpointer.restore = restore
