@@ -257,8 +257,9 @@ def test_pruning_keeps_the_newest_readable_checkpoint_after_resuming_from_an_old
     time.sleep(0.02)  # coarse file-system clocks
     checkpointer.step_done()
     assert checkpointer.save(wait=True) == ckpt.step_path(folder, 11)  # pruned: by step alone, it went
-    assert sorted(p.name for p in folder.glob("step-*.pt")) == ["step-00000011.pt", "step-00000030.pt",
-                                                                "step-00000040.pt"]
+    # The refused 30 and 40 neither count toward keep_last nor go: 10 and 11 are the 2 kept.
+    assert sorted(p.name for p in folder.glob("step-*.pt")) == ["step-00000010.pt", "step-00000011.pt",
+                                                                "step-00000030.pt", "step-00000040.pt"]
     assert ckpt.newest_loadable(folder)[0].name == "step-00000011.pt"
 
 
