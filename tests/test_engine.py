@@ -314,3 +314,50 @@ def test_watchdog_context_manager_beats():
         dog.beat()
         dog.beat()
         assert dog._step == 2 and dog._phase == "training"
+
+
+def test_pruning_keeps_the_dcp_folder_best_dcp_names(tmp_path):
+    """docs/training.md: ``keep_last`` complete folders are kept, and the one ``best.dcp`` names."""
+    model = nn.Linear(4, 4)
+    checkpointer = ddp_hpc.Checkpointer(tmp_path, {"model": model}, keep_last=1, format="dcp")
+    checkpointer.step_done()
+    checkpointer.save(wait=True, best=True)
+    for _ in range(3):
+        checkpointer.step_done()
+        checkpointer.save(wait=True)
+    checkpoints = tmp_path / "checkpoints"
+    assert [p.name for p in sharded_checkpoints(checkpoints)] == ["step-00000001", "step-00000004"]
+    assert (checkpoints / "best.dcp").read_text().strip() == "step-00000001"
+    restored = ddp_hpc.Checkpointer(tmp_path, {"model": nn.Linear(4, 4)}, format="dcp")
+    assert restored.restore(checkpoints / "best.dcp") == checkpoints / "step-00000001" and restored.step == 1
+
+
+def test_dcp_metadata_is_read_weights_only(tmp_path):
+    """A ``.metadata`` whose pickle would call code is refused in one line, its code never run
+    (torch's own reader would unpickle it whole)."""
+    import os
+    import pickle
+
+    _train(tmp_path, epochs=1, stop_at=2, every_n_steps=1, format="dcp")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (tmp_path / "checkpoints" / "step-00000002" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    *_, checkpointer = _setup(tmp_path, format="dcp")
+    assert checkpointer.restore() == tmp_path / "checkpoints" / "step-00000001"  # the previous one
+    with pytest.raises(ddp_hpc.UserError, match="step-00000002"):
+        checkpointer.restore(tmp_path / "checkpoints" / "step-00000002")
+    assert not marker.exists(), "the checkpoint's metadata ran code"
+
+
+def test_a_deadline_already_past_at_the_start_stops_at_the_first_agreement_step():
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=990.0, check_every_n_steps=3, clock=lambda: clock[0])
+    decided = []
+    for _ in range(3):
+        clock[0] += 0.1
+        decided.append(stop.now())
+    assert decided == [False, False, True] and stop.exit_status == 75

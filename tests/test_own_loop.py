@@ -81,11 +81,14 @@ def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, un
     assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
-def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted):
+def test_torchrun_rank_0_killed_half_way_through_a_checkpoint_write_restarts_bit_identical(tmp_path, uninterrupted):
     """``torchrun --max-restarts 1`` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/api.md):
-    rank 1 SIGKILLs itself after step 35, the agent stops rank 0 (SIGTERM, which the
-    example's handler turns into a stop request) and starts both again; they resume from
-    step 30 and end as the uninterrupted run does.
+    rank 0 SIGKILLs itself inside the (synchronous) write of step 20's checkpoint, with part
+    of the file's bytes in its temporary, while rank 1 waits for it in the next step's
+    collective; the agent stops rank 1 (SIGTERM, which the example's handler turns into a
+    stop request) and starts both again; they resume from step 10, never from the
+    half-written file, whose temporary the restart removes, and end as the uninterrupted
+    run does. (Rank 1 SIGKILLed after a step: the mpich test above.)
 
     Why the variable: torch's DynamicRendezvousHandler (elastic/rendezvous/
     dynamic_rendezvous.py: use_agent_store, _shared_tcp_store_server) creates the TCPStore
@@ -93,15 +96,17 @@ def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path,
     rendezvous.py's _create_c10d_store connects env:// workers to it without a prefix per
     attempt, so attempt 1 read attempt 0's gloo addresses (connectFullMesh: connection
     refused). Set to "1", rank 0 of each attempt hosts a new store instead."""
-    marker = tmp_path / "killed"
+    kill_log = tmp_path / "kills"
     done = run(torchrun(2, max_restarts=1), timeout=300, env={
-        "RUN_DIR": str(tmp_path / "run"), "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
-        "FAULT_MARKER": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        "RUN_DIR": str(tmp_path / "run"), "FAULT_SAVE_KILLS": "1", "FAULT_SAVE_KILL_SYNC": "1",
+        "FAULT_SAVE_KILL_LOG": str(kill_log), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert done.returncode == 0, done.stderr[-6000:]
-    assert marker.exists(), "rank 1 was not killed"
+    [(step, temporary, written, size)] = [line.split() for line in kill_log.read_text().splitlines()]
+    assert step == "20" and re.fullmatch(r"\.step-00000020\.pt\.tmp-\S+", Path(temporary).name), temporary
+    assert 0 < int(written) < int(size)  # the kill left a half-written temporary
     for rank in (0, 1):
-        assert f"rank {rank}: restored None at step 0" in done.stderr
-        assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
+        assert _restores(done.stderr, rank) == [None, 10], done.stderr[-3000:]
+    assert not Path(temporary).exists() and not list((tmp_path / "run" / "checkpoints").glob(".*.tmp-*"))
     assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 

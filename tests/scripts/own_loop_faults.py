@@ -25,7 +25,9 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
   K times rank 0 SIGKILLs itself while the background writer is writing one: kill k (counted
   by FILE's lines) during the save of step 10 * (k + 2), after a random number of the file's
   bytes reached the checkpoint's temporary file. Each kill appends "STEP TEMPORARY WRITTEN
-  SIZE" to FILE first.
+  SIZE" to FILE first. With FAULT_SAVE_KILL_SYNC=1 the saves stay synchronous and the kill
+  lands in rank 0's training thread, in the middle of the write, while the other ranks wait
+  for it in the next step's collective.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def _inject() -> None:
         StopAgreement.__init__ = stop_init
 
     if os.environ.get("FAULT_SAVE_KILLS"):
-        _kill_during_background_saves(int(os.environ["FAULT_SAVE_KILLS"]), Path(os.environ["FAULT_SAVE_KILL_LOG"]))
+        _kill_during_background_saves(int(os.environ["FAULT_SAVE_KILLS"]), Path(os.environ["FAULT_SAVE_KILL_LOG"]),
+                                      sync=os.environ.get("FAULT_SAVE_KILL_SYNC") == "1")
 
     folder = os.environ.get("RECORD_IDS")
     if folder:
@@ -193,7 +196,7 @@ def _inject() -> None:
         ResumableSampler.__iter__ = recording_iter
 
 
-def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
+def _kill_during_background_saves(kills: int, kill_log: Path, *, sync: bool = False) -> None:
     real_init, real_save = Checkpointer.__init__, torch.save
 
     def init(self, *args, **kwargs):
@@ -202,7 +205,9 @@ def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
 
     def save(obj, f, *args, **kwargs):
         done = len(kill_log.read_text().splitlines()) if kill_log.exists() else 0
-        due = (threading.current_thread() is not threading.main_thread() and isinstance(obj, dict)
+        writer = threading.current_thread() is threading.main_thread() if sync else \
+            threading.current_thread() is not threading.main_thread()
+        due = (writer and isinstance(obj, dict) and "model" in obj
                and done < kills and obj.get("step") == 10 * (done + 2))
         if not due:
             return real_save(obj, f, *args, **kwargs)
@@ -217,7 +222,8 @@ def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
             out.write(f"{obj['step']} {temporary} {os.path.getsize(temporary)} {len(data)}\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    Checkpointer.__init__ = init
+    if not sync:
+        Checkpointer.__init__ = init
     torch.save = save
 
 
