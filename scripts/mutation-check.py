@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| mutant | tests run | tests that failed | survived? |\n|---|---|---|---|")
     for mutant, outcome in rows:
         failed = "<br>".join(f"`{name}`" for name in outcome.failed) or "none"
-        print(f"| `{mutant.name}` ({mutant.path}: `{mutant.original.strip()}` -> `{mutant.mutated.strip()}`) | "
+        change = " -> ".join(" + ".join(f"`{line.strip()}`" for line in text.strip().splitlines())
+                             for text in (mutant.original, mutant.mutated))
+        print(f"| `{mutant.name}` ({mutant.path}: {change}) | "
               f"{outcome.run}{f' ({outcome.skipped} skipped)' if outcome.skipped else ''} | {failed} | "
               f"{'**yes**' if not outcome.failed else 'no'} |")
     return status
