@@ -99,3 +99,20 @@ class SlowFirstAttempt(SlowSteps):
     def on_step_end(self, trainer) -> None:
         if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
             super().on_step_end(trainer)
+
+
+class DeafToStopSignals(Callback):
+    """In a job's first run (SLURM_RESTART_COUNT 0): the ranks ignore every stop signal from
+    the start of training, and a request one made during start-up is withdrawn, so that only
+    the job's deadline ($DDP_HPC_DEADLINE) can stop them."""
+
+    def on_fit_start(self, trainer) -> None:
+        import signal
+
+        from ddp_hpc.stop import parse_stop_signal, stop_signals
+
+        if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+            return
+        for signum in stop_signals(parse_stop_signal(trainer.config.checkpoint.stop_signal)):
+            signal.signal(signum, signal.SIG_IGN)
+        trainer.stop.requested = False
