@@ -33,6 +33,7 @@ _EXPORTS = {
     "Checkpointer": "ddp_hpc.engine.checkpointer",
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
+    "record_stop_signals": "ddp_hpc.stop",
     "watchdog": "ddp_hpc.engine.liveness",
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
     from ddp_hpc.launch.request import SubmitRequest
+    from ddp_hpc.stop import record_stop_signals
     from ddp_hpc.schedulers import submit, wait
     from ddp_hpc.summary import RunSummary
     from ddp_hpc.training.run_on_rank import TrainOptions, train

@@ -176,6 +176,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ddp_hpc.bench.results_file import check_output
+
+    # Before the heavy imports: a refused output answers at once, not after minutes of work.
+    check_output(Path(args.output))
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
     if args.checkpoints:

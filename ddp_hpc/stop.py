@@ -161,3 +161,14 @@ class StopSignalsOutsideTraining:
     def install(self, signals: Iterable[int]) -> None:
         for signum in signals:
             signal.signal(signum, self.record)
+
+
+def record_stop_signals(signals: Iterable[int] = (signal.SIGUSR2,)) -> StopSignalsOutsideTraining:
+    """For a loop of one's own: call it first thing in the script (``import ddp_hpc`` is
+    cheap), before the heavy imports, the rendezvous and the model build. A stop signal
+    arriving before ``StopAgreement.handle_signals`` is then recorded instead of killing the
+    rank, and ``handle_signals`` turns it into a stop at the first agreed step. SIGTERM is
+    left out by default for the reason ``StopSignalsOutsideTraining.signals`` gives."""
+    recorder = StopSignalsOutsideTraining()
+    recorder.install(signals)
+    return recorder

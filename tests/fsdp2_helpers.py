@@ -1,8 +1,10 @@
-"""A callback for the fsdp2 resume test (tests/ is on PYTHONPATH of its ranks):
-``RecordLosses`` records the whole training set's loss after every step of ``RecordingJob``."""
+"""Callbacks for the fsdp2 resume test (tests/ is on PYTHONPATH of its ranks):
+``RecordLosses`` records the whole training set's loss after every step of ``RecordingJob``;
+``RecordRestored`` what a run holds when it starts training (after its restore)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,3 +40,29 @@ def read_losses(folder: Path) -> dict[int, float]:
             step, loss = line.split()
             losses[int(step)] = float(loss)
     return losses
+
+
+class RecordRestored(Callback):
+    """When training starts (after the restore): rank 0 saves the whole model and optimizer
+    state, gathered from every rank's shards, to ``FOLDER/restored-W.pt`` (W: the world
+    size), and every rank writes the shape of its own part of each parameter to
+    ``FOLDER/shapes-W-R.json``. An optimizer without state yet (a fresh start) is left
+    alone: gathering it would first take a zero step, which counts in Adam's ``step``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_fit_start(self, trainer) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        model, optimizer = trainer.model, trainer.optimizer
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        whole = (get_model_state_dict(model, options=options),
+                 get_optimizer_state_dict(model, optimizer, options=options) if optimizer.state else None)
+        world, rank = trainer.ctx.world_size, trainer.ctx.rank
+        self.folder.mkdir(parents=True, exist_ok=True)
+        shapes = {name: list(getattr(p, "_local_tensor", p).shape) for name, p in model.named_parameters()}
+        (self.folder / f"shapes-{world}-{rank}.json").write_text(json.dumps(shapes))
+        if trainer.ctx.is_rank_zero:
+            torch.save({"model": whole[0], "optimizer": whole[1]}, self.folder / f"restored-{world}.pt")

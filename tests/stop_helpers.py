@@ -2,7 +2,8 @@
 
 - ``RecordingJob``: trains on sample ids; with ``RecordIds`` every rank appends the ids it
   trained, with their epoch, to a file of its own, so a test can count every sample.
-- ``StopAtStep``: rank 0 asks for the agreed stop at a step, as a signal handler would.
+- ``StopAtStep``: one rank (0 unless told) asks for the agreed stop at a step, as a signal
+  handler would.
 - ``SlowSteps``: each step takes longer, standing in for a job long enough to meet its deadline.
 """
 
@@ -21,13 +22,17 @@ from ddp_hpc.training import Callback, Datasets, Job, StepOutput
 
 
 class RecordingJob(Job):
-    """A linear model on ``size`` samples whose inputs are their ids."""
+    """A linear model on ``size`` samples whose inputs are their ids; ``hidden``: a hidden
+    layer of that width (tensors that split over the ranks under fsdp2)."""
 
-    def __init__(self, size: int = 60) -> None:
+    def __init__(self, size: int = 60, hidden: int = 0) -> None:
         self.size = size
+        self.hidden = hidden
         self.pending: list[int] = []
 
     def build_model(self) -> nn.Module:
+        if self.hidden:
+            return nn.Sequential(nn.Linear(1, self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
         return nn.Linear(1, 1)
 
     def build_datasets(self) -> Datasets:
@@ -67,13 +72,13 @@ def count_ids(*folders: Path) -> dict[int, Counter]:
 
 
 class StopAtStep(Callback):
-    """Rank 0 requests the agreed stop after ``step``."""
+    """Rank ``rank`` alone requests the agreed stop after ``step``."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int = 0) -> None:
+        self.step, self.rank = step, rank
 
     def on_step_end(self, trainer) -> None:
-        if trainer.ctx.is_rank_zero and trainer.progress.global_step == self.step:
+        if trainer.ctx.rank == self.rank and trainer.progress.global_step == self.step:
             trainer.request_stop()
 
 
@@ -94,3 +99,20 @@ class SlowFirstAttempt(SlowSteps):
     def on_step_end(self, trainer) -> None:
         if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
             super().on_step_end(trainer)
+
+
+class DeafToStopSignals(Callback):
+    """In a job's first run (SLURM_RESTART_COUNT 0): the ranks ignore every stop signal from
+    the start of training, and a request one made during start-up is withdrawn, so that only
+    the job's deadline ($DDP_HPC_DEADLINE) can stop them."""
+
+    def on_fit_start(self, trainer) -> None:
+        import signal
+
+        from ddp_hpc.stop import parse_stop_signal, stop_signals
+
+        if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+            return
+        for signum in stop_signals(parse_stop_signal(trainer.config.checkpoint.stop_signal)):
+            signal.signal(signum, signal.SIG_IGN)
+        trainer.stop.requested = False

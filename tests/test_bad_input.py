@@ -111,7 +111,8 @@ CORPUS = [
      [*TRAIN, "checkpoint.resume={tmp}/other.pt"], {}, "other.pt was written by job 'synthetic', this run's job is "
      "'digits'"),
     ("checkpoint that is a text file", {"notes.pt": "hello\n"}, [*TRAIN, "checkpoint.resume={tmp}/notes.pt"], {},
-     "checkpoint {tmp}/notes.pt is unreadable (truncated or corrupt"),
+     "checkpoint {tmp}/notes.pt is not a checkpoint file: its bytes are not what torch.save writes (text, or "
+     "another kind of file)"),
     ("checkpoint missing", {}, [*TRAIN, "checkpoint.resume={tmp}/none.pt"], {}, "none.pt does not exist"),
     ("dcp pointer naming no folder", {"last.dcp": "lost\n"}, [*TRAIN, "checkpoint.resume={tmp}/last.dcp"], {},
      "last.dcp names no checkpoint folder (it should hold one line, step-NNNNNNNN)"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,50 @@ def test_each_bench_mode_replaces_its_own_keys_of_bench_json_and_keeps_the_other
     merge_into(output, {"overhead": [2]})
     assert json.loads(output.read_text()) == {"overhead": [2], "machine": {"cpus": 2}, "scale": {"rows": [256]}}
     assert [p.name for p in output.parent.iterdir()] == ["bench.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("case", ["folder", "not-json", "a-list", "parent-is-a-file"])
+def test_an_output_that_cannot_be_read_or_written_is_refused_in_one_line_before_any_work(tmp_path, case):
+    """Issue 32: a bad ``--output`` used to surface after minutes of measuring, as a traceback."""
+    output = {"folder": tmp_path, "not-json": tmp_path / "notes.txt", "a-list": tmp_path / "list.json",
+              "parent-is-a-file": tmp_path / "notes.txt" / "bench.json"}[case]
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "list.json").write_text("[1, 2]\n")
+    # Refused before torch is imported (the runner imports it): no measurement has started.
+    probe = ("import sys\nfrom ddp_hpc.cli import main\ncode = main(sys.argv[1:])\n"
+             "print('torch imported' if 'torch' in sys.modules else 'torch not imported', code)")
+    result = run([sys.executable, "-c", probe, "bench", "--quick", "--output", str(output)])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddp-hpc: error: --output {output}"), result.stderr
+    assert result.stdout.split() == ["torch", "not", "imported", "2"], (result.stdout, result.stderr)
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_an_empty_output_as_mktemp_leaves_it_counts_as_no_previous_results(tmp_path):
+    from ddp_hpc.bench.results_file import check_output, markdown_path, merge_into
+    output = tmp_path / "tmp.Xa9Qw2LmZp"
+    output.touch()
+    check_output(output)
+    merge_into(output, {"overhead": [1]})
+    assert json.loads(output.read_text()) == {"overhead": [1]}
+    # mktemp's name has a "suffix" of its own: the tables go beside it, not to a shared tmp.md.
+    assert markdown_path(output) == tmp_path / "tmp.Xa9Qw2LmZp.md"
+    assert markdown_path(tmp_path / "bench.json") == tmp_path / "bench.md"
+
+
+def test_figures_are_not_lost_when_the_output_cannot_be_written_at_the_end(tmp_path):
+    from ddp_hpc.bench.results_file import merge_into
+    from ddp_hpc.errors import UserError
+    output = tmp_path / "bench.json"
+    output.write_text("")
+    output.unlink()
+    output.mkdir()  # taken over by a folder while the bench ran
+    with pytest.raises(UserError) as refused:
+        merge_into(output, {"overhead": [1.5]})
+    message = str(refused.value)
+    assert message.startswith(f"could not write the results to {output}") and "\n" not in message
+    rescued = Path(message.rsplit("they are in ", 1)[1])
+    try:
+        assert json.loads(rescued.read_text()) == {"overhead": [1.5]}
+    finally:
+        rescued.unlink()

@@ -16,8 +16,33 @@ from ddp_hpc.engine import checkpoint_files as ckpt
 
 
 def _state(step: int) -> dict:
-    return {"format": ckpt.FORMAT_VERSION, "model": {"w": torch.full((3,), float(step))},
+    return {"format": ckpt.FORMAT_VERSION, "step": step, "extras": {"at": step},
+            "model": {"w": torch.full((3,), float(step))},
             "progress": {"epoch": 0, "batches_done": step, "global_step": step}}
+
+
+class _Held:
+    """An object a Checkpointer saves and restores: the state it was last given."""
+
+    def __init__(self, value: dict | None = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict | None:
+        return self.value
+
+    def load_state_dict(self, value: dict) -> None:
+        self.value = value
+
+
+def _resume(folder: Path, **kwargs):
+    """What a run over ``folder`` (a checkpoints folder) resumes from: a Checkpointer's
+    ``restore``, with what it loaded into its one object ``model``."""
+    from ddp_hpc.engine.checkpointer import Checkpointer
+
+    held = _Held()
+    checkpointer = Checkpointer(folder.parent, {"model": held}, **kwargs)
+    assert checkpointer.directory == folder
+    return checkpointer.restore(), checkpointer, held
 
 
 def test_save_then_load(tmp_path):
@@ -50,7 +75,7 @@ from pathlib import Path
 from ddp_hpc.engine import checkpoint_files as ckpt
 folder = Path(sys.argv[1])
 def state(step):
-    return {"format": ckpt.FORMAT_VERSION, "model": {f"w{i}": torch.full((1 << 18,), float(step)) for i in range(32)},
+    return {"format": ckpt.FORMAT_VERSION, "step": step, "extras": {"at": step}, "model": {f"w{i}": torch.full((1 << 18,), float(step)) for i in range(32)},
             "progress": {"epoch": 0, "batches_done": step, "global_step": step}}
 first = ckpt.write_checkpoint(state(1), ckpt.step_path(folder, 1), best=False, keep_last=3)
 print(first.stat().st_size, flush=True)
@@ -99,8 +124,8 @@ def _kill_while_the_temporary_is_partly_written(folder: Path, child_script: str)
 def test_a_sigkill_while_the_temporary_is_half_written_resumes_from_the_previous_checkpoint(tmp_path, writer):
     temporary, seen, final = None, 0, 0
     for attempt in range(3):  # the kill lands a moment after the size was read: rarely, the write has ended
-        folder = tmp_path / f"attempt-{attempt}"
-        folder.mkdir()
+        folder = tmp_path / f"attempt-{attempt}" / "checkpoints"
+        folder.mkdir(parents=True)
         temporary, seen, final = _kill_while_the_temporary_is_partly_written(folder, WRITERS[writer])
         if temporary.exists() and temporary.stat().st_size < final:
             break
@@ -108,11 +133,12 @@ def test_a_sigkill_while_the_temporary_is_half_written_resumes_from_the_previous
     left = temporary.stat().st_size  # a SIGKILL runs no clean-up: the partial temporary stays
     assert 0 < left < final, (left, final)
     assert not ckpt.step_path(folder, 2).exists()
-    path, state = ckpt.newest_loadable(folder)  # what a resume loads
-    assert path == ckpt.step_path(folder, 1) and state["progress"]["global_step"] == 1
     assert ckpt.load_checkpoint(folder / "last.pt")["progress"]["global_step"] == 1
-    assert temporary.exists()  # ignored by the loader; the next run removes it before training
-    assert ckpt.remove_stale_temporaries(folder) == [temporary.name]
+    path, checkpointer, held = _resume(folder)  # what the next run does
+    assert path == ckpt.step_path(folder, 1) and checkpointer.step == 1 and checkpointer.extras == {"at": 1}
+    assert sorted(held.value) == sorted(f"w{i}" for i in range(32))
+    assert all(torch.equal(w, torch.full((1 << 18,), 1.0)) for w in held.value.values())
+    assert not temporary.exists()  # the half-written temporary is removed, never read
 
 
 @pytest.mark.reliability
@@ -221,12 +247,20 @@ def test_pruning_keeps_the_newest_readable_checkpoint_after_resuming_from_an_old
     for step in (30, 40):  # unreadable: the run resumed from step 10
         path = ckpt.step_path(tmp_path, step)
         path.write_bytes(path.read_bytes()[:100])
-    assert ckpt.newest_loadable(tmp_path)[0].name == "step-00000010.pt"
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for path in tmp_path.glob("step-*"):
+        path.rename(folder / path.name)
+    path, checkpointer, held = _resume(folder, keep_last=2)
+    assert path.name == "step-00000010.pt" and checkpointer.step == 10 and checkpointer.extras == {"at": 10}
+    assert torch.equal(held.value["w"], torch.full((3,), 10.0))
     time.sleep(0.02)  # coarse file-system clocks
-    ckpt.save_atomic(_state(11), ckpt.step_path(tmp_path, 11))
-    ckpt.prune(tmp_path, keep_last=2)  # by step alone, this deleted step 11
-    assert ckpt.newest_loadable(tmp_path)[0].name == "step-00000011.pt"
-    assert (tmp_path / "step-00000011.pt").exists()
+    checkpointer.step_done()
+    assert checkpointer.save(wait=True) == ckpt.step_path(folder, 11)  # pruned: by step alone, it went
+    # The refused 30 and 40 neither count toward keep_last nor go: 10 and 11 are the 2 kept.
+    assert sorted(p.name for p in folder.glob("step-*.pt")) == ["step-00000010.pt", "step-00000011.pt",
+                                                                "step-00000030.pt", "step-00000040.pt"]
+    assert ckpt.newest_loadable(folder)[0].name == "step-00000011.pt"
 
 
 def test_a_checkpoint_of_another_job_is_refused(tmp_path):

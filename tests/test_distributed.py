@@ -185,6 +185,29 @@ def test_doctor_finds_no_problem_in_a_healthy_job():
     assert "world_size" in format_table(reports).splitlines()[0]
 
 
+@pytest.mark.multiproc
+def test_doctor_exits_non_zero_when_two_real_ranks_disagree():
+    """Two ``ddp-hpc doctor`` processes that really disagree (README: doctor exits non-zero
+    if two ranks disagree): rank 1 says it is alone on node 0 (LOCAL_WORLD_SIZE=1, LOCAL_RANK=0),
+    rank 0 that node 0 has 2 ranks. Both exit 1; rank 0 prints each disagreement."""
+    import subprocess
+
+    from conftest import clean_env, ddp_hpc_command
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([*ddp_hpc_command(), "doctor", "--timeout", "60"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=clean_env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                             "LOCAL_WORLD_SIZE": str(2 - rank), "GROUP_RANK": "0",
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+             for rank in range(2)]
+    (out, err), _ = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [1, 1], err
+    assert "doctor: FAILED: node rank 0 has 2 ranks but they report local world sizes [1, 2]" in out, out + err
+    assert "doctor: FAILED: node rank 0 has local ranks [0, 0], expected 0..1" in out, out + err
+    assert "doctor: OK" not in out
+
+
 @pytest.mark.parametrize("reports,fragment", [
     ([_report(0), _report(0, local_rank=1)], "ranks are [0, 0]"),
     ([_report(0), _report(1, world_size=3)], "world sizes [2, 3]"),

@@ -18,13 +18,17 @@ from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine.dcp_format import sharded_checkpoints
 
 
-def _setup(folder: Path, **kwargs):
+def _setup(folder: Path, init_seed: int = 0, **kwargs):
+    """``init_seed``: the seed of the initial weights, the sampler's order and dropout (the
+    data are the same whatever it is). A resume under another seed ends as the run it
+    resumes only if the checkpoint was restored: a silent start-over cannot pass for one."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    torch.manual_seed(init_seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-    sampler = ddp_hpc.ResumableSampler(data, 1, 0, shuffle=True, seed=3, batch_size=8)
+    sampler = ddp_hpc.ResumableSampler(data, 1, 0, shuffle=True, seed=3 + init_seed, batch_size=8)
     loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
     checkpointer = ddp_hpc.Checkpointer(folder, {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                                                  "sampler": sampler}, extras={"seen": 0}, **kwargs)
@@ -32,9 +36,14 @@ def _setup(folder: Path, **kwargs):
 
 
 def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> tuple[dict, ddp_hpc.Checkpointer]:
-    """Train (resuming from ``folder``) until ``epochs`` or until step ``stop_at``."""
+    """Train (resuming from ``folder``) until ``epochs`` or until step ``stop_at``. The
+    result's ``restored``: what ``restore`` gave back (path, step, extras, the sampler's
+    place); ``trained``: the steps this call took."""
     model, optimizer, scheduler, sampler, loader, checkpointer = _setup(folder, **kwargs)
-    checkpointer.restore()
+    path = checkpointer.restore()
+    restored = {"path": path, "step": checkpointer.step, "extras": dict(checkpointer.extras),
+                "sampler": sampler.progress(), "lr": scheduler.get_last_lr()}
+    first = checkpointer.step
     for epoch in range(sampler.epoch, epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -49,7 +58,8 @@ def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> t
                 return {}, checkpointer
     checkpointer.save(wait=True)
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-            "seen": checkpointer.extras["seen"], "step": checkpointer.step}, checkpointer
+            "seen": checkpointer.extras["seen"], "step": checkpointer.step, "restored": restored,
+            "trained": checkpointer.step - first}, checkpointer
 
 
 @pytest.mark.parametrize("fmt", ["file", "dcp"])
@@ -57,7 +67,12 @@ def _train(folder: Path, epochs: int, stop_at: int | None = None, **kwargs) -> t
 def test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras(tmp_path, background, fmt):
     whole, _ = _train(tmp_path / "whole", epochs=3, background=background, format=fmt)
     _train(tmp_path / "cut", epochs=3, stop_at=7, background=background, format=fmt)  # 5 batches per epoch: mid-epoch 2
-    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, background=background, format=fmt)
+    # Another seed (weights, order, dropout): only the restored state makes it end as ``whole``.
+    resumed, checkpointer = _train(tmp_path / "cut", epochs=3, init_seed=1, background=background, format=fmt)
+    saved = checkpointer.directory / ("step-00000007" if fmt == "dcp" else "step-00000007.pt")
+    assert resumed["restored"] == {"path": saved, "step": 7, "extras": {"seen": 56},
+                                   "sampler": {"epoch": 1, "batches_done": 2, "epoch_offset": 0}, "lr": [0.05]}
+    assert resumed["trained"] == 8  # the 8 steps after step 7, not 15 from the start
     assert resumed["step"] == whole["step"] == 15 and resumed["seen"] == whole["seen"] == 120
     assert torch.equal(resumed["rng"], whole["rng"])  # dropout drew the same numbers
     for key, value in whole["model"].items():
@@ -144,6 +159,52 @@ def test_unreadable_newest_is_refused_in_one_line_and_kept(tmp_path, caplog):
     assert newest.exists(), "an unreadable checkpoint is kept"
     warnings = [r.getMessage() for r in caplog.records if "step-00000003.pt" in r.getMessage()]
     assert len(warnings) == 1 and "\n" not in warnings[0] and "unreadable" in warnings[0]
+
+
+def _damage(folder: Path, how: str) -> None:
+    if how == "truncated shard":  # the biggest shard (the weights), cut to half its bytes
+        shard = max(folder.glob("*.distcp"), key=lambda path: path.stat().st_size)
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    elif how == "corrupt .metadata":
+        (folder / ".metadata").write_bytes(b"\x80\x04not a pickle at all" * 8)
+    else:  # "no .metadata": the write was interrupted before its last step
+        (folder / ".metadata").unlink()
+
+
+# What the one line about the refused folder names (its wording is the engine's).
+@pytest.mark.parametrize("how, said", [("truncated shard", "__0_0.distcp"), ("corrupt .metadata", ".metadata"),
+                                       ("no .metadata", ".metadata")],
+                         ids=["truncated-shard", "corrupt-metadata", "no-metadata"])
+def test_an_incomplete_dcp_checkpoint_is_refused_and_the_previous_one_restored(tmp_path, caplog, how, said):
+    """A dcp folder with a shard shorter than its metadata says, an unreadable ``.metadata``
+    or none at all is never loaded: ``restore`` loads the one before it, and keeps it."""
+    import logging
+
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    _train(tmp_path, epochs=1, stop_at=3, every_n_steps=1, format="dcp")
+    checkpoints = tmp_path / "checkpoints"
+    _damage(checkpoints / "step-00000003", how)
+    caplog.set_level(logging.INFO)
+    model, *_, checkpointer = _setup(tmp_path, init_seed=1, format="dcp")
+    assert checkpointer.restore() == checkpoints / "step-00000002"
+    assert checkpointer.step == 2 and checkpointer.extras["seen"] == 16
+    saved = read_whole(checkpoints / "step-00000002")["model"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    assert (checkpoints / "step-00000003").is_dir(), "a refused checkpoint is kept"
+    told = [r.getMessage() for r in caplog.records if "step-00000003" in r.getMessage()]
+    assert len(told) == 1 and said in told[0] and "\n" not in told[0], told
+
+
+def test_a_first_dcp_checkpoint_whose_write_was_interrupted_is_a_fresh_start(tmp_path):
+    """No ``.metadata`` in the only folder: nothing was ever saved whole, so ``restore``
+    starts afresh (it does not refuse to start) and leaves the folder alone."""
+    _train(tmp_path, epochs=1, stop_at=1, format="dcp")
+    _damage(tmp_path / "checkpoints" / "step-00000001", "no .metadata")
+    *_, checkpointer = _setup(tmp_path, format="dcp")
+    assert checkpointer.restore() is None and checkpointer.step == 0
+    assert (tmp_path / "checkpoints" / "step-00000001").is_dir()
 
 
 def test_checkpoint_of_other_objects_is_refused(tmp_path):
@@ -253,3 +314,50 @@ def test_watchdog_context_manager_beats():
         dog.beat()
         dog.beat()
         assert dog._step == 2 and dog._phase == "training"
+
+
+def test_pruning_keeps_the_dcp_folder_best_dcp_names(tmp_path):
+    """docs/training.md: ``keep_last`` complete folders are kept, and the one ``best.dcp`` names."""
+    model = nn.Linear(4, 4)
+    checkpointer = ddp_hpc.Checkpointer(tmp_path, {"model": model}, keep_last=1, format="dcp")
+    checkpointer.step_done()
+    checkpointer.save(wait=True, best=True)
+    for _ in range(3):
+        checkpointer.step_done()
+        checkpointer.save(wait=True)
+    checkpoints = tmp_path / "checkpoints"
+    assert [p.name for p in sharded_checkpoints(checkpoints)] == ["step-00000001", "step-00000004"]
+    assert (checkpoints / "best.dcp").read_text().strip() == "step-00000001"
+    restored = ddp_hpc.Checkpointer(tmp_path, {"model": nn.Linear(4, 4)}, format="dcp")
+    assert restored.restore(checkpoints / "best.dcp") == checkpoints / "step-00000001" and restored.step == 1
+
+
+def test_dcp_metadata_is_read_weights_only(tmp_path):
+    """A ``.metadata`` whose pickle would call code is refused in one line, its code never run
+    (torch's own reader would unpickle it whole)."""
+    import os
+    import pickle
+
+    _train(tmp_path, epochs=1, stop_at=2, every_n_steps=1, format="dcp")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (tmp_path / "checkpoints" / "step-00000002" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    *_, checkpointer = _setup(tmp_path, format="dcp")
+    assert checkpointer.restore() == tmp_path / "checkpoints" / "step-00000001"  # the previous one
+    with pytest.raises(ddp_hpc.UserError, match="step-00000002"):
+        checkpointer.restore(tmp_path / "checkpoints" / "step-00000002")
+    assert not marker.exists(), "the checkpoint's metadata ran code"
+
+
+def test_a_deadline_already_past_at_the_start_stops_at_the_first_agreement_step():
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=990.0, check_every_n_steps=3, clock=lambda: clock[0])
+    decided = []
+    for _ in range(3):
+        clock[0] += 0.1
+        decided.append(stop.now())
+    assert decided == [False, False, True] and stop.exit_status == 75

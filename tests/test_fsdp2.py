@@ -4,6 +4,7 @@ rank holds half the state, and a run resumed 2 -> 3 -> 1 ranks trains every samp
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections import Counter
@@ -146,24 +147,34 @@ def test_fsdp2_on_two_ranks_trains_like_one_rank_of_twice_the_batch_holding_half
     assert checksum == pytest.approx(checksums[0], rel=1e-9)
 
 
-# The default checkpoint format under fsdp2, dcp: every rank writes its shards.
+# The default checkpoint format under fsdp2, dcp: every rank writes its shards. A hidden
+# layer of 12: its weight and bias split 6 + 6 over 2 ranks and 4 + 4 + 4 over 3; a learning
+# rate small enough that the loss falls at every step (Adam at 0.01 overshoots and climbs back).
 # 60 samples. On 2 ranks of batch 4: 8 steps per epoch, stopped at step 11 = epoch 1 after 24
 # samples; on 3 ranks the other 36 take 3 steps, stopped after 2 (step 13, 48 samples); on
 # one rank the last 12 take 3 steps, then 15 steps of epoch 2.
-RESHARD_CONFIG = ["job.params.size=60", "training.epochs=3", "training.batch_size=4", "training.optimizer=adam",
-                  "training.lr=0.01", "checkpoint.preemption_check_every_n_steps=1", *FSDP2]
+RESHARD_CONFIG = ["job.params.size=60", "job.params.hidden=12", "training.epochs=3", "training.batch_size=4",
+                  "training.optimizer=adam",
+                  "training.lr=0.002", "checkpoint.preemption_check_every_n_steps=1", *FSDP2]
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.reliability
 def test_fsdp2_resumed_on_three_then_one_rank_trains_every_sample_once_and_the_loss_goes_on(tmp_path):
+    """Stopped on 2 ranks, resumed on 3, stopped, resumed on 1: each resumed run starts with
+    exactly the parameters and Adam moments the checkpoint holds, resharded (a tensor split
+    6 + 6 is read back as 4 + 4 + 4, then whole)."""
+    import torch
+
     config, runs, losses = tmp_path / "recording.yaml", tmp_path / "runs", tmp_path / "losses"
     config.write_text("job:\n  name: 'stop_helpers:RecordingJob'\n")
     record_losses = f"{{target: 'fsdp2_helpers:RecordLosses', params: {{folder: '{losses}'}}}}"
+    record_restored = f"{{target: 'fsdp2_helpers:RecordRestored', params: {{folder: '{tmp_path / 'restored'}'}}}}"
     stops = {2: 11, 3: 13}
+    saved: dict[int, dict] = {}
     for nproc in (2, 3, 1):
-        extra = [record_losses] + ([f"{{target: 'stop_helpers:StopAtStep', params: {{step: {stops[nproc]}}}}}"]
+        extra = [record_losses, record_restored] + ([f"{{target: 'stop_helpers:StopAtStep', params: {{step: {stops[nproc]}}}}}"]
                                    if nproc in stops else [])
         result = torchrun(tmp_path, nproc, config, [*RESHARD_CONFIG, _record(tmp_path / f"ids-{nproc}", *extra)],
                           name="r")
@@ -171,6 +182,7 @@ def test_fsdp2_resumed_on_three_then_one_rank_trains_every_sample_once_and_the_l
             assert_stopped_with_75(result, nproc)
             state = load_last_checkpoint(runs / "r" / "checkpoints")
             assert (state["world_size"], state["progress"]["global_step"]) == (nproc, stops[nproc])
+            saved[nproc] = state
         else:
             assert result.returncode == 0, result.stderr[-3000:]
         if nproc != 2:
@@ -182,7 +194,25 @@ def test_fsdp2_resumed_on_three_then_one_rank_trains_every_sample_once_and_the_l
     assert (runs / "r" / "checkpoints" / "last.dcp").exists() and not (runs / "r" / "checkpoints" / "last.pt").exists()
     final = load_last_checkpoint(runs / "r" / "checkpoints")
     assert final["progress"]["global_step"] == 13 + 3 + 15 and final["world_size"] == 1
-    assert int(final["optimizer"]["state"]["weight"]["step"]) == 31  # Adam's state went on through both resumes
+    assert int(final["optimizer"]["state"]["0.weight"]["step"]) == 31  # Adam's state went on through both resumes
+
+    for nproc, splits in ((2, [6, 6]), (3, [4, 4, 4]), (1, [12])):  # each rank's rows of the hidden layer
+        shapes = [json.loads((tmp_path / "restored" / f"shapes-{nproc}-{rank}.json").read_text())
+                  for rank in range(nproc)]
+        assert [shape["0.weight"] for shape in shapes] == [[rows, 1] for rows in splits]
+        assert [shape["0.bias"] for shape in shapes] == [[rows] for rows in splits]
+    for nproc, written_by in ((3, 2), (1, 3)):  # what each resumed run started from: the checkpoint, exactly
+        restored = torch.load(tmp_path / "restored" / f"restored-{nproc}.pt", weights_only=True)
+        checkpoint = saved[written_by]
+        assert sorted(restored["model"]) == sorted(checkpoint["model"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        for name, value in checkpoint["model"].items():
+            assert torch.equal(restored["model"][name], value), (nproc, name)
+        assert sorted(restored["optimizer"]["state"]) == sorted(checkpoint["optimizer"]["state"])
+        for name, moments in checkpoint["optimizer"]["state"].items():
+            assert sorted(moments) == ["exp_avg", "exp_avg_sq", "step"]
+            for moment, value in moments.items():
+                assert torch.equal(restored["optimizer"]["state"][name][moment], value), (nproc, name, moment)
+        assert int(checkpoint["optimizer"]["state"]["0.weight"]["step"]) == stops[written_by]
 
     # The whole training set's loss after the first step of each resumed run stays within
     # 10% of its loss at the checkpoint.

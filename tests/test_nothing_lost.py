@@ -4,6 +4,7 @@ always loads, and resuming always ends with the weights of an uninterrupted run.
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -136,10 +137,16 @@ def test_repeated_kills_lose_nothing(tmp_path, kills, epochs):
         for path in checkpoints.glob("*.pt"):
             load_checkpoint(path)  # every visible checkpoint file is whole
 
-    resumed_from = newest_loadable(checkpoints)[1]["progress"]["global_step"]
+    newest, saved = newest_loadable(checkpoints)
     final = launch(tmp_path, "killed", epochs)
     _, err = final.communicate(timeout=300)
     assert final.returncode == 0, err[-3000:]
+    # What the final launch itself says it restored (a silent start-over also ends bit-identical).
+    progress = saved["progress"]
+    resumed = re.findall(r"resuming from (\S+): epoch (\d+), batch (\d+), step (\d+)", err)
+    assert resumed == [(str(newest), str(progress["epoch"] + 1), str(progress["batches_done"]),
+                        str(progress["global_step"]))], err[-3000:]
+    resumed_from = progress["global_step"]
     assert list(checkpoints.glob(".*")) == []  # interrupted writes' temporaries are cleaned up
     assert_same_training_state(reference, load_checkpoint(checkpoints / "last.pt"))
     FIGURES.append(f"nothing lost: {len(kill_points)} kills ({mid_write} injected inside checkpoint writes, between "

@@ -81,11 +81,14 @@ def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, un
     assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
-def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted):
+def test_torchrun_rank_0_killed_half_way_through_a_checkpoint_write_restarts_bit_identical(tmp_path, uninterrupted):
     """``torchrun --max-restarts 1`` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/api.md):
-    rank 1 SIGKILLs itself after step 35, the agent stops rank 0 (SIGTERM, which the
-    example's handler turns into a stop request) and starts both again; they resume from
-    step 30 and end as the uninterrupted run does.
+    rank 0 SIGKILLs itself inside the (synchronous) write of step 20's checkpoint, with part
+    of the file's bytes in its temporary, while rank 1 waits for it in the next step's
+    collective; the agent stops rank 1 (SIGTERM, which the example's handler turns into a
+    stop request) and starts both again; they resume from step 10, never from the
+    half-written file, whose temporary the restart removes, and end as the uninterrupted
+    run does. (Rank 1 SIGKILLed after a step: the mpich test above.)
 
     Why the variable: torch's DynamicRendezvousHandler (elastic/rendezvous/
     dynamic_rendezvous.py: use_agent_store, _shared_tcp_store_server) creates the TCPStore
@@ -93,15 +96,17 @@ def test_torchrun_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path,
     rendezvous.py's _create_c10d_store connects env:// workers to it without a prefix per
     attempt, so attempt 1 read attempt 0's gloo addresses (connectFullMesh: connection
     refused). Set to "1", rank 0 of each attempt hosts a new store instead."""
-    marker = tmp_path / "killed"
+    kill_log = tmp_path / "kills"
     done = run(torchrun(2, max_restarts=1), timeout=300, env={
-        "RUN_DIR": str(tmp_path / "run"), "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
-        "FAULT_MARKER": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        "RUN_DIR": str(tmp_path / "run"), "FAULT_SAVE_KILLS": "1", "FAULT_SAVE_KILL_SYNC": "1",
+        "FAULT_SAVE_KILL_LOG": str(kill_log), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert done.returncode == 0, done.stderr[-6000:]
-    assert marker.exists(), "rank 1 was not killed"
+    [(step, temporary, written, size)] = [line.split() for line in kill_log.read_text().splitlines()]
+    assert step == "20" and re.fullmatch(r"\.step-00000020\.pt\.tmp-\S+", Path(temporary).name), temporary
+    assert 0 < int(written) < int(size)  # the kill left a half-written temporary
     for rank in (0, 1):
-        assert f"rank {rank}: restored None at step 0" in done.stderr
-        assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
+        assert _restores(done.stderr, rank) == [None, 10], done.stderr[-3000:]
+    assert not Path(temporary).exists() and not list((tmp_path / "run" / "checkpoints").glob(".*.tmp-*"))
     assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
 
 
@@ -113,11 +118,13 @@ def _ids(folder: Path) -> Counter:
 
 
 def test_stopped_mid_epoch_on_2_ranks_resumed_on_3_trains_every_sample_once(tmp_path):
-    """SIGUSR2 to rank 0 after step 30 (epoch 2, 6 steps in): every rank stops at the same
-    step with a checkpoint and exits 75; 3 ranks then finish the run."""
+    """SIGUSR2 to rank 1 alone after step 30 (epoch 2, 6 steps in): every rank stops at the
+    same step with a checkpoint and exits 75 (a stop any rank requested, not only rank 0);
+    3 ranks then finish the run."""
     first, second = tmp_path / "ids-2", tmp_path / "ids-3"
     first.mkdir(), second.mkdir()
-    env = {"RUN_DIR": str(tmp_path / "run"), "FAULT_SIGNAL_AT_STEP": "30", "FAULT_MARKER": str(tmp_path / "sent")}
+    env = {"RUN_DIR": str(tmp_path / "run"), "FAULT_SIGNAL_AT_STEP": "30", "FAULT_SIGNAL_RANK": "1",
+           "FAULT_MARKER": str(tmp_path / "sent")}
     stopped = run(torchrun(2), timeout=240, env={**env, "RECORD_IDS": str(first)})
     assert stopped.returncode != 0 and re.search(r"exitcode\s*:\s*75", stopped.stderr), stopped.stderr[-3000:]
     assert "stopped on request at step 30" in stopped.stderr
@@ -135,6 +142,31 @@ def test_stopped_mid_epoch_on_2_ranks_resumed_on_3_trains_every_sample_once(tmp_
             == Counter(range(1500))
     final = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert final["world_size"] == 3 and final["sampler"]["epoch"] == 5
+    # The learning-rate schedule was planned after the restore for the steps 3 ranks had left
+    # (docs/api.md): 30 + 12 (epoch 1's rest) + 3 x 16, and it ended with the run.
+    assert final["step"] == 90
+    assert final["optimizer"]["param_groups"][0]["lr"] == one_cycle_lr_at_end(90)
+
+
+def one_cycle_lr_at_end(total_steps: int) -> float:
+    """The example's OneCycleLR after all of its ``total_steps`` steps."""
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=total_steps)
+    for _ in range(total_steps):
+        optimizer.step()
+        scheduler.step()
+    return optimizer.param_groups[0]["lr"]
+
+
+def _dcp_whole(path: Path) -> dict:
+    """A dcp checkpoint folder as one dict, optimizer state keyed like the file format's
+    (parameter index)."""
+    from ddp_hpc.engine.dcp_format import read_whole
+
+    state = read_whole(path)
+    names = state["optimizer"]["param_groups"][0]["params"]
+    state["optimizer"]["state"] = {names.index(name): value for name, value in state["optimizer"]["state"].items()}
+    return state
 
 
 def _dcp_final_state(folder: Path) -> dict:
@@ -203,21 +235,31 @@ def test_dcp_stopped_on_2_ranks_resumed_on_3_then_on_1_trains_every_sample_once_
     """dcp checkpoints: SIGUSR2 stops 2 ranks at step 30 (epoch 1, 6 steps in), 3 ranks
     resume from that folder (the model and optimizer resharded) and are stopped at step 50
     (epoch 2, 8 steps in), 1 rank finishes. Every sample of each interrupted epoch is
-    trained once. Then ``ddp-hpc checkpoint inspect`` and ``convert`` as a user runs them."""
+    trained once. Each resumed rank starts with exactly the weights and Adam moments the
+    checkpoint holds. Then ``ddp-hpc checkpoint inspect`` and ``convert`` as a user runs them."""
     folders = [tmp_path / f"ids-{n}" for n in (2, 3, 1)]
-    for folder in folders:
+    for folder in [*folders, tmp_path / "restored"]:
         folder.mkdir()
-    base = {"RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp"}
+    base = {"RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": "dcp", "RECORD_RESTORED": str(tmp_path / "restored")}
+    checkpoints = tmp_path / "run" / "checkpoints"
     first = run(torchrun(2), timeout=240, env={**base, "RECORD_IDS": str(folders[0]), "FAULT_SIGNAL_AT_STEP": "30",
                                                "FAULT_MARKER": str(tmp_path / "sent-1")})
     assert re.search(r"exitcode\s*:\s*75", first.stderr), first.stderr[-3000:]
+    at_30 = _dcp_whole(checkpoints / "step-00000030")
     second = run(torchrun(3), timeout=240, env={**base, "RECORD_IDS": str(folders[1]), "FAULT_SIGNAL_AT_STEP": "50",
                                                 "FAULT_MARKER": str(tmp_path / "sent-2")})
     assert re.search(r"exitcode\s*:\s*75", second.stderr), second.stderr[-3000:]
     assert re.search(r"rank 2: restored \S+step-00000030 at step 30", second.stderr), second.stderr[-3000:]
+    at_50 = _dcp_whole(checkpoints / "step-00000050")
     third = run(torchrun(1), timeout=240, env={**base, "RECORD_IDS": str(folders[2])})
     assert third.returncode == 0, third.stderr[-3000:]
     assert "rank 0: restored" in third.stderr and "step-00000050 at step 50" in third.stderr
+    for world, saved in ((3, at_30), (1, at_50)):
+        for rank in range(world):
+            held = torch.load(tmp_path / "restored" / f"restored-{world}-{rank}.pt", weights_only=True)
+            assert int(saved["optimizer"]["state"][0]["step"]) == (30 if world == 3 else 50)
+            assert_same_model_and_optimizer(saved, held)
+            assert sorted(held["optimizer"]["state"]) == sorted(saved["optimizer"]["state"])
 
     ids = [_ids(folder) for folder in folders]
     for epoch, parts in ((1, ids[:2]), (2, ids[1:])):
@@ -342,7 +384,7 @@ def test_pbs_chain_of_short_jobs_stops_at_each_deadline_and_ends_bit_identical(t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The ranks' stderr, link after link (job.pbs.e<job id>).
     logs = "".join(path.read_text() for path in sorted(tmp_path.glob("job.pbs.e*"), key=lambda p: int(p.suffix[2:])))
-    stops = [int(step) for step in re.findall(r"stopped on request at step (\d+)", logs)]
+    stops = [int(step) for step in re.findall(r"stopped ahead of the job deadline at step (\d+)", logs)]
     assert stops, logs[-3000:]  # at least one link stopped itself before its walltime
     assert _restores(logs)[:len(stops) + 1] == [None, *stops]
     assert_bit_identical(uninterrupted, final_state(run_dir))

@@ -53,10 +53,12 @@ def _record(folder: Path, *extra: str) -> str:
 
 
 def test_resume_on_fewer_and_more_ranks_trains_every_sample_of_the_epoch_once(tmp_path):
+    """Rank 1 alone requests the stop (docs/api.md: once any rank asked, every rank stops at
+    the same step); the run is resumed on 1 and on 3 ranks."""
     runs, config = tmp_path / "runs", tmp_path / "recording.yaml"
     config.write_text("job:\n  name: 'stop_helpers:RecordingJob'\n")
     stopped = torchrun(tmp_path, 2, config, [
-        *WORLD_SIZE_CONFIG, _record(tmp_path / "ids-2", "{target: 'stop_helpers:StopAtStep', params: {step: 11}}")],
+        *WORLD_SIZE_CONFIG, _record(tmp_path / "ids-2", "{target: 'stop_helpers:StopAtStep', params: {step: 11, rank: 1}}")],
         name="two")
     assert_stopped_with_75(stopped, 2)
     state = load_checkpoint(runs / "two" / "checkpoints" / "last.pt")

@@ -98,8 +98,9 @@ def _worker(args: argparse.Namespace) -> None:
 def run_checkpoint_formats(world_sizes: tuple[int, ...], megabytes: int, output: Path, workdir: Path,
                            saves: int = 2) -> dict[str, Any]:
     """Measure every format at every world size; merged into ``output`` as ``checkpoint_formats``."""
-    from ddp_hpc.bench.results_file import merge_into
+    from ddp_hpc.bench.results_file import check_output, merge_into
 
+    check_output(output)
     workdir.mkdir(parents=True, exist_ok=True)
     disk = disk_write_mb_s(workdir, megabytes)
     print(f"disk sequential write: {disk:.0f} MB/s ({workdir})", flush=True)

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ddp_hpc import __version__
-from ddp_hpc.bench.results_file import merge_into
-from ddp_hpc.contract import BENCH_STARTED_AT_VAR
+from ddp_hpc.bench.results_file import check_output, markdown_path, merge_into
+from ddp_hpc.contract import BENCH_STARTED_AT_VAR, atomic_write
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.local import build_torchrun
@@ -300,6 +300,7 @@ def measure_own_cpu(rounds: int, workdir: Path, progress, world_size: int = 2) -
 
 def run_own_cpu(output: Path, rounds: int = 7) -> dict[str, Any]:
     """``ddp-hpc bench --own-cpu``: the figure alone, merged into ``output``'s "own_cpu" key."""
+    check_output(output)
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
         section = measure_own_cpu(rounds, Path(tmp), lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
     section.update(command="ddp-hpc bench --own-cpu", machine=machine_info(), load_average_at_end=os.getloadavg())
@@ -532,6 +533,7 @@ def parse_sizes(text: str, flag: str = "--startup-sizes") -> tuple[int, ...]:
 
 def run_bench(quick: bool, output: Path, plot_path: Path | None,
               startup_sizes: tuple[int, ...] | None = None) -> Results:
+    check_output(output)
     plan = QUICK if quick else FULL
     if startup_sizes:
         plan = replace(plan, startup_sizes=startup_sizes)
@@ -562,9 +564,13 @@ def run_bench(quick: bool, output: Path, plot_path: Path | None,
     merge_into(output, asdict(results))
     command = "ddp-hpc bench" + (" --quick" if quick else "") + (
         f" --startup-sizes {','.join(map(str, startup_sizes))}" if startup_sizes else "")
-    output.with_suffix(".md").write_text(format_markdown(results, command))
+    markdown = markdown_path(output)
+    try:
+        atomic_write(markdown, format_markdown(results, command), durable=False)
+    except OSError as error:
+        raise UserError(f"could not write {markdown} ({error.strerror}); the results are in {output}") from None
     print(format_table(results))
-    print(f"\nresults: {output} and {output.with_suffix('.md')}  ({results.machine['bench_wall_s']:.0f} s)")
+    print(f"\nresults: {output} and {markdown}  ({results.machine['bench_wall_s']:.0f} s)")
     if plot_path is not None:
         if plot(results, plot_path):
             print(f"plot: {plot_path}")

@@ -41,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_hpc.bench.results_file import merge_into
+from ddp_hpc.bench.results_file import check_output, merge_into
 from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, STORE_ENVIRON, rank_env
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
@@ -319,6 +319,7 @@ def fit_power_law(sizes: list[int], values: list[float]) -> dict[str, float]:
 def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER_PROCESS,
               check_size: int | None = 32) -> dict[str, Any]:
     """Every size in turn, the separate-process check, fits; merged into ``output``'s "scale" key."""
+    check_output(output)
     def progress(message: str) -> None:
         print(f"bench --scale: {message}", file=sys.stderr, flush=True)
 

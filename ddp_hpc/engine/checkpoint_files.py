@@ -15,6 +15,7 @@ import re
 import shutil
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +124,14 @@ def periodic_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _STEP_FILE.match(p.name))
 
 
-def prune(directory: Path, keep_last: int) -> None:
+def prune(directory: Path, keep_last: int, refused: frozenset[Path] = frozenset()) -> None:
     """Delete all but the newest ``keep_last`` periodic files (last/best links stay valid).
 
-    The file written last is never deleted, whatever its step: after a resume from an
-    older checkpoint (the newer ones unreadable), the unreadable files sort after it, and
-    pruning by step alone would delete the only readable one.
+    ``refused``: files a resume found unreadable; they neither count nor are deleted (kept
+    for the user to look at), so ``keep_last`` readable ones stay. The file written last is
+    never deleted either, whatever its step: unreadable files sort after it.
     """
-    files = periodic_checkpoints(directory)
+    files = [path for path in periodic_checkpoints(directory) if path not in refused]
     if not files:
         return
     written_last = max(files, key=lambda path: (path.stat().st_mtime_ns, path.name))
@@ -140,7 +141,8 @@ def prune(directory: Path, keep_last: int) -> None:
             shutil.rmtree(old.with_suffix(RANKS_SUFFIX), ignore_errors=True)
 
 
-def write_checkpoint(state: Mapping[str, Any], path: Path, *, best: bool, keep_last: int) -> Path:
+def write_checkpoint(state: Mapping[str, Any], path: Path, *, best: bool, keep_last: int,
+                     refused: frozenset[Path] = frozenset()) -> Path:
     """The whole save: ``path`` atomically, ``last.pt`` (and ``best.pt``) re-pointed at it
     once it is complete, old periodic files pruned. Synchronous saves call it on the
     training thread, ``checkpoint.async`` saves from the background writer."""
@@ -148,31 +150,91 @@ def write_checkpoint(state: Mapping[str, Any], path: Path, *, best: bool, keep_l
     link_atomic(path, path.parent / LAST_CHECKPOINT)
     if best:
         link_atomic(path, path.parent / BEST_CHECKPOINT)
-    prune(path.parent, keep_last)
+    prune(path.parent, keep_last, refused - {path})
     return path
 
 
+#: The first bytes of a ``torch.save`` file: a zip archive (torch >= 1.6), or a pickle (older torch).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = b"\x80"
+_UNSUPPORTED_GLOBAL = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)")
+
+
+def _not_a_torch_file(path: Path) -> str | None:
+    """What rules ``path`` out before torch reads it, in the user's words; None when it may be one."""
+    if path.is_dir():
+        return "is a folder, not a checkpoint file"
+    with open(path, "rb") as handle:
+        head = handle.read(len(_ZIP_MAGIC))
+    if not head:
+        return "is unreadable (truncated or corrupt: it is empty, 0 bytes)"
+    if head != _ZIP_MAGIC and not head.startswith(_PICKLE_MAGIC):
+        return "is not a checkpoint file: its bytes are not what torch.save writes (text, or another kind of file)"
+    return None
+
+
+def _why_unreadable(path: Path, exc: BaseException) -> str:
+    """Why torch could not read ``path``, in the user's words (torch's own text names its internals)."""
+    if isinstance(exc, pickle.UnpicklingError):
+        found = _UNSUPPORTED_GLOBAL.search(str(exc))
+        if found:
+            return (f"holds objects other than tensors and plain data ({found.group(1)}) and is refused: "
+                    "checkpoints are read weights-only, never running code from a file")
+        return "is unreadable (truncated or corrupt: its contents are not what torch.save writes)"
+    try:  # torch's errors on a damaged archive (a RuntimeError, an OSError of a seek past the end) say little
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:
+        return (f"is unreadable (truncated or corrupt: its end is missing, {path.stat().st_size} bytes, as a write "
+                "or a copy that did not finish leaves it)")
+    except OSError as error:
+        return f"cannot be read: {error.strerror or type(error).__name__}"
+    if not any(name.endswith("/data.pkl") for name in names):
+        return "is a zip archive, not a checkpoint torch.save wrote"
+    return "is unreadable (truncated or corrupt: parts of it cannot be read back)"
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``: tensors and plain data only, no code."""
+    """Read a checkpoint with ``weights_only=True``: tensors and plain data only, no code.
+    A file that cannot be used is refused with what is wrong with it (a ``CheckpointError``)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        problem = _not_a_torch_file(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except pickle.UnpicklingError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data "
-                              f"and is refused ({first_line[:160]})") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, IndexError, TypeError,
-            UnicodeDecodeError, AttributeError) as exc:  # torch's legacy reader on bytes that are no checkpoint
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
-                              f"{str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
+    except OSError as exc:
+        problem = f"cannot be read: {exc.strerror or type(exc).__name__}"
+    if problem is None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} does not exist") from None
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError,
+                IndexError, TypeError, UnicodeDecodeError, AttributeError) as exc:
+            problem = _why_unreadable(path, exc)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} {problem}")
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} is not a ddp_hpc checkpoint (format {FORMAT_VERSION})")
     return state
 
 
-def newest_loadable(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``directory`` that loads; broken ones are reported and skipped.
+def newest_loadable(directory: Path, *, report: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``directory`` that loads; broken ones are skipped (logged where ``report``)."""
+    return scan(directory, report=report).found
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a resume found in a checkpoint folder: the newest checkpoint that loads (None:
+    there is none) and the periodic files newer than it that were refused."""
+
+    found: tuple[Path, dict[str, Any]] | None
+    refused: frozenset[Path]
+
+
+def scan(directory: Path, *, report: bool = True) -> Scan:
+    """The newest checkpoint in ``directory`` that loads; broken ones are skipped, each
+    logged in one line where ``report`` (one rank reports for all: they all see the same).
 
     Every save writes a periodic file, so those are tried newest first; ``last.pt`` is the
     fallback for a folder whose periodic files were removed by hand. None when there is no
@@ -181,7 +243,7 @@ def newest_loadable(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     parallel file system looks just like this), so the user decides.
     """
     skipped: list[CheckpointError] = []
-    tried: list[str] = []
+    tried: list[Path] = []
     for path in [*reversed(periodic_checkpoints(directory)), directory / LAST_CHECKPOINT,
                  directory / BEST_CHECKPOINT]:
         if not path.exists():
@@ -190,16 +252,16 @@ def newest_loadable(directory: Path) -> tuple[Path, dict[str, Any]] | None:
             found = path, load_checkpoint(path)
         except CheckpointError as exc:
             skipped.append(exc)
-            tried.append(path.name)
+            tried.append(path)
             continue
-        for exc in skipped:  # reported only now: when none loads, the one line below says it all
+        for exc in skipped if report else ():  # only now: when none loads, the one line below says it all
             log.warning("%s; using an older one", exc)
-        return found
+        return Scan(found, frozenset(p for p in tried if _STEP_FILE.match(p.name)))
     if tried:
-        shown = ", ".join(tried[:4]) + (f" and {len(tried) - 4} more" if len(tried) > 4 else "")
+        shown = ", ".join(p.name for p in tried[:4]) + (f" and {len(tried) - 4} more" if len(tried) > 4 else "")
         raise CheckpointError(f"none of the {len(tried)} checkpoint(s) in {directory} can be read ({shown}); "
                               "nothing was deleted: restore them, or start over with checkpoint.resume=never")
-    return None
+    return Scan(None, frozenset())
 
 
 def check_same_job(found: tuple[Path, dict[str, Any]], job_name: str) -> tuple[Path, dict[str, Any]]:

@@ -104,6 +104,8 @@ class SingleFileFormat:
     def __init__(self, *, background: bool = False) -> None:
         self.writer = AsyncCheckpointWriter() if background else None
         self._finished: list[WriteRecord] = []
+        #: Periodic files the restore refused: pruning neither counts nor deletes them.
+        self._refused: frozenset[Path] = frozenset()
 
     def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
              shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
@@ -116,7 +118,8 @@ class SingleFileFormat:
             return path
         state = {**{name: gathered[name] if name in gathered else _state_of(obj) for name, obj in objects.items()},
                  **shared, "world_size": group.world_size}
-        write = partial(files.write_checkpoint, path=path, best=best, keep_last=keep_last)
+        self._refused -= {path}  # written again, whole
+        write = partial(files.write_checkpoint, path=path, best=best, keep_last=keep_last, refused=self._refused)
         if self.writer is not None:
             self._finished.extend(self.writer.submit(state, path, write))
         else:
@@ -130,10 +133,11 @@ class SingleFileFormat:
                 path: Path | None = None, accept: Accept | None = None,
                 upgrade: Upgrade | None = None) -> Loaded | None:
         if path is None:
-            found = files.newest_loadable(directory)
-            if found is None:
+            scanned = files.scan(directory, report=group.is_rank_zero)
+            self._refused = scanned.refused
+            if scanned.found is None:
                 return None
-            path, state = found
+            path, state = scanned.found
         else:
             if checkpoint_format_of(path) == "dcp":
                 raise files.CheckpointError(f"checkpoint {path} is sharded (checkpoint.format=dcp), and this run "

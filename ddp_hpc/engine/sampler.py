@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from ddp_hpc.engine.reshard import epoch_order, shard_rest
@@ -28,11 +29,16 @@ class ResumableSampler(DistributedSampler):
     ``batch_size`` (the DataLoader's, per rank) is needed only to save and restore the
     position inside an epoch (``state_dict``); ``drop_last_batch`` says that the DataLoader
     drops a last, partial batch (``drop_last=True``), so that an epoch ends one batch sooner.
+    Without ``num_replicas``/``rank`` it deals to the process group's ranks, or to this one
+    process alone where no group is initialized (as ``process_group()`` runs a single process).
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None, *,
                  shuffle: bool = True, seed: int = 0, batch_size: int | None = None,
                  drop_last_batch: bool = False) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            num_replicas = 1 if num_replicas is None else num_replicas
+            rank = 0 if rank is None else rank
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=False)
         if batch_size is not None and batch_size < 1:
@@ -137,5 +143,5 @@ class ResumableSampler(DistributedSampler):
         self.resume_at(position)
         if self.rank == 0:
             log.warning("data order saved by %d ranks of batch %d continues on %d ranks of batch %d: epoch %d "
-                        "goes on after %d of its samples", old_world, old_batch, self.num_replicas,
-                        self._need_batch_size(), self.epoch + 1, position)
+                        "(sampler.epoch, counted from 0) goes on after %d of its samples", old_world, old_batch,
+                        self.num_replicas, self._need_batch_size(), self.epoch, position)

@@ -29,7 +29,7 @@ from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.contract import ExitStatus
-from ddp_hpc.stop import ALWAYS_STOP, job_deadline
+from ddp_hpc.stop import ALWAYS_STOP, StopSignalsOutsideTraining, job_deadline
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class StopAgreement:
         self._steps = 0
         self._previous_handlers: dict[int, object] = {}
         self._last_save_s = 0.0
+        self._by_deadline = False
         if self.policy is not None and self.group.is_rank_zero:
             log.info("job deadline in %.0f s: will checkpoint and stop ahead of it (%s)",
                      self.policy.deadline - clock(), self.policy.describe_margin())
@@ -76,12 +77,20 @@ class StopAgreement:
 
     def handle_signals(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
         """Install handlers that call ``request`` for ``signals`` (your choice to make:
-        the library never installs one by itself). ``restore_signals`` puts the old ones back."""
+        the library never installs one by itself). ``restore_signals`` puts the old ones back.
+        A signal that ``ddp_hpc.record_stop_signals()`` recorded since the script began is
+        requested now."""
         def handler(signum: int, frame: object) -> None:
             self.requested = True
 
         for signum in signals:
-            self._previous_handlers.setdefault(int(signum), signal.signal(signum, handler))
+            previous = signal.signal(signum, handler)
+            self._previous_handlers.setdefault(int(signum), previous)
+            recorder = getattr(previous, "__self__", None)  # ddp_hpc.record_stop_signals()'s, if it ran
+            if isinstance(recorder, StopSignalsOutsideTraining) and int(signum) in recorder.received:
+                log.warning("%s received before the loop could act on it: stopping at the first agreed step",
+                            signal.Signals(signum).name)
+                self.requested = True
 
     def restore_signals(self) -> None:
         for signum, previous in self._previous_handlers.items():
@@ -108,6 +117,7 @@ class StopAgreement:
             log.warning("job deadline in %.1f s: checkpointing and stopping at step %d",
                         self.policy.deadline - now, step)
         wanted = self.requested or deadline_near
+        self._by_deadline = deadline_near  # rank 0's own prediction: what its stop line names
         if self.group.group_initialized:
             wanted = self.group.all_reduce([1.0 if wanted else 0.0], op="max")[0] > 0
         self.stopped = self.stopped or wanted
@@ -126,6 +136,7 @@ class StopAgreement:
         if self.checkpointer is not None:
             self.checkpointer.save(wait=True)  # no rank exits before the checkpoint is whole on disk
         if self.group.is_rank_zero:
-            log.warning("stopped on request at step %d%s: rerun or requeue to resume", self._step(),
+            log.warning("stopped %s at step %d%s: rerun or requeue to resume",
+                        "ahead of the job deadline" if self._by_deadline else "on request", self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")
         return True

@@ -3,8 +3,11 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
 
 - FAULT_KILL_RANK + FAULT_AT_STEP: that rank SIGKILLs itself right after step N, once per
   FAULT_MARKER file (a restarted run goes through).
-- FAULT_SIGNAL_AT_STEP: rank 0 sends itself SIGUSR2 right after step N, once per FAULT_MARKER.
+- FAULT_SIGNAL_AT_STEP: rank FAULT_SIGNAL_RANK (default 0) sends itself SIGUSR2 right after
+  step N, once per FAULT_MARKER.
 - Every rank prints what ``restore`` restored ("rank R: restored PATH at step N").
+- RECORD_RESTORED=FOLDER: after a restore that loaded a checkpoint, every rank saves what
+  its model and optimizer then hold to FOLDER/restored-W-R.pt (W: the world size).
 - RECORD_IDS=FOLDER: every rank appends "epoch id" for each sample its sampler hands out
   (num_workers=0: fetched just before it is trained) to FOLDER/rank-R.txt.
 - CHECKPOINT_FORMAT, CHECKPOINT_EVERY: the Checkpointer's ``format`` and ``every_n_steps``.
@@ -22,7 +25,9 @@ environment, injected at the Checkpointer's per-step call, for tests/test_own_lo
   K times rank 0 SIGKILLs itself while the background writer is writing one: kill k (counted
   by FILE's lines) during the save of step 10 * (k + 2), after a random number of the file's
   bytes reached the checkpoint's temporary file. Each kill appends "STEP TEMPORARY WRITTEN
-  SIZE" to FILE first.
+  SIZE" to FILE first. With FAULT_SAVE_KILL_SYNC=1 the saves stay synchronous and the kill
+  lands in rank 0's training thread, in the middle of the write, while the other ranks wait
+  for it in the next step's collective.
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ def _inject() -> None:
     real_step_done = Checkpointer.step_done
     kill_rank, at_step = os.environ.get("FAULT_KILL_RANK"), os.environ.get("FAULT_AT_STEP")
     signal_step, marker = os.environ.get("FAULT_SIGNAL_AT_STEP"), os.environ.get("FAULT_MARKER", "")
+    signal_rank = int(os.environ.get("FAULT_SIGNAL_RANK", "0"))
 
     sleep_s = float(os.environ.get("FAULT_STEP_SLEEP", "0"))
 
@@ -140,7 +146,7 @@ def _inject() -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if kill_rank is not None and rank == int(kill_rank) and self.step == int(at_step) and _once(marker):
             os.kill(os.getpid(), signal.SIGKILL)
-        if signal_step is not None and rank == 0 and self.step == int(signal_step) and _once(marker):
+        if signal_step is not None and rank == signal_rank and self.step == int(signal_step) and _once(marker):
             os.kill(os.getpid(), signal.SIGUSR2)
         return path
 
@@ -148,9 +154,16 @@ def _inject() -> None:
 
     real_restore = Checkpointer.restore
 
+    restored_folder = os.environ.get("RECORD_RESTORED")
+
     def restore(self):
         path = real_restore(self)
         print(f"rank {self.group.rank}: restored {path} at step {self.step}", file=sys.stderr, flush=True)
+        if restored_folder and path is not None:
+            model = self.objects["model"]
+            held = {"model": getattr(model, "module", model).state_dict(),
+                    "optimizer": self.objects["optimizer"].state_dict()}
+            torch.save(held, Path(restored_folder) / f"restored-{self.group.world_size}-{self.group.rank}.pt")
         return path
 
     Checkpointer.restore = restore
@@ -166,7 +179,8 @@ def _inject() -> None:
         StopAgreement.__init__ = stop_init
 
     if os.environ.get("FAULT_SAVE_KILLS"):
-        _kill_during_background_saves(int(os.environ["FAULT_SAVE_KILLS"]), Path(os.environ["FAULT_SAVE_KILL_LOG"]))
+        _kill_during_background_saves(int(os.environ["FAULT_SAVE_KILLS"]), Path(os.environ["FAULT_SAVE_KILL_LOG"]),
+                                      sync=os.environ.get("FAULT_SAVE_KILL_SYNC") == "1")
 
     folder = os.environ.get("RECORD_IDS")
     if folder:
@@ -182,7 +196,7 @@ def _inject() -> None:
         ResumableSampler.__iter__ = recording_iter
 
 
-def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
+def _kill_during_background_saves(kills: int, kill_log: Path, *, sync: bool = False) -> None:
     real_init, real_save = Checkpointer.__init__, torch.save
 
     def init(self, *args, **kwargs):
@@ -191,7 +205,9 @@ def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
 
     def save(obj, f, *args, **kwargs):
         done = len(kill_log.read_text().splitlines()) if kill_log.exists() else 0
-        due = (threading.current_thread() is not threading.main_thread() and isinstance(obj, dict)
+        writer = threading.current_thread() is threading.main_thread() if sync else \
+            threading.current_thread() is not threading.main_thread()
+        due = (writer and isinstance(obj, dict) and "model" in obj
                and done < kills and obj.get("step") == 10 * (done + 2))
         if not due:
             return real_save(obj, f, *args, **kwargs)
@@ -206,7 +222,8 @@ def _kill_during_background_saves(kills: int, kill_log: Path) -> None:
             out.write(f"{obj['step']} {temporary} {os.path.getsize(temporary)} {len(data)}\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    Checkpointer.__init__ = init
+    if not sync:
+        Checkpointer.__init__ = init
     torch.save = save
 
 
