@@ -3,21 +3,27 @@
 ``auto`` picks the first available of xpu, cuda, cpu. Backends: cuda -> nccl; xpu -> xccl
 where the installed torch has it, else ccl from oneccl_bindings_for_pytorch; cpu -> gloo.
 Everything is decided before any process group exists, so a wrong choice costs one
-line on stderr instead of a hung job.
+line on stderr instead of a hung job. Intel's packages (IPEX, the oneCCL bindings) are
+imported only where an Intel GPU can be present or XPU/ccl was asked for, and however
+they fail to import, they never end a run (docs/devices.md has the routes).
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import logging
 import os
+import sys
 from collections.abc import Mapping
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ddp_hpc.errors import DeviceUnavailableError, UserError
+from ddp_hpc.torch_support import IPEX_LAST, XCCL, installed, named, parse
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +45,12 @@ DEVICE_ID_BACKENDS = frozenset({"nccl", "xccl"})
 VISIBLE_DEVICE_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK"}
 
 
+#: Where PyTorch's own XPU builds of torch are served (native torch.xpu; xccl from torch 2.8).
+XPU_INDEX = "https://download.pytorch.org/whl/xpu"
+#: PCI vendor id of Intel's GPUs, as sysfs spells it.
+INTEL_VENDOR = "0x8086"
+
+
 class HostDevices(Protocol):
     """What this host offers; ``TorchHost`` asks torch, tests pass a description."""
 
@@ -48,10 +60,35 @@ class HostDevices(Protocol):
 
     def describe_build(self) -> str: ...
 
+    def torch_version(self) -> str: ...
+
+
+def intel_gpu_here(root: Path = Path("/")) -> bool:
+    """Whether an Intel GPU can be on this host: a DRM device whose PCI vendor is Intel's,
+    or, where sysfs names no DRM vendor (some containers, WSL2), a render node or WSL's dxg."""
+    vendors = list(root.glob("sys/class/drm/*/device/vendor"))
+    if vendors:
+        return any(_read(vendor) == INTEL_VENDOR for vendor in vendors)
+    return any(next(root.glob(pattern), None) for pattern in ("dev/dri/renderD*", "dev/dxg"))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="ascii", errors="replace").strip().lower()
+    except OSError:
+        return ""
+
 
 class TorchHost:
-    """The real host, probed through torch. Intel's packages are imported only when an
-    XPU or the ccl backend is in question, and only if the installed torch needs them."""
+    """The real host, probed through torch. Intel's packages are imported only where an
+    Intel GPU can be present (``intel_gpu_here``) or XPU/ccl was asked for
+    (``xpu_requested``), and only if the installed torch needs them."""
+
+    def __init__(self, xpu_requested: bool = False, root: Path = Path("/")) -> None:
+        self.xpu_requested = xpu_requested
+        self.root = root
+        #: Why an Intel package that is installed did not import, for the refusal that follows.
+        self.import_failures: dict[str, str] = {}
 
     def device_count(self, device_type: str) -> int:
         import torch
@@ -66,10 +103,12 @@ class TorchHost:
     def _xpu_count(self) -> int:
         import torch
 
+        if not (self.xpu_requested or intel_gpu_here(self.root)):
+            return 0
         xpu = getattr(torch, "xpu", None)
         if xpu is None or not xpu._is_compiled():
             # torch builds without native XPU support get it from IPEX.
-            if not _try_import("intel_extension_for_pytorch"):
+            if not self._imports("intel_extension_for_pytorch"):
                 return 0
             xpu = getattr(torch, "xpu", None)
         return xpu.device_count() if xpu is not None and xpu.is_available() else 0
@@ -79,20 +118,58 @@ class TorchHost:
 
         if backend == "ccl":
             return self._ccl_bindings
-        if backend == "xccl":
-            return hasattr(dist, "is_backend_available") and dist.is_backend_available("xccl")
         return dist.is_available() and dist.is_backend_available(backend)
 
     @cached_property
     def _ccl_bindings(self) -> bool:
         # Importing the bindings registers the "ccl" backend with torch.distributed.
-        return _try_import("oneccl_bindings_for_pytorch")
+        return self._imports("oneccl_bindings_for_pytorch")
+
+    def _imports(self, module: str) -> bool:
+        failure = import_failure(module)
+        if failure is None:
+            return True
+        if failure:
+            self.import_failures[module] = failure
+            if not self.xpu_requested:  # asked for, the refusal that follows says it
+                log.warning("%s: XPU devices left unused", failure)
+        return False
 
     def describe_build(self) -> str:
         import torch
 
         cuda = torch.version.cuda or "no CUDA"
-        return f"torch {torch.__version__} ({cuda})"
+        failures = "".join(f"; {failure}" for failure in self.import_failures.values())
+        return f"torch {torch.__version__} ({cuda}{failures})"
+
+    def torch_version(self) -> str:
+        return installed()
+
+
+def import_failure(module: str) -> str | None:
+    """Import ``module``: None if it imported, ``""`` if it is not installed, else why it
+    failed, in one line. Intel's packages fail in any way against a torch they were not
+    built for (IPEX prints an error, then raises AttributeError from a call to ``os.exit``):
+    whatever they print while failing is folded into that line, not left on the console."""
+    printed = io.StringIO()
+    try:
+        with redirect_stdout(printed), redirect_stderr(printed):
+            importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return ""
+        return _failure_line(module, printed.getvalue(), exc)
+    except (Exception, SystemExit) as exc:  # SystemExit too: a package must not end the run
+        return _failure_line(module, printed.getvalue(), exc)
+    sys.stderr.write(printed.getvalue())  # it imported: its own notes stay
+    return None
+
+
+def _failure_line(module: str, printed: str, exc: BaseException) -> str:
+    said = [line.strip() for line in printed.splitlines() if line.strip()][:1]
+    message = str(exc).strip().splitlines()
+    raised = f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+    return f"{module} failed to import ({'; '.join([*said, raised])})"
 
 
 #: What a GPU leaves on its host, under ``/``: NVIDIA's device files (/dev/nvidia0 ...; the
@@ -125,20 +202,20 @@ class NoGpuHost:
     def describe_build(self) -> str:
         return "this host (no GPU device files)"
 
+    def torch_version(self) -> str:
+        return installed()
+
 
 def probe_host(device: str, backend: str) -> HostDevices:
     """The cheapest host probe that answers ``device``/``backend`` requests as torch would."""
     if device in ("auto", "cpu") and backend in ("auto", "gloo") and NoGpuHost.here():
         return NoGpuHost()
-    return TorchHost()
+    return torch_host(device, backend)
 
 
-def _try_import(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
+def torch_host(device: str, backend: str) -> TorchHost:
+    """The host probed through torch, for a request of ``device``/``backend``."""
+    return TorchHost(xpu_requested=device.lower() == "xpu" or backend.lower() in ("xccl", "ccl"))
 
 
 @dataclass(frozen=True)
@@ -217,7 +294,8 @@ def _device_index(device_type: str, local_rank: int, local_world_size: int,
     count = host.device_count(device_type)
     if count == 0:
         hint = {"cuda": "a CUDA build of torch on a host with NVIDIA GPUs",
-                "xpu": "Intel GPUs with an XPU build of torch (pip install 'ddp_hpc[xpu]')"}[device_type]
+                "xpu": f"Intel GPUs with torch's XPU build (pip install torch --index-url {XPU_INDEX}; "
+                       "docs/devices.md)"}[device_type]
         fallback = "--backend gloo" if wanted_by.startswith("backend") else "--device cpu"
         raise DeviceUnavailableError(
             f"{wanted_by} was requested but {host.describe_build()} sees no {device_type} "
@@ -238,7 +316,7 @@ def select_device(device: str = "auto", backend: str = "auto", *, local_rank: in
                   local_world_size: int = 1, host: HostDevices | None = None,
                   env: Mapping[str, str] | None = None) -> DeviceChoice:
     """This rank's device and backend; ``DeviceUnavailableError`` if they cannot work."""
-    host = TorchHost() if host is None else host
+    host = torch_host(device, backend) if host is None else host
     env = os.environ if env is None else env
     device = _validate_name(device.lower(), DEVICE_TYPES, "device")
     backend = _validate_name(backend.lower(), BACKENDS, "backend")
@@ -262,12 +340,22 @@ def select_device(device: str = "auto", backend: str = "auto", *, local_rank: in
 
 
 def _missing_backend_message(backend: str, host: HostDevices) -> str:
-    fixes = {
-        "nccl": "NCCL ships only with CUDA builds of torch: use --backend gloo on CPU",
-        "xccl": "torch's own xccl needs an XPU build of torch 2.8 or newer: "
-                "use --backend ccl with oneccl_bindings_for_pytorch",
-        "ccl": "install the oneCCL bindings (pip install 'ddp_hpc[xpu]', or load the "
-               "frameworks module on Aurora) so that oneccl_bindings_for_pytorch imports",
-        "gloo": "this torch was built without gloo",
-    }
-    return f"backend '{backend}' is not available in {host.describe_build()}: {fixes[backend]}"
+    return f"backend '{backend}' is not available in {host.describe_build()}: {backend_advice(backend, host.torch_version())}"
+
+
+def backend_advice(backend: str, version: str) -> str:
+    """What makes ``backend`` available, for torch ``version``: something that works there."""
+    release = parse(version)
+    if backend == "xccl":
+        if release < XCCL:
+            return (f"torch's own xccl comes with its XPU build from torch {named(XCCL)}; with torch {version} "
+                    "use --backend ccl with Intel's oneCCL bindings (docs/devices.md)")
+        return f"install torch's XPU build (pip install torch=={version.split('+')[0]} --index-url {XPU_INDEX})"
+    if backend == "ccl":
+        if release > IPEX_LAST:
+            return (f"Intel's oneCCL bindings end at torch {named(IPEX_LAST)}; with torch {version} use --backend "
+                    "xccl (torch's XPU build)")
+        return (f"install Intel's oneCCL bindings built for torch {named(release)} (oneccl_bind_pt from Intel's "
+                "index: docs/devices.md), or load the frameworks module on Aurora")
+    return {"nccl": "NCCL ships only with CUDA builds of torch: use --backend gloo on CPU",
+            "gloo": "this torch was built without gloo"}[backend]

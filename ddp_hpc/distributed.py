@@ -30,6 +30,7 @@ from ddp_hpc.environment.hosts import job_hosts
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
 from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
+from ddp_hpc.torch_support import installed, libuv_takes_listen_fd
 
 log = logging.getLogger(__name__)
 
@@ -231,11 +232,13 @@ def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, st
     if shortfall:
         log.warning("%s", shortfall)
     seconds = rendezvous_timeout_s or timeout.total_seconds()
+    # An older torch's libuv server cannot take the socket bound above; its legacy one can.
+    legacy = {"use_libuv": False} if listener is not None and not libuv_takes_listen_fd(installed()) else {}
 
     def connect() -> dist.Store:
         store = dist.TCPStore(dist_env.master_addr, dist_env.master_port, dist_env.world_size, is_master=serve,
                               timeout=timedelta(seconds=seconds + STORE_GRACE_S), wait_for_workers=False,
-                              master_listen_fd=listener.fileno() if listener else None)
+                              master_listen_fd=listener.fileno() if listener else None, **legacy)
         if listener is not None:
             listener.detach()  # the store's server owns the socket now
         if agent_store:

@@ -4,12 +4,16 @@ runs the GPU paths for real where there is a CUDA device)."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
-from ddp_hpc.device import DeviceChoice, TorchHost, requested, select_device
+from conftest import ddp_hpc_command, run
+from ddp_hpc.device import DeviceChoice, TorchHost, backend_advice, intel_gpu_here, requested, select_device
 from ddp_hpc.errors import DeviceUnavailableError, UserError
 
 
@@ -18,6 +22,7 @@ class FakeHost:
     cuda: int = 0
     xpu: int = 0
     backends: set[str] = field(default_factory=lambda: {"gloo"})
+    version: str = "2.8.0"
 
     def device_count(self, device_type: str) -> int:
         return {"cuda": self.cuda, "xpu": self.xpu, "cpu": 1}[device_type]
@@ -27,6 +32,9 @@ class FakeHost:
 
     def describe_build(self) -> str:
         return "torch test-build"
+
+    def torch_version(self) -> str:
+        return self.version
 
 
 CUDA_HOST = FakeHost(cuda=4, backends={"gloo", "nccl"})
@@ -153,3 +161,137 @@ def test_a_host_without_gpu_device_files_is_answered_without_torch_and_as_torch_
              "print('torch' in sys.modules, launch.exported.get('DDP_HPC_DEVICE'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == (["False", "cpu"] if NoGpuHost.here() else ["True", out[1]]), out
+
+
+IPEX = "intel_extension_for_pytorch"
+#: What an IPEX built for another torch does on import (IPEX 2.x against a torch it was not built for).
+BROKEN_IPEX = ('print("ERROR! Intel Extension for PyTorch* needs to work with PyTorch 2.8.*, but PyTorch 2.5.1 is '
+               'found. Please switch to the matching version and run again.")\n'
+               'raise AttributeError("module \'os\' has no attribute \'exit\'")\n')
+#: An IPEX that imports and leaves a trace of it.
+RECORDING_IPEX = "import sys\nsys.ipex_imported = True\n"
+
+
+def fake_package(root: Path, code: str, name: str = IPEX) -> Path:
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(code)
+    return root
+
+
+def sysfs(root: Path, *vendors: str, render_node: bool = True) -> Path:
+    """A host root whose DRM devices have these PCI vendors."""
+    for number, vendor in enumerate(vendors):
+        card = root / f"sys/class/drm/card{number}/device"
+        card.mkdir(parents=True)
+        (card / "vendor").write_text(f"{vendor}\n")
+    if render_node:
+        (root / "dev/dri").mkdir(parents=True)
+        (root / "dev/dri/renderD128").touch()
+    return root
+
+
+def test_an_intel_gpu_is_one_whose_drm_device_is_intels(tmp_path):
+    assert not intel_gpu_here(tmp_path / "empty")
+    assert not intel_gpu_here(sysfs(tmp_path / "nvidia", "0x10de"))  # an NVIDIA GPU
+    assert not intel_gpu_here(sysfs(tmp_path / "bmc", "0x1a03"))  # a server's ASPEED graphics
+    assert intel_gpu_here(sysfs(tmp_path / "pvc", "0x1a03", "0x8086"))
+    assert intel_gpu_here(sysfs(tmp_path / "no-sysfs", render_node=True))  # vendor unknown: it can be
+    (tmp_path / "wsl/dev").mkdir(parents=True)
+    (tmp_path / "wsl/dev/dxg").touch()
+    assert intel_gpu_here(tmp_path / "wsl")
+
+
+@pytest.fixture
+def no_native_xpu():
+    if torch.xpu._is_compiled():
+        pytest.skip("this torch has native XPU support: IPEX is never imported for devices")
+
+
+@pytest.fixture
+def ipex_on_path(tmp_path, monkeypatch):
+    """Puts a fake IPEX with the given code first on sys.path; no IPEX is imported before or after."""
+    def put(code: str) -> None:
+        monkeypatch.syspath_prepend(str(fake_package(tmp_path / "path", code)))
+
+    sys.modules.pop(IPEX, None)
+    yield put
+    sys.modules.pop(IPEX, None)
+    if hasattr(sys, "ipex_imported"):
+        del sys.ipex_imported
+
+
+@pytest.mark.usefixtures("no_native_xpu")
+def test_ipex_is_imported_only_where_an_intel_gpu_can_be_or_xpu_was_asked_for(tmp_path, ipex_on_path):
+    ipex_on_path(RECORDING_IPEX)
+    cuda_host = sysfs(tmp_path / "cuda-host", "0x10de")
+    assert TorchHost(root=cuda_host).device_count("xpu") == 0
+    assert TorchHost(root=tmp_path / "cpu-host").device_count("xpu") == 0
+    assert IPEX not in sys.modules and not hasattr(sys, "ipex_imported")
+    TorchHost(xpu_requested=True, root=cuda_host).device_count("xpu")
+    assert getattr(sys, "ipex_imported", False)
+    del sys.modules[IPEX], sys.ipex_imported
+    TorchHost(root=sysfs(tmp_path / "intel-host", "0x8086")).device_count("xpu")
+    assert getattr(sys, "ipex_imported", False)
+
+
+@pytest.mark.usefixtures("no_native_xpu")
+def test_the_default_choice_on_a_host_without_an_intel_gpu_never_imports_ipex(ipex_on_path):
+    if intel_gpu_here():
+        pytest.skip("this host can have an Intel GPU")
+    ipex_on_path(RECORDING_IPEX)
+    assert select_device(env={}).device_type != "xpu"
+    assert IPEX not in sys.modules
+
+
+@pytest.mark.usefixtures("no_native_xpu")
+def test_a_broken_ipex_on_an_intel_host_is_one_warning_and_no_xpu(tmp_path, ipex_on_path, caplog, capsys):
+    ipex_on_path(BROKEN_IPEX)
+    with caplog.at_level(logging.WARNING, logger="ddp_hpc.device"):
+        assert TorchHost(root=sysfs(tmp_path / "intel-host", "0x8086")).device_count("xpu") == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "intel_extension_for_pytorch failed to import (ERROR! Intel Extension for PyTorch* needs to work with "
+        "PyTorch 2.8.*, but PyTorch 2.5.1 is found. Please switch to the matching version and run again.; "
+        "AttributeError: module 'os' has no attribute 'exit'): XPU devices left unused"]
+    assert capsys.readouterr() == ("", "")  # what IPEX printed is in that line, not on the console
+
+
+@pytest.mark.parametrize("raised", ["RuntimeError('no Level Zero driver')", "SystemExit(127)",
+                                    "ImportError('libsycl.so.8: cannot open shared object file')"])
+@pytest.mark.usefixtures("no_native_xpu")
+def test_an_ipex_that_fails_in_any_way_leaves_no_xpu_and_names_why_when_asked(ipex_on_path, raised):
+    ipex_on_path(f"raise {raised}\n")
+    with pytest.raises(DeviceUnavailableError) as refused:
+        select_device("xpu", env={})
+    assert "intel_extension_for_pytorch failed to import (" + raised.split("(")[0] in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("backend,version,fragment", [
+    ("xccl", "2.5.1+cxx11.abi", "with torch 2.5.1+cxx11.abi use --backend ccl with Intel's oneCCL bindings"),
+    ("xccl", "2.8.0+cpu", "pip install torch==2.8.0 --index-url https://download.pytorch.org/whl/xpu"),
+    ("ccl", "2.7.1", "install Intel's oneCCL bindings built for torch 2.7 (oneccl_bind_pt from Intel's index"),
+    ("ccl", "2.8.0+xpu", "install Intel's oneCCL bindings built for torch 2.8"),
+    ("ccl", "2.9.0+xpu", "Intel's oneCCL bindings end at torch 2.8; with torch 2.9.0+xpu use --backend xccl"),
+])
+def test_the_advice_for_a_missing_intel_backend_fits_the_installed_torch(backend, version, fragment):
+    assert fragment in backend_advice(backend, version)
+    with pytest.raises(DeviceUnavailableError, match="backend '" + backend):
+        select_device("xpu", backend, host=FakeHost(xpu=12, version=version), env={})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_native_xpu")
+def test_a_broken_ipex_leaves_env_doctor_and_train_on_cpu_unaffected(tmp_path):
+    """An IPEX that raises AttributeError on import (one built for another torch) on the path."""
+    env = {"PYTHONPATH": str(fake_package(tmp_path / "path", BROKEN_IPEX))}
+    cli = ddp_hpc_command()
+    for args, done in ((["env"], "device=cpu backend=gloo"), (["doctor"], "doctor: OK: 1 ranks"),
+                       (["train", "configs/digits.yaml", "training.epochs=1", f"logging.run_dir={tmp_path}/runs",
+                         "logging.plot=false"], "done: 1 epochs")):
+        result = run([*cli, *args], env=env, timeout=240)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert done in result.stdout
+        assert "ERROR!" not in result.stdout + result.stderr and "Traceback" not in result.stderr
+    refused = run([*cli, "env", "--device", "xpu"], env=env)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "AttributeError: module 'os' has no attribute 'exit'" in refused.stderr

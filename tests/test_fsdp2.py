@@ -21,7 +21,8 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.builtin_jobs.synthetic import make_mlp
 from ddp_hpc.training.job import create_job
 from ddp_hpc.training.run_folder import RunFolder
-from ddp_hpc.training.strategy import shard_units
+from ddp_hpc.training.run_on_rank import train
+from ddp_hpc.training.strategy import is_sharded, model_state, shard_units, wrap_model
 from ddp_hpc.training.trainer import Trainer
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -55,6 +56,31 @@ def test_the_fsdp_section_under_ddp_is_refused():
         load_config(None, ["fsdp.mixed_precision=bf16"])
     with pytest.raises(ConfigError, match="fsdp.activation_checkpointing recomputes the units"):
         load_config(None, [*FSDP2, "fsdp.activation_checkpointing=true"])
+
+
+@pytest.mark.parametrize("version", ["2.5.1+cu124", "2.6.0", "2.7.1"])
+def test_fsdp2_on_a_torch_that_cannot_run_it_is_refused_before_any_group_or_file(tmp_path, monkeypatch, version):
+    monkeypatch.setattr("ddp_hpc.training.strategy.installed", lambda: version)
+    monkeypatch.setattr("ddp_hpc.training.run_on_rank.process_group",
+                        lambda *args, **kwargs: pytest.fail("a process group was started"))
+    runs = tmp_path / "runs"
+    with pytest.raises(ConfigError) as refused:
+        train(None, [*FSDP2, f"logging.run_dir={runs}"])
+    assert str(refused.value) == (f"training.strategy=fsdp2 needs torch 2.8 or newer, and this is torch {version}: "
+                                  "use training.strategy=ddp, or install torch>=2.8")
+    assert not runs.exists()
+    with process_group() as ctx, pytest.raises(ConfigError, match="needs torch 2.8"):
+        wrap_model(nn.Linear(2, 2), load_config(None, FSDP2), ctx)  # a Trainer built without train()
+    wrap_model(nn.Linear(2, 2), load_config(None, []), ctx)  # ddp runs there
+
+
+def test_under_ddp_a_torch_without_fsdp2_never_imports_it(monkeypatch):
+    """torch 2.5 has no torch.distributed.fsdp.FSDPModule: a ddp run must not ask for it."""
+    monkeypatch.setattr("ddp_hpc.training.strategy.installed", lambda: "2.5.1")
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # importing it raises ImportError
+    model = nn.Linear(2, 2)
+    assert not is_sharded(model)
+    assert model_state(model).keys() == {"weight", "bias"}
 
 
 def test_units_are_the_named_classes_and_the_modules_over_the_threshold_innermost_first():

@@ -151,6 +151,18 @@ def test_ranks_that_all_arrive_meet():
     assert store.get("ddp_hpc/joined/1").decode() == HOST and store.add("ddp_hpc/joined", 0) == 2
 
 
+@pytest.mark.parametrize("version,libuv", [("2.5.1", False), ("2.7.1+cu126", False), ("2.8.0", True),
+                                           ("2.14.1", True)])
+def test_rank_0_serves_its_bound_socket_with_the_store_server_that_torch_version_can_take(monkeypatch, version,
+                                                                                          libuv):
+    """Before torch 2.8 the libuv server refuses the socket rank 0 binds, so the legacy one serves it."""
+    monkeypatch.setattr("ddp_hpc.distributed.installed", lambda: version)
+    env = rank_env(0, 1, free_port(), "20")
+    store = create_store(resolve_env(env), timedelta(seconds=20), env, 20)
+    assert store.libuvBackend is libuv
+    assert store.get("ddp_hpc/joined/0").decode() == HOST
+
+
 @pytest.mark.parametrize("raw,expected", [(None, 180.0), ("", 180.0), ("45", 45.0), ("0.5", 0.5)])
 def test_rendezvous_timeout_from_the_environment(raw, expected):
     assert parse_timeout(raw, 180.0) == expected

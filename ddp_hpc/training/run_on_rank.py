@@ -24,6 +24,7 @@ from ddp_hpc.training.callbacks import Callback, create_callbacks
 from ddp_hpc.training.services.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.strategy import check_supported
 from ddp_hpc.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
     else:
         config = load_config(config_path, list(overrides))
     check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
+    check_supported(config)
     job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
     deadline = job_deadline(os.environ)

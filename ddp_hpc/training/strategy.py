@@ -19,15 +19,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_hpc.config import Config, FsdpConfig
+from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.errors import UserError
+from ddp_hpc.torch_support import fsdp2_refusal, installed
 
 log = logging.getLogger(__name__)
+
+
+def check_supported(config: Config) -> None:
+    """Refuse, in one line, a ``training.strategy`` the installed torch cannot run: part of
+    the config check on each rank (the login node that submits may have another torch)."""
+    refusal = fsdp2_refusal(installed()) if config.training.strategy == "fsdp2" else None
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def wrap_model(model: nn.Module, config: Config, ctx: DistContext) -> nn.Module:
     """The module the training step calls: DDP around ``model``, or ``model`` itself
     sharded by FSDP2. Without a process group (one plain process) ``model`` unchanged."""
+    check_supported(config)  # train() checked before the group; a Trainer built directly has not
     if config.training.strategy == "fsdp2":
         units = shard_units(model, config.fsdp)  # checks fsdp.wrap with or without a group
         return shard_model(model, units, config.fsdp, ctx) if ctx.group_initialized else model
@@ -108,6 +119,8 @@ def shard_model(model: nn.Module, units: list[nn.Module], fsdp: FsdpConfig, ctx:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    if fsdp2_refusal(installed()):
+        return False  # nothing is sharded where fsdp2 is refused, and FSDPModule may not exist
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)

@@ -1,0 +1,46 @@
+"""The torch-version gates, over version strings as torch spells them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import torch_support
+
+
+@pytest.mark.parametrize("version,release", [("2.5.1", (2, 5)), ("2.7.1+cu126", (2, 7)), ("2.8.0a0+gitc1b2d3e", (2, 8)),
+                                             ("2.10.0+xpu", (2, 10)), ("3.0", (3, 0))])
+def test_a_version_string_belongs_to_its_release(version, release):
+    assert torch_support.parse(version) == release
+
+
+@pytest.mark.parametrize("version", ["", "nightly", "v2.5.1"])
+def test_a_string_that_is_no_version_is_refused(version):
+    with pytest.raises(ValueError, match="not a torch version"):
+        torch_support.parse(version)
+
+
+@pytest.mark.parametrize("version,takes", [("2.4.1", False), ("2.5.1", False), ("2.6.0+cpu", False),
+                                           ("2.7.1", False), ("2.8.0", True), ("2.10.0", True), ("2.14.1", True)])
+def test_the_libuv_store_server_takes_a_bound_socket_from_torch_2_8(version, takes):
+    assert torch_support.libuv_takes_listen_fd(version) is takes
+
+
+@pytest.mark.parametrize("version", ["2.5.1", "2.6.0", "2.7.1+cu128"])
+def test_fsdp2_is_refused_before_torch_2_8_in_one_line_naming_both_versions(version):
+    refusal = torch_support.fsdp2_refusal(version)
+    assert refusal is not None and "\n" not in refusal
+    assert "training.strategy=fsdp2 needs torch 2.8 or newer" in refusal and f"this is torch {version}" in refusal
+
+
+@pytest.mark.parametrize("version", ["2.8.0", "2.9.1+cu130", "2.14.1"])
+def test_fsdp2_runs_from_torch_2_8(version):
+    assert torch_support.fsdp2_refusal(version) is None
+
+
+def test_the_declared_torch_range_starts_at_the_minimum():
+    """pyproject.toml's lower bound is the MINIMUM the gates and CI use."""
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.findall(r'"torch([<>=!~][^"]*)"', text) == [f">={torch_support.named(torch_support.MINIMUM)},<3"]
