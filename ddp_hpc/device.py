@@ -294,8 +294,7 @@ def _device_index(device_type: str, local_rank: int, local_world_size: int,
     count = host.device_count(device_type)
     if count == 0:
         hint = {"cuda": "a CUDA build of torch on a host with NVIDIA GPUs",
-                "xpu": f"Intel GPUs with torch's XPU build (pip install torch --index-url {XPU_INDEX}; "
-                       "docs/devices.md)"}[device_type]
+                "xpu": f"an Intel GPU, with {xpu_build(host.torch_version())} (docs/devices.md)"}[device_type]
         fallback = "--backend gloo" if wanted_by.startswith("backend") else "--device cpu"
         raise DeviceUnavailableError(
             f"{wanted_by} was requested but {host.describe_build()} sees no {device_type} "
@@ -343,6 +342,11 @@ def _missing_backend_message(backend: str, host: HostDevices) -> str:
     return f"backend '{backend}' is not available in {host.describe_build()}: {backend_advice(backend, host.torch_version())}"
 
 
+def xpu_build(version: str) -> str:
+    """How to get torch ``version``'s build for Intel GPUs."""
+    return f"torch's XPU build (pip install torch=={version.split('+')[0]} --index-url {XPU_INDEX})"
+
+
 def backend_advice(backend: str, version: str) -> str:
     """What makes ``backend`` available, for torch ``version``: something that works there."""
     release = parse(version)
@@ -350,7 +354,7 @@ def backend_advice(backend: str, version: str) -> str:
         if release < XCCL:
             return (f"torch's own xccl comes with its XPU build from torch {named(XCCL)}; with torch {version} "
                     "use --backend ccl with Intel's oneCCL bindings (docs/devices.md)")
-        return f"install torch's XPU build (pip install torch=={version.split('+')[0]} --index-url {XPU_INDEX})"
+        return f"install {xpu_build(version)}"
     if backend == "ccl":
         if release > IPEX_LAST:
             return (f"Intel's oneCCL bindings end at torch {named(IPEX_LAST)}; with torch {version} use --backend "

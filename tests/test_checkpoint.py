@@ -321,7 +321,7 @@ PRESPLIT_CONFIG = ["job.name=synthetic", "job.params.samples=40", "job.params.va
                    "checkpoint.preemption_check_every_n_steps=1", "logging.progress=never"]
 
 
-def _fit_synthetic(tmp_path: Path, name: str, overrides: list[str]):
+def _fit_synthetic(tmp_path: Path, name: str, overrides: list[str], callbacks=(), before_fit=None):
     from ddp_hpc.config import load_config
     from ddp_hpc.distributed import process_group
     from ddp_hpc.training.run_folder import RunFolder
@@ -332,34 +332,108 @@ def _fit_synthetic(tmp_path: Path, name: str, overrides: list[str]):
                                 "logging.plot=false", *overrides])
     with process_group(environ={}) as ctx:
         job = create_job(config.job.name, config.job.params)
-        return Trainer(job, config, ctx, RunFolder(tmp_path / name)).fit()
+        trainer = Trainer(job, config, ctx, RunFolder(tmp_path / name), callbacks)
+        if before_fit is not None:
+            before_fit(trainer)
+        return trainer.fit()
+
+
+def _rank_streams(checkpoint: Path) -> dict:
+    """Rank 0's RNG streams as a checkpoint (either format, either layout) holds them."""
+    import torch
+
+    from ddp_hpc.engine.dcp_format import check_complete, read_blob
+
+    if checkpoint.is_dir():
+        return read_blob(checkpoint, check_complete(checkpoint), "ddp_hpc.rank.00000")["rng"]
+    return torch.load(checkpoint.with_suffix(".ranks") / "rank-00000.pt", weights_only=True)["rng"]
+
+
+def _same_streams(a: dict, b: dict) -> bool:
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_streams(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same_streams, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if type(a).__module__ == "numpy":
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+    return a == b
 
 
 @pytest.mark.reliability
 @pytest.mark.parametrize("fmt", ["file", "dcp"])
 def test_a_checkpoint_written_before_the_trainer_split_resumes_bit_identically(tmp_path, fmt, caplog):
+    """The stored pre-split checkpoints' weights were computed on another processor and may
+    differ from this one's by an ulp (another reduction order), so the reference is computed
+    here: the same run stopped at the same step in today's layout. The upgrade must give its
+    step, sampler position and RNG streams exactly; resumed from it with the stored weights
+    loaded, it ends bit-identical to the resume from the pre-split checkpoint."""
     import logging
     import shutil
 
+    import torch
+
     from conftest import assert_same_training_state, load_last_checkpoint
     from ddp_hpc.summary import RunStatus
+    from ddp_hpc.training.checkpoint_upgrade import upgrade_presplit
+    from stop_helpers import StopAtStep
 
     # Stopped on request by the pre-split Trainer in epoch 2 after 4 of its 10 micro-batches.
+    stored_path = PRESPLIT / fmt / ("step-00000007" if fmt == "dcp" else "step-00000007.pt")
+    stored = load_last_checkpoint(PRESPLIT / fmt)
+    # The same run here, stopped on request at the same step: today's layout.
+    today = _fit_synthetic(tmp_path, "today", [f"checkpoint.format={fmt}"], callbacks=[StopAtStep(7)])
+    assert (today.status, today.global_step) == (RunStatus.PREEMPTED, 7)
+    here_path = tmp_path / "today" / "checkpoints" / stored_path.name
+    here = load_last_checkpoint(tmp_path / "today" / "checkpoints")
+
+    upgraded = upgrade_presplit(stored_path, stored, 40)
+    assert upgraded["step"] == here["step"] == 7
+    assert upgraded["progress"] == here["progress"] == {"epoch": 1, "batches_done": 4, "global_step": 7,
+                                                         "epoch_offset": 0}
+    assert upgraded["sampler"] == here["sampler"]
+    assert _same_streams(_rank_streams(stored_path), _rank_streams(here_path))
+    assert stored["scheduler"] == here["scheduler"]
+    for key, value in here["model"].items():  # the same run: ulps apart at most
+        torch.testing.assert_close(stored["model"][key], value, rtol=1e-5, atol=1e-7)
+
     shutil.copytree(PRESPLIT / fmt, tmp_path / "resumed" / "checkpoints")
     caplog.set_level(logging.INFO)
     resumed = _fit_synthetic(tmp_path, "resumed", [f"checkpoint.format={fmt}"])
     resuming = [record.getMessage() for record in caplog.records if "resuming from" in record.getMessage()]
     assert len(resuming) == 1 and resuming[0].endswith(": epoch 2, batch 4, step 7"), resuming
-    straight = _fit_synthetic(tmp_path, "straight", [f"checkpoint.format={fmt}", "checkpoint.resume=never"])
-    assert (resumed.status, resumed.global_step) == (straight.status, straight.global_step) == (RunStatus.COMPLETED, 10)
 
-    a = load_last_checkpoint(tmp_path / "straight" / "checkpoints")
+    def stored_weights(trainer) -> None:  # today's checkpoint, with the floats the stored one holds
+        trainer.state.model.load_state_dict(stored["model"])
+        trainer.state.optimizer.load_state_dict(stored["optimizer"])
+
+    shutil.copytree(tmp_path / "today" / "checkpoints", tmp_path / "reference" / "checkpoints")
+    reference = _fit_synthetic(tmp_path, "reference", [f"checkpoint.format={fmt}"], before_fit=stored_weights)
+    assert (resumed.status, resumed.global_step) == (reference.status, reference.global_step) == (RunStatus.COMPLETED, 10)
+
+    a = load_last_checkpoint(tmp_path / "reference" / "checkpoints")
     b = load_last_checkpoint(tmp_path / "resumed" / "checkpoints")
     assert a["progress"] == {"epoch": 2, "batches_done": 0, "global_step": 10, "epoch_offset": 0}
     assert_same_training_state(a, b)  # dropout after the resume drew from the migrated RNG streams
     assert a["scheduler"] == b["scheduler"] and a["sampler"] == b["sampler"]
     assert a["history"][-1]["val_loss"] == b["history"][-1]["val_loss"]
     assert [row["epoch"] for row in b["history"]] == [1, 2]  # the pre-split run's epoch 1 kept
+    # And both continue as the run that was never stopped: the same RNG streams at the end,
+    # the same weights up to the stored ones' ulps.
+    straight = _fit_synthetic(tmp_path, "straight", [f"checkpoint.format={fmt}", "checkpoint.resume=never"])
+    assert (straight.status, straight.global_step) == (RunStatus.COMPLETED, 10)
+    end = stored_path.name.replace("00000007", "00000010")
+    assert _same_streams(_rank_streams(tmp_path / "straight" / "checkpoints" / end),
+                         _rank_streams(tmp_path / "resumed" / "checkpoints" / end))
+    c = load_last_checkpoint(tmp_path / "straight" / "checkpoints")
+    assert c["sampler"] == b["sampler"] and c["scheduler"] == b["scheduler"]
+    for key, value in c["model"].items():
+        torch.testing.assert_close(b["model"][key], value, rtol=1e-5, atol=1e-7)
 
 
 def test_a_presplit_checkpoint_whose_data_order_cannot_be_rebuilt_is_refused_in_one_line():

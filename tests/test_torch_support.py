@@ -43,4 +43,20 @@ def test_fsdp2_runs_from_torch_2_8(version):
 def test_the_declared_torch_range_starts_at_the_minimum():
     """pyproject.toml's lower bound is the MINIMUM the gates and CI use."""
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert re.findall(r'"torch([<>=!~][^"]*)"', text) == [f">={torch_support.named(torch_support.MINIMUM)},<3"]
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", text, re.M | re.S)
+    assert dependencies is not None
+    assert re.findall(r'"torch([<>=!~][^"]*)"', dependencies[1]) == [f">={torch_support.named(torch_support.MINIMUM)},<3"]
+
+
+def test_the_ipex_extra_pins_intels_builds_for_the_last_torch_they_support_as_the_docs_say():
+    """Unpinned names would resolve on PyPI to IPEX's CPU build and fail on oneccl_bind_pt."""
+    repo = Path(__file__).parents[1]
+    extra = re.search(r"^ipex = \[(.*)\]$", (repo / "pyproject.toml").read_text(), re.M)
+    assert extra is not None
+    pins = re.findall(r'"([^"]+)"', extra[1])
+    last = torch_support.named(torch_support.IPEX_LAST)
+    assert pins == [f"torch=={last}.*", f"intel-extension-for-pytorch=={last}.10+xpu", f"oneccl_bind_pt=={last}.0+xpu"]
+    devices = (repo / "docs/devices.md").read_text()
+    assert all(f"`{pin}`" in devices for pin in pins)
+    assert (f"pip install 'ddp_hpc[ipex]' --extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/"
+            in devices)
