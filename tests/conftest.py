@@ -157,6 +157,15 @@ def shared_world_group(item: pytest.Item) -> str | None:
     return None
 
 
+def stack_group(item: pytest.Item) -> str | None:
+    """tests/test_stacks.py's launches on one torch version (the ``stack`` fixture's
+    parameter) stay on one worker: they share that version's reference run. The two
+    versions run side by side on the two workers, its srun test in the SLURM group."""
+    callspec = getattr(item, "callspec", None)
+    version = callspec.params.get("stack") if callspec else None
+    return f"torch-{version}" if item.get_closest_marker("stacks") and version else None
+
+
 def module_fixture_group(item: pytest.Item) -> str | None:
     """Tests of one module that share a module-scoped fixture (a reference run, a built
     wheel) stay on one worker: split over two, each worker would build it again, at once
@@ -174,7 +183,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     # A world's test that also uses a module fixture builds it once more on its own worker
     # (at most twice in all): cheaper than moving the fixture's other tests into the world's
     # group, which is the longest already.
-    group = shared_world_group(item) or module_fixture_group(item)
+    group = shared_world_group(item) or stack_group(item) or module_fixture_group(item)
     if group:
         item.add_marker(pytest.mark.xdist_group(group))
 

@@ -1,0 +1,197 @@
+"""The supported torch range, proven (issue 29): real 2-rank CPU launches of the paths a user
+takes, on each torch in .ci/torch-versions (the lowest that pyproject.toml declares and the
+newest this machine's pip allows), next to the suite's own torch.
+
+Each version runs from a venv of its own that scripts/torch-venv.sh builds and caches (torch
+as pip installs it, ddp_hpc's dependencies, no ddp_hpc); this checkout's ddp_hpc comes first
+on PYTHONPATH, which every launcher hands to its ranks. .ci/run builds the venvs while the
+rest of the suite runs, then runs these tests (marker ``stacks``). Elsewhere a missing venv
+skips with the command that builds it, and fails under DDP_HPC_REQUIRE_ALL=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, built_once, need, run
+from ddp_hpc import torch_support
+
+VERSIONS = tuple(line.split("#")[0].strip() for line in (REPO / ".ci" / "torch-versions").read_text().splitlines()
+                 if line.split("#")[0].strip())
+EXAMPLES = REPO / "examples"
+FAULTS = str(REPO / "tests" / "scripts" / "own_loop_faults.py")
+DIGITS = ["configs/digits.yaml", "logging.plot=false", "logging.progress=never"]
+pytestmark = pytest.mark.stacks
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One torch version's venv and the environment that runs this checkout on it."""
+
+    version: str
+    venv: Path
+    env: dict[str, str]
+    #: ``torch.__version__`` there, e.g. ``2.5.1+cu124``.
+    torch: str
+
+    def bin(self, program: str) -> str:
+        return str(self.venv / "bin" / program)
+
+    def run(self, args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None):
+        return run(args, timeout=timeout, env={**self.env, **(env or {})})
+
+
+@pytest.fixture(scope="session", params=VERSIONS)
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    version = request.param
+    found = subprocess.run([str(REPO / "scripts" / "torch-venv.sh"), "--check", version],
+                           capture_output=True, text=True, timeout=60)
+    need(found.returncode == 0, f"no venv with torch {version} (scripts/torch-venv.sh {version} builds it: "
+                                "5-6 GB, minutes the first time; .ci/run does)")
+    venv = Path(found.stdout.strip())
+    # Only ddp_hpc, as an installed package would be: not the checkout's other folders.
+    path = tmp_path_factory.mktemp(f"pythonpath-{version}")
+    (path / "ddp_hpc").symlink_to(REPO / "ddp_hpc")
+    main_bin = str(Path(sys.executable).parent)
+    rest = [part for part in os.environ.get("PATH", "").split(os.pathsep) if part and part != main_bin]
+    # CPU ranks (gloo) on any host: these are CUDA builds of torch.
+    env = {"PATH": os.pathsep.join([str(venv / "bin"), *rest]), "PYTHONPATH": str(path), "CUDA_VISIBLE_DEVICES": ""}
+    probe = run([str(venv / "bin" / "python"), "-c", "import ddp_hpc, torch; print(torch.__version__, ddp_hpc.__file__)"],
+                env=env, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    torch_version, package = probe.stdout.split()
+    assert torch_version.split("+")[0] == version and Path(package).resolve() == REPO / "ddp_hpc" / "__init__.py", \
+        probe.stdout
+    return Stack(version, venv, env, torch_version)
+
+
+def test_ci_proves_the_lowest_torch_that_pyproject_declares():
+    """The range users are promised starts where these tests start."""
+    with open(REPO / "pyproject.toml", "rb") as file:
+        declared = tomllib.load(file)["project"]["dependencies"]
+    torch_requirement = next(r for r in declared if re.match(r"torch\b", r))
+    lowest = re.search(r">=\s*([\d.]+)", torch_requirement).group(1)
+    assert torch_support.parse(lowest) == torch_support.parse(VERSIONS[0]) == torch_support.MINIMUM, \
+        (torch_requirement, VERSIONS, torch_support.MINIMUM)
+    assert [torch_support.parse(v) for v in VERSIONS] == sorted(torch_support.parse(v) for v in VERSIONS)
+
+
+@pytest.mark.mpi
+@pytest.mark.multiproc
+def test_doctor_under_mpich(stack, mpich):
+    result = stack.run([mpich, "-n", "2", stack.bin("ddp-hpc"), "doctor"], timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line[:1].isdigit()]
+    assert [line.split()[9].split("+")[0] for line in table] == [stack.version] * 2, result.stdout  # the torch column
+    assert "doctor: OK: 2 ranks on 1 node(s)" in result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_digits_under_open_mpi_reach_the_accuracy_they_reach_on_the_suites_torch(stack, openmpi, tmp_path):
+    """The full digits config: test_launch_real.py's README command asserts 95% on the suite's torch."""
+    result = stack.run([openmpi, "-n", "2", "--oversubscribe", stack.bin("ddp-hpc"), "train", *DIGITS,
+                        f"logging.run_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["status"] == "completed"
+    assert summary["test"]["accuracy"] >= 0.95, summary["test"]
+
+
+@pytest.mark.slurm
+@pytest.mark.multiproc
+def test_digits_under_srun(stack, slurm_cluster, tmp_path):
+    result = stack.run(["srun", "-n", "2", stack.bin("ddp-hpc"), "train", *DIGITS, "training.epochs=1",
+                        f"logging.run_dir={tmp_path}"], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs_run_per_rank"] == [1, 1]
+
+
+@pytest.mark.mpi
+@pytest.mark.multiproc
+def test_ddp_hpc_run_of_the_plain_ddp_example_under_mpich(stack, mpich):
+    result = stack.run([mpich, "-n", "2", stack.bin("ddp-hpc"), "run", "--", "python",
+                        str(EXAMPLES / "plain_ddp.py")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(re.findall(r"rank (\d)/2 local_rank \d: all_reduce (correct=\d+ total=297)", result.stdout))
+    assert [rank for rank, _ in lines] == ["0", "1"] and lines[0][1] == lines[1][1], result.stdout
+
+
+def _loop_states(stack: Stack, *folders: Path) -> list[dict]:
+    """tests/scripts/loop_state.py in the stack's own torch: each run's step, sampler, and
+    digests of its model, optimizer state and per-rank RNG."""
+    result = stack.run([stack.bin("python"), str(REPO / "tests" / "scripts" / "loop_state.py"), *map(str, folders)],
+                       timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def _torchrun(stack: Stack, max_restarts: int) -> list[str]:
+    return [stack.bin("torchrun"), "--standalone", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
+            FAULTS, str(EXAMPLES / "resumable_loop.py")]
+
+
+# Open: ddp_hpc/engine/dcp_format.py passes no_dist= to dcp.save and dcp.load and an
+# async_stager (DefaultStager) to dcp.async_save; torch 2.5.1 has neither, so a dcp save fails
+# there with "TypeError: save() got an unexpected keyword argument 'no_dist'". Strict: it fails
+# the suite as soon as dcp works on 2.5.1, so that this mark goes.
+DCP_ON_2_5 = pytest.mark.xfail(strict=True, reason="dcp checkpoints fail on torch 2.5 (no_dist=, issue 29)")
+
+
+@pytest.mark.reliability
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the uninterrupted run (once per version) and the killed one
+@pytest.mark.parametrize("form", ["file", "dcp"])
+def test_own_loop_sigkilled_under_torchrun_resumes_bit_identical(stack, form, tmp_path, tmp_path_factory, request):
+    """examples/resumable_loop.py under ``torchrun --max-restarts 1``: rank 1 SIGKILLs itself
+    after step 35, both ranks resume from step 30's checkpoint and end as an uninterrupted run
+    ends, bit for bit (model, optimizer state, sampler, each rank's RNG). The uninterrupted
+    run writes single-file checkpoints; the training it records is the same in either format."""
+    def uninterrupted(folder: Path) -> None:
+        done = stack.run(_torchrun(stack, 0), env={"RUN_DIR": str(folder)})
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    if form == "dcp" and torch_support.parse(stack.torch) == (2, 5):
+        request.applymarker(DCP_ON_2_5)
+    reference = built_once(tmp_path_factory, f"stack-{stack.version}-loop", uninterrupted)
+    marker = tmp_path / "killed"
+    done = stack.run(_torchrun(stack, 1), timeout=400, env={
+        "RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": form, "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
+        "FAULT_MARKER": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert marker.exists(), "rank 1 was not killed"
+    for rank in (0, 1):
+        assert f"rank {rank}: restored None at step 0" in done.stderr
+        assert re.search(rf"rank {rank}: restored \S+step-00000030(\.pt)? at step 30", done.stderr), done.stderr[-3000:]
+    expected, resumed = _loop_states(stack, reference, tmp_path / "run")
+    assert resumed["format"] == form and resumed["step"] == 120
+    assert {**resumed, "format": "file"} == expected
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_fsdp2_trains_or_is_refused_in_one_line_before_the_first_step(stack, tmp_path):
+    refusal = torch_support.fsdp2_refusal(stack.torch)
+    if refusal:
+        result = stack.run([stack.bin("ddp-hpc"), "train", *DIGITS, "training.strategy=fsdp2",
+                            f"logging.run_dir={tmp_path}"], timeout=120)
+        assert (result.returncode, result.stderr) == (2, f"ddp-hpc: error: {refusal}\n"), result.stderr[-3000:]
+        assert not list(tmp_path.iterdir())  # refused at the config check: no run folder
+        return
+    result = stack.run([stack.bin("torchrun"), "--standalone", "--nproc_per_node=2", "-m", "ddp_hpc", "train", *DIGITS,
+                        "training.strategy=fsdp2", "training.epochs=1", f"logging.run_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs_run_per_rank"] == [1, 1]
+    assert (tmp_path / "digits" / "checkpoints" / "last.dcp").exists()  # fsdp2 saves sharded
