@@ -141,33 +141,28 @@ def _torchrun(stack: Stack, max_restarts: int) -> list[str]:
             FAULTS, str(EXAMPLES / "resumable_loop.py")]
 
 
-# Open: ddp_hpc/engine/dcp_format.py passes no_dist= to dcp.save and dcp.load and an
-# async_stager (DefaultStager) to dcp.async_save; torch 2.5.1 has neither, so a dcp save fails
-# there with "TypeError: save() got an unexpected keyword argument 'no_dist'". Strict: it fails
-# the suite as soon as dcp works on 2.5.1, so that this mark goes.
-DCP_ON_2_5 = pytest.mark.xfail(strict=True, reason="dcp checkpoints fail on torch 2.5 (no_dist=, issue 29)")
-
-
 @pytest.mark.reliability
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # the uninterrupted run (once per version) and the killed one
-@pytest.mark.parametrize("form", ["file", "dcp"])
-def test_own_loop_sigkilled_under_torchrun_resumes_bit_identical(stack, form, tmp_path, tmp_path_factory, request):
+@pytest.mark.parametrize("form,background", [("file", False), ("dcp", False), ("dcp", True)],
+                         ids=["file", "dcp", "dcp-background"])
+def test_own_loop_sigkilled_under_torchrun_resumes_bit_identical(stack, form, background, tmp_path, tmp_path_factory):
     """examples/resumable_loop.py under ``torchrun --max-restarts 1``: rank 1 SIGKILLs itself
     after step 35, both ranks resume from step 30's checkpoint and end as an uninterrupted run
     ends, bit for bit (model, optimizer state, sampler, each rank's RNG). The uninterrupted
-    run writes single-file checkpoints; the training it records is the same in either format."""
+    run writes single-file checkpoints; the training it records is the same in either format.
+    dcp's calls differ with the version (``torch_support``: ``no_dist`` from 2.7, a stager of
+    our own for background saves from 2.9), so each version writes both kinds."""
     def uninterrupted(folder: Path) -> None:
         done = stack.run(_torchrun(stack, 0), env={"RUN_DIR": str(folder)})
         assert done.returncode == 0, done.stderr[-3000:]
 
-    if form == "dcp" and torch_support.parse(stack.torch) == (2, 5):
-        request.applymarker(DCP_ON_2_5)
     reference = built_once(tmp_path_factory, f"stack-{stack.version}-loop", uninterrupted)
     marker = tmp_path / "killed"
     done = stack.run(_torchrun(stack, 1), timeout=400, env={
-        "RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": form, "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
+        "RUN_DIR": str(tmp_path / "run"), "CHECKPOINT_FORMAT": form, "CHECKPOINT_BACKGROUND": "1" if background else "0",
+        "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
         "FAULT_MARKER": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert done.returncode == 0, done.stderr[-6000:]
     assert marker.exists(), "rank 1 was not killed"

@@ -70,6 +70,11 @@ from ddp_hpc.torch_support import dcp_async_takes_stager, dcp_takes_no_dist
 log = logging.getLogger(__name__)
 
 SHARED_KEY = "ddp_hpc.shared"
+#: In the shared data: each optimizer's param-group settings (all but ``params``), as a
+#: single-file checkpoint keeps them. ``set_optimizer_state_dict`` fills only the settings
+#: the live optimizer already has, so one an LR scheduler adds (``initial_lr``, OneCycleLR's
+#: ``max_lr``/``min_lr``) would be lost for a scheduler planned after the restore.
+PARAM_GROUPS_KEY = "ddp_hpc.param_groups"
 
 
 @contextmanager
@@ -311,6 +316,7 @@ def read_whole(path: Path) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - a shard file that does not read
             raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: "
                                   f"{str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ''})") from None
+    shared.pop(PARAM_GROUPS_KEY, None)
     objects = shared.pop("objects", None) or {}
     return {**shared, **objects, **whole}
 
@@ -338,6 +344,11 @@ def _tensor_state(state: ShardedState) -> dict[str, Any]:
                                   "use checkpoint.format=file, or FSDP2 instead of ZeRO")
         out[name] = get_optimizer_state_dict(module, optimizer, options=options)
     return out
+
+
+def _param_group_settings(state: ShardedState) -> dict[str, list[dict[str, Any]]]:
+    return {name: [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+            for name, (_, optimizer) in state.optimizers.items()}
 
 
 def _check_matches(path: Path, metadata: Metadata, template: Mapping[str, Any]) -> None:
@@ -410,7 +421,7 @@ class DcpFormat:
         group.barrier()  # no rank writes into the folder before it is free
         to_save = _tensor_state(state)
         if group.is_rank_zero:
-            to_save[SHARED_KEY] = _blob(dict(state.shared))
+            to_save[SHARED_KEY] = _blob({**state.shared, PARAM_GROUPS_KEY: _param_group_settings(state)})
         to_save[rank_key(group.rank)] = _blob(dict(state.per_rank))
         no_dist = not group.group_initialized
         commit = _Commit(directory, path, keep_last, best, group.is_rank_zero, started)
@@ -537,8 +548,13 @@ class DcpFormat:
         options = StateDictOptions()
         for name, module in state.modules.items():
             set_model_state_dict(module, template[name], options=options)
+        settings = shared.pop(PARAM_GROUPS_KEY, None) or {}
         for name, (module, optimizer) in state.optimizers.items():
             set_optimizer_state_dict(module, optimizer, template[name], options=options)
+            saved = settings.get(name)
+            if saved is not None and len(saved) == len(optimizer.param_groups):
+                for group, values in zip(optimizer.param_groups, saved):
+                    group.update(values)
         mine = _unblob(template[key], f"{path} ({key})") if key in template else {}
         return Restored(path, shared, mine)
 

@@ -114,7 +114,8 @@ def _inject_random_kills(kills: int, seed: int) -> None:
 
 def _inject_checkpointer_options() -> None:
     fmt, every = os.environ.get("CHECKPOINT_FORMAT"), os.environ.get("CHECKPOINT_EVERY")
-    if not (fmt or every):
+    background = os.environ.get("CHECKPOINT_BACKGROUND") == "1"
+    if not (fmt or every or background):
         return
     real_init = Checkpointer.__init__
 
@@ -123,6 +124,8 @@ def _inject_checkpointer_options() -> None:
             kwargs["format"] = fmt
         if every:
             kwargs["every_n_steps"] = int(every)
+        if background:
+            kwargs["background"] = True
         real_init(self, folder, objects, **kwargs)
 
     Checkpointer.__init__ = init
