@@ -33,7 +33,7 @@ _EXPORTS = {
     "Checkpointer": "ddp_hpc.engine.checkpointer",
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
-    "watchdog": "ddp_hpc.engine.liveness",
+    "watchdog": "ddp_hpc.engine.watchdog",
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from ddp_hpc.distributed import DistContext
     from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
-    from ddp_hpc.engine.liveness import watchdog
+    from ddp_hpc.engine.watchdog import watchdog
     from ddp_hpc.engine.sampler import ResumableSampler
     from ddp_hpc.engine.stop_agreement import StopAgreement
     from ddp_hpc.environment.base import DistEnv
