@@ -202,6 +202,18 @@ def test_the_deadline_counts_an_epoch_end_the_next_interval_crosses():
     assert run(steps_per_epoch=100) == 17  # no epoch end: t=1170, 30 s left < 10 + 30 s
 
 
+@pytest.mark.parametrize("started", [True, False])
+def test_start_has_the_deadline_measure_the_first_step(started):
+    """The Trainer calls ``start()`` as training starts: a slow first step (warm-up) then
+    counts, as the next interval's prediction; unstarted, steps count from the first's end."""
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=1100.0, margin_s=30.0, clock=lambda: clock[0])
+    if started:
+        stop.start()
+    clock[0] += 50  # the first step: 50 s left, 50 + 30 s needed to go on
+    assert stop.now() is started
+
+
 def test_unreadable_newest_is_refused_in_one_line_and_kept(tmp_path, caplog):
     _train(tmp_path, epochs=1, stop_at=3, every_n_steps=1)
     newest = tmp_path / "checkpoints" / "step-00000003.pt"

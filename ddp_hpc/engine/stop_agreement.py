@@ -134,6 +134,11 @@ class StopAgreement:
             self.stopped, self.stopped_at = True, step
         return wanted
 
+    def start(self) -> None:
+        """Training starts now: the deadline's measuring counts the first step from here
+        (without it, from the end of the first step on)."""
+        self.measured.start(self.clock())
+
     def _measure_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.last_save_s != self._last_save_s:
             self._last_save_s = self.checkpointer.last_save_s

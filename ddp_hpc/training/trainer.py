@@ -183,6 +183,7 @@ class Trainer:
             self.run.create(self.config.to_dict())
         self._log_start()
         self.callbacks.on_fit_start(self)
+        self.stop.start()
         with self._watching(), self.callbacks.running(self), self.state.writes(self.loop.beat):
             status = self.loop.run()
             if status == "preempted":
