@@ -27,6 +27,7 @@ from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.deadline import DeadlinePolicy, Timings, must_stop_now
 from ddp_hpc.engine.reshard import epoch_order
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.trainer import Trainer
 from stop_helpers import RecordIds, RecordingJob, StopAtStep, count_ids
 
@@ -189,6 +190,27 @@ def test_deadline_stop_checkpoints_at_the_last_check_that_leaves_time(tmp_path):
         "stopped too early"
     progress = load_checkpoint(tmp_path / "r" / "checkpoints" / "last.pt")["progress"]
     assert progress["global_step"] == step
+
+
+class RecordSaves(Callback):
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def on_checkpoint_saved(self, trainer, path) -> None:
+        self.paths.append(path.name)
+
+
+def test_the_trainers_step_cadence_is_the_checkpointers_and_an_epochs_last_step_is_saved_once_at_its_end(tmp_path):
+    """``checkpoint.every_n_steps=5`` over epochs of 15 steps: the Checkpointer's cadence saves
+    steps 5 and 10 mid-epoch; step 15 ends the epoch, and its checkpoint is the epoch end's,
+    written once, with the epoch's metrics row in it."""
+    saves = RecordSaves()
+    summary = _in_process(tmp_path, ["training.epochs=2", "training.batch_size=4", "checkpoint.every_n_steps=5",
+                                     "checkpoint.every_n_epochs=null", "checkpoint.keep_last=10"], [saves])
+    assert summary.global_step == 30
+    assert saves.paths == [f"step-{step:08d}.pt" for step in (5, 10, 15, 20, 25, 30)]
+    at_epoch_end = load_checkpoint(tmp_path / "r" / "checkpoints" / "step-00000015.pt")
+    assert len(at_epoch_end["history"]) == 1 and at_epoch_end["progress"]["epoch"] == 1
 
 
 # ----- re-sharding an epoch -------------------------------------------------------------------
