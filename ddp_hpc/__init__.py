@@ -34,7 +34,7 @@ _EXPORTS = {
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
     "record_stop_signals": "ddp_hpc.stop",
-    "watchdog": "ddp_hpc.engine.liveness",
+    "watchdog": "ddp_hpc.engine.watchdog",
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from ddp_hpc.distributed import DistContext
     from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
-    from ddp_hpc.engine.liveness import watchdog
+    from ddp_hpc.engine.watchdog import watchdog
     from ddp_hpc.engine.sampler import ResumableSampler
     from ddp_hpc.engine.stop_agreement import StopAgreement
     from ddp_hpc.environment.base import DistEnv

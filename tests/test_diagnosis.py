@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ddp_hpc.engine.collectives import CollectivePosition, entry_position, out_of_step
 from ddp_hpc.engine import liveness
+from ddp_hpc.engine import watchdog as watchdog_module
 from ddp_hpc.engine.liveness import Heartbeat, RankStatus, find_stragglers
 from ddp_hpc.environment.ports import free_port
 
@@ -92,10 +93,10 @@ def test_a_collective_timeout_inside_the_watchdog_logs_who_is_out_of_step(monkey
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     behind = CollectivePosition(812, "all_reduce", 4 << 20, done=False)
     peer = Heartbeat(1, 2, "host1", "127.0.0.1", port, interval_s=0.1, status=lambda: RankStatus(behind, None, 3))
-    monkeypatch.setattr(liveness, "position", lambda: AR)  # rank 0 (this process) waits at #813
-    with peer, caplog.at_level(logging.ERROR, logger="ddp_hpc.engine.liveness"):
+    monkeypatch.setattr(watchdog_module, "position", lambda: AR)  # rank 0 (this process) waits at #813
+    with peer, caplog.at_level(logging.ERROR, logger="ddp_hpc.engine.watchdog"):
         with pytest.raises(RuntimeError, match="Timed out waiting"):
-            with liveness._watching(10, 0, 2, ("127.0.0.1", port)):
+            with watchdog_module._watching(10, 0, 2, ("127.0.0.1", port)):
                 time.sleep(2.2)  # idle for over a beat (1 s): rank 0's heartbeat publishes its collective
                 raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv")
     del server
@@ -104,8 +105,8 @@ def test_a_collective_timeout_inside_the_watchdog_logs_who_is_out_of_step(monkey
 
 
 def test_the_flight_recorder_is_read_only_once_a_rank_makes_no_progress(monkeypatch):
-    monkeypatch.setattr(liveness, "position", lambda: AR)
-    dog = liveness.Watchdog(30, 0)
+    monkeypatch.setattr(watchdog_module, "position", lambda: AR)
+    dog = watchdog_module.Watchdog(30, 0)
     dog.beat(compute_s=0.1)
-    assert liveness.rank_status(dog, interval_s=5).collective is None  # beating: no dump
-    assert liveness.rank_status(dog, interval_s=0).collective == AR
+    assert watchdog_module.rank_status(dog, interval_s=5).collective is None  # beating: no dump
+    assert watchdog_module.rank_status(dog, interval_s=0).collective == AR

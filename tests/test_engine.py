@@ -149,6 +149,86 @@ def test_cadence_and_keep_last(tmp_path):
     assert (checkpointer.directory / "last.pt").samefile(checkpointer.directory / "step-00000010.pt")
 
 
+def test_a_step_that_ends_an_epoch_is_saved_once_at_the_epoch_end_and_the_epoch_cadence_saves(tmp_path):
+    """The cadence is the Checkpointer's: ``every_n_steps`` at an epoch's last step waits for
+    ``epoch_done``, which writes it once, with the epoch's end in it (the next epoch's start);
+    ``every_n_epochs`` saves at every 2nd epoch end; the hook hears of each save before it."""
+    written, saving = [], []
+    *_, sampler, loader, checkpointer = _setup(tmp_path, every_n_steps=5, every_n_epochs=2,
+                                              on_written=lambda record: written.append(record.path.name),
+                                              on_saving=lambda: saving.append(checkpointer.step))
+    per_epoch = len(loader)  # 40 samples, batch 8: 5 steps
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for batch in range(per_epoch):
+            ends = batch + 1 == per_epoch
+            assert checkpointer.step_done(epoch_ends=ends) is None or not ends
+        checkpointer.extras["validated"] = epoch + 1  # the epoch's end, in the objects before its save
+        path = checkpointer.epoch_done(epoch + 1)
+        assert path is not None and path.name == f"step-{5 * (epoch + 1):08d}.pt"
+    assert written == ["step-00000005.pt", "step-00000010.pt", "step-00000015.pt"]  # each once
+    assert saving == [5, 10, 15]
+    assert files.load_checkpoint(checkpointer.directory / "step-00000005.pt")["extras"]["validated"] == 1
+
+    *_, sampler, _, by_epochs = _setup(tmp_path / "epochs", every_n_epochs=2)
+    for epoch in range(1, 5):
+        by_epochs.step_done()
+        assert (by_epochs.epoch_done(epoch) is not None) == (epoch % 2 == 0)
+    assert by_epochs.epoch_done(5) is None and by_epochs.epoch_done(5, save=True) is not None
+
+
+def test_a_stop_at_an_epochs_last_step_is_saved_at_the_epoch_end(tmp_path):
+    """``StopAgreement.now`` saves through the Checkpointer's ``save_step``: at an epoch's
+    last step the stop's checkpoint is the epoch end's, written once (and waited for)."""
+    written = []
+    *_, sampler, _, checkpointer = _setup(tmp_path, on_written=lambda record: written.append(record.path.name),
+                                          background=True)
+    stop = ddp_hpc.StopAgreement(checkpointer, deadline=None)
+    sampler.set_epoch(0)
+    checkpointer.step_done(5, epoch_ends=True)
+    stop.request()
+    assert stop.now(steps_left_in_epoch=0) and stop.stopped_at == 1
+    assert written == [] and not checkpointer.directory.exists()
+    sampler.set_epoch(1)
+    assert checkpointer.epoch_done(1).name == "step-00000001.pt"
+    assert written == ["step-00000001.pt"]  # on disk when epoch_done returns: the stop waits for it
+
+
+def test_the_deadline_counts_an_epoch_end_the_next_interval_crosses():
+    """Rank 0 measures the epoch end's work (``epoch_ended``) and, where the loop says the
+    next interval crosses an epoch end, stops earlier by it."""
+    def run(steps_per_epoch: int, tell: bool = True) -> int:
+        clock = [1000.0]
+        stop = ddp_hpc.StopAgreement(deadline=1200.0, margin_s=30.0, clock=lambda: clock[0])
+        for step in range(1, 100):
+            clock[0] += 10
+            if stop.now(steps_left_in_epoch=(-step) % steps_per_epoch if tell else None):
+                return step
+            if step % steps_per_epoch == 0:
+                clock[0] += 40  # validation
+                stop.epoch_ended()
+        raise AssertionError("never stopped")
+
+    # Epochs of 3 steps, each end 40 s: at step 8 (t=1160) the next step ends an epoch, so
+    # 10 + 40 + 30 s are needed and 40 s are left. Untold, it goes on to step 9 (t=1170, 30 s
+    # left < 10 + 30 s) and the epoch end's 40 s would run past the deadline.
+    assert run(steps_per_epoch=3) == 8
+    assert run(steps_per_epoch=3, tell=False) == 9
+    assert run(steps_per_epoch=100) == 17  # no epoch end: t=1170, 30 s left < 10 + 30 s
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_start_has_the_deadline_measure_the_first_step(started):
+    """The Trainer calls ``start()`` as training starts: a slow first step (warm-up) then
+    counts, as the next interval's prediction; unstarted, steps count from the first's end."""
+    clock = [1000.0]
+    stop = ddp_hpc.StopAgreement(deadline=1100.0, margin_s=30.0, clock=lambda: clock[0])
+    if started:
+        stop.start()
+    clock[0] += 50  # the first step: 50 s left, 50 + 30 s needed to go on
+    assert stop.now() is started
+
+
 def test_unreadable_newest_is_refused_in_one_line_and_kept(tmp_path, caplog):
     _train(tmp_path, epochs=1, stop_at=3, every_n_steps=1)
     newest = tmp_path / "checkpoints" / "step-00000003.pt"

@@ -25,9 +25,9 @@ from ddp_hpc.stop import StopSignal, job_deadline, parse_stop_signal, stop_signa
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.deadline import DeadlinePolicy, Timings, must_stop_now
-from ddp_hpc.training.services.deadline import DeadlineStop
 from ddp_hpc.engine.reshard import epoch_order
 from ddp_hpc.training.run_folder import RunFolder
+from ddp_hpc.training.callbacks import Callback
 from ddp_hpc.training.trainer import Trainer
 from stop_helpers import RecordIds, RecordingJob, StopAtStep, count_ids
 
@@ -158,28 +158,59 @@ class FakeClock:
         return self.now
 
 
-def _in_process(tmp_path: Path, overrides: list[str], callbacks, job=None) -> dict:
+def _trainer(tmp_path: Path, overrides: list[str], callbacks, job=None, ctx=None, **options) -> Trainer:
     config = load_config(None, ["job.name=stop_helpers:RecordingJob", "logging.progress=never",
                                 f"logging.run_dir={tmp_path}", "logging.name=r", *overrides])
+    return Trainer(job or RecordingJob(), config, ctx, RunFolder(tmp_path / "r"), callbacks, **options)
+
+
+def _in_process(tmp_path: Path, overrides: list[str], callbacks, job=None) -> dict:
     with process_group(environ={}) as ctx:
-        return Trainer(job or RecordingJob(), config, ctx, RunFolder(tmp_path / "r"), callbacks).fit()
+        return _trainer(tmp_path, overrides, callbacks, job, ctx).fit()
 
 
 def test_deadline_stop_checkpoints_at_the_last_check_that_leaves_time(tmp_path):
     # 60 samples, batch 4: 15 steps per epoch, each 1 s on the fake clock (so is an epoch end).
     clock = FakeClock(start=0.0)
     policy = DeadlinePolicy(deadline=50.0, check_every_n_steps=4, margin_s=3.0)
-    stop = DeadlineStop(policy, clock)
-    summary = _in_process(tmp_path, ["training.epochs=10", "training.batch_size=4",
-                                     "checkpoint.preemption_check_every_n_steps=4"], [stop])
+    with process_group(environ={}) as ctx:
+        trainer = _trainer(tmp_path, ["training.epochs=10", "training.batch_size=4",
+                                      "checkpoint.preemption_check_every_n_steps=4",
+                                      f"checkpoint.deadline_margin_s={policy.margin_s}"], [], ctx=ctx,
+                           deadline=policy.deadline, clock=clock)
+        summary = trainer.fit()
+    stop = trainer.stop  # the engine's StopAgreement: its policy, what it measured, where it stopped
+    assert stop.policy == policy
     assert summary.preempted is True
     step = summary.global_step
     assert step == stop.stopped_at and step % 4 == 0
     left = policy.deadline - clock.now  # at the stop (its checkpoint took no fake time)
     assert left >= policy.margin_s - 1, "stopped too late: the margin is used up"
-    assert left < 4 * 1.0 + 2 * stop.checkpoint_s + stop.epoch_end_s + policy.margin_s + 1, "stopped too early"
+    assert left < 4 * 1.0 + 2 * stop.measured.checkpoint_s + stop.measured.epoch_end_s + policy.margin_s + 1, \
+        "stopped too early"
     progress = load_checkpoint(tmp_path / "r" / "checkpoints" / "last.pt")["progress"]
     assert progress["global_step"] == step
+
+
+class RecordSaves(Callback):
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def on_checkpoint_saved(self, trainer, path) -> None:
+        self.paths.append(path.name)
+
+
+def test_the_trainers_step_cadence_is_the_checkpointers_and_an_epochs_last_step_is_saved_once_at_its_end(tmp_path):
+    """``checkpoint.every_n_steps=5`` over epochs of 15 steps: the Checkpointer's cadence saves
+    steps 5 and 10 mid-epoch; step 15 ends the epoch, and its checkpoint is the epoch end's,
+    written once, with the epoch's metrics row in it."""
+    saves = RecordSaves()
+    summary = _in_process(tmp_path, ["training.epochs=2", "training.batch_size=4", "checkpoint.every_n_steps=5",
+                                     "checkpoint.every_n_epochs=null", "checkpoint.keep_last=10"], [saves])
+    assert summary.global_step == 30
+    assert saves.paths == [f"step-{step:08d}.pt" for step in (5, 10, 15, 20, 25, 30)]
+    at_epoch_end = load_checkpoint(tmp_path / "r" / "checkpoints" / "step-00000015.pt")
+    assert len(at_epoch_end["history"]) == 1 and at_epoch_end["progress"]["epoch"] == 1
 
 
 # ----- re-sharding an epoch -------------------------------------------------------------------

@@ -245,12 +245,12 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
 
     def timed(trainer: Trainer) -> None:
         """Record how long each save blocked training, and each write took."""
-        state, checkpointer = trainer.state, trainer.state.checkpointer
-        save = state.save
+        checkpointer = trainer.state.checkpointer
+        save = checkpointer.save
 
-        def timed_save(improved: bool = False):
+        def timed_save(*, wait: bool = False, best: bool = False):
             started = time.perf_counter()
-            path = save(improved)
+            path = save(wait=wait, best=best)
             row = {"step": trainer.progress.global_step, "blocked_s": time.perf_counter() - started}
             writer = getattr(checkpointer.format, "writer", None)
             if writer is not None and ctx.is_rank_zero:
@@ -265,7 +265,7 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
             written.append(record.write_s)
             reported(record)
 
-        state.save, checkpointer.on_written = timed_save, on_written
+        checkpointer.save, checkpointer.on_written = timed_save, on_written
 
     config = load_config(None, [*_synthetic_overrides(args), "training.epochs=1",
                                 f"training.max_steps={args.checkpoints * args.every + args.every // 2}",

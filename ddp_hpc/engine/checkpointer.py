@@ -6,6 +6,13 @@
     ...                             # after each optimizer step, on every rank:
     checkpointer.step_done()        # counts the step, saves at the cadence
 
+The cadence is the Checkpointer's alone: ``every_n_steps`` and ``every_n_epochs``, applied
+by ``step_done`` (or ``save_due``, for a loop whose step does more bookkeeping after the
+count) and ``epoch_done``; a step that ends an epoch (``step_done(epoch_ends=True)``) has
+its save put off to ``epoch_done``, so that the epoch's checkpoint holds its end (validation,
+the next epoch's start) and is written once. ``StopAgreement`` saves a stop's checkpoint
+through ``save_step``, under the same rule.
+
 Each object is anything with ``state_dict()``/``load_state_dict()`` (model, optimizer, LR
 scheduler, grad scaler, ``ResumableSampler``); ``extras`` is a dict of plain data the
 checkpoint carries too. Every rank's RNG streams are saved and restored, so a resumed run
@@ -308,25 +315,29 @@ class Checkpointer:
     """
 
     def __init__(self, folder: str | Path, objects: Mapping[str, Any], *, every_n_steps: int = 0,
-                 keep_last: int = 3, background: bool = False, extras: dict[str, Any] | None = None,
-                 format: str | CheckpointFormat = "file", group: Collectives | None = None,
-                 on_written: Callable[[WriteRecord], None] | None = None) -> None:
+                 every_n_epochs: int = 0, keep_last: int = 3, background: bool = False,
+                 extras: dict[str, Any] | None = None, format: str | CheckpointFormat = "file",
+                 group: Collectives | None = None, on_written: Callable[[WriteRecord], None] | None = None,
+                 on_saving: Callable[[], None] | None = None) -> None:
         clash = sorted(set(objects) & {*RESERVED, "per_rank"})
         if clash:
             raise ValueError(f"Checkpointer: object name(s) {', '.join(clash)} are reserved")
         for name, obj in objects.items():
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"Checkpointer: {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
-        if every_n_steps < 0 or keep_last < 1:
-            raise ValueError(f"Checkpointer: every_n_steps={every_n_steps} must be >= 0 and keep_last={keep_last} >= 1")
+        if every_n_steps < 0 or every_n_epochs < 0 or keep_last < 1:
+            raise ValueError(f"Checkpointer: every_n_steps={every_n_steps} and every_n_epochs={every_n_epochs} "
+                             f"must be >= 0 and keep_last={keep_last} >= 1")
         self.directory = Path(folder) / CHECKPOINTS_DIR
         self.objects = dict(objects)
         self.extras: dict[str, Any] = extras if extras is not None else {}
-        self.every_n_steps, self.keep_last = every_n_steps, keep_last
+        self.every_n_steps, self.every_n_epochs, self.keep_last = every_n_steps, every_n_epochs, keep_last
         self.format: CheckpointFormat = (make_format(format, background=background) if isinstance(format, str)
                                          else format)
         self.group: Collectives = group or ProcessGroupView.current()
         self.on_written = on_written
+        #: Called on every rank before a save begins (a loop's watchdog beat, say).
+        self.on_saving = on_saving
         #: Optimizer steps taken in all (restored by ``restore``).
         self.step = 0
         #: Seconds the latest save kept training waiting (the stop agreement's deadline uses it).
@@ -334,6 +345,10 @@ class Checkpointer:
         #: The checkpoint ``restore`` loaded (its path and own data: progress, world size, ...).
         self.resumed: Loaded | None = None
         self._saved_step: int | None = None
+        #: The step just counted ends an epoch: its save waits for ``epoch_done``.
+        self._epoch_ends = False
+        #: A save put off to ``epoch_done``: None, or whether it is to be waited for.
+        self._owed: bool | None = None
         self._saved_path: Path | None = None
         self._sampler = next((obj for obj in self.objects.values() if isinstance(obj, ResumableSampler)), None)
 
@@ -369,17 +384,43 @@ class Checkpointer:
             log.info("resuming from %s (step %d)", loaded.path, self.step)
         return loaded.path
 
-    def step_done(self, batches: int = 1) -> Path | None:
+    def step_done(self, batches: int = 1, *, epoch_ends: bool = False, save: bool = True) -> Path | None:
         """After an optimizer step: count it (and ``batches`` batches for the samplers among
-        the objects), save if the cadence says so; the checkpoint's path, or None."""
+        the objects), then ``save_due``; the checkpoint's path, or None. ``epoch_ends``:
+        this step is its epoch's last (its save waits for ``epoch_done``). ``save=False``:
+        only count; the loop calls ``save_due`` once its own bookkeeping of the step (state
+        the checkpoint holds) is done."""
         self.step += 1
+        self._epoch_ends = epoch_ends
         for obj in self.objects.values():
             advance = getattr(obj, "advance", None)
             if callable(advance):
                 advance(batches)
+        return self.save_due() if save else None
+
+    def save_due(self) -> Path | None:
+        """The step cadence: save this step if ``every_n_steps`` divides it (see ``save_step``)."""
         if self.every_n_steps and self.step % self.every_n_steps == 0:
-            return self.save()
+            return self.save_step()
         return None
+
+    def save_step(self, *, wait: bool = False) -> Path | None:
+        """This step's checkpoint: saved now, or, when the step ends an epoch, by
+        ``epoch_done`` (the path then; None now). ``wait`` as in ``save``."""
+        if self._epoch_ends:
+            self._owed = bool(self._owed) or wait
+            return None
+        return self.save(wait=wait)
+
+    def epoch_done(self, epoch: int, *, save: bool = False, best: bool = False) -> Path | None:
+        """At the end of epoch ``epoch`` (counted from 1), once its own work (validation,
+        the next epoch's start) is in the objects: save if the epoch cadence
+        (``every_n_epochs``) asks for it, a save of its last step was put off to here,
+        ``save`` (training ends here, say) or ``best`` (see ``save``); the path, or None."""
+        owed, self._owed, self._epoch_ends = self._owed, None, False
+        due = (owed is not None or save or best
+               or bool(self.every_n_epochs and epoch % self.every_n_epochs == 0))
+        return self.save(wait=bool(owed), best=best) if due else None
 
     def progress(self) -> dict[str, int]:
         """Where training stands: the step, and the sampler's place in the epoch if there is one."""
@@ -393,6 +434,8 @@ class Checkpointer:
             if wait:
                 self.wait()
             return self._saved_path
+        if self.on_saving is not None:
+            self.on_saving()
         started = time.perf_counter()
         shared = {"format": files.FORMAT_VERSION, "step": self.step, "extras": dict(self.extras),
                   "progress": self.progress()}

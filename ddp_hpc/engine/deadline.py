@@ -6,8 +6,8 @@ At each such step rank 0 asks: if training goes on, is there time for the next i
 stop's own checkpoint, with the margin to spare? If not, it requests the stop now,
 through the same agreement a signal uses. Only rank 0 decides: it writes the
 checkpoints, so only it knows their cost, and the other ranks' step times include
-waiting for those writes. Used by ``StopAgreement`` (a loop of one's own) and the
-Trainer's ``DeadlineStop`` callback.
+waiting for those writes. Used by ``StopAgreement``, the one deadline stop (a loop of
+one's own and the Trainer alike).
 """
 
 from __future__ import annotations

@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddp_hpc.engine.collectives import CollectivePosition, out_of_step, position
-from ddp_hpc.engine.watchdog import Watchdog
+from ddp_hpc.engine.collectives import CollectivePosition, out_of_step
 from ddp_hpc.rendezvous import store_batches
 
 log = logging.getLogger(__name__)
@@ -49,7 +46,7 @@ class RankStatus:
     """What a rank's heartbeat publishes besides the beat itself."""
 
     collective: CollectivePosition | None
-    #: The median seconds of the rank's own work per step (Watchdog.compute_s).
+    #: The median seconds of the rank's own work per step (watchdog.Watchdog.compute_s).
     step_s: float | None
     step: int
 
@@ -261,71 +258,3 @@ class Heartbeat:
                         f"rendezvous store at {self.where} still answers this rank): that host has likely lost "
                         f"the network, or those processes are frozen")
         return liveness if collectives is None else f"{liveness}\ncollectives: {collectives}"
-
-
-@contextmanager
-def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
-             on_straggler: Callable[[Straggler], None] | None = None,
-             limit_name: str = "watchdog limit_s") -> Iterator[Watchdog]:
-    """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
-    makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
-    silent, which ranks are out of step in the collectives (with ``TORCH_FR_BUFFER_SIZE``
-    set, as ``ddp-hpc run`` does), every thread's stack, and exits (status 3) so the
-    launcher ends the job. ``.beat(compute_s=...)`` with the seconds of the step's own
-    work lets rank 0 log stragglers (and call ``on_straggler``).
-
-    The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
-    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name``
-    is how the message names the limit (the Trainer's: ``distributed.watchdog_s``).
-    """
-    if limit_s <= 0:
-        raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
-    rank, world_size, store = 0, 1, heartbeat_store
-    if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, limit_name,
-                   on_straggler=on_straggler) as dog:
-        yield dog
-
-
-def rank_status(dog: Watchdog, interval_s: float) -> RankStatus:
-    """What this rank's heartbeat publishes: its step time, and its collective once it has
-    made no progress for a beat. Only then: a dump of the flight recorder costs ~40 us an
-    entry (80 ms with the 2,000 entries torch suggests for NCCL), and a rank that beats has
-    nothing to explain."""
-    collective = None
-    if dog.idle_s() >= interval_s:
-        try:
-            collective = position()
-        except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
-            log.debug("no flight record: %s", exc)
-    return RankStatus(collective, dog.compute_s(), dog.step)
-
-
-@contextmanager
-def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int] | None,
-              limit_name: str = "distributed.watchdog_s",
-              on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
-    dog = Watchdog(limit_s, rank, limit_name=limit_name)
-    heartbeat = None
-    if store is not None:
-        interval_s = min(max(limit_s / 10, 1.0), 10.0)
-        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1], interval_s=interval_s,
-                              status=lambda: rank_status(dog, interval_s), on_straggler=on_straggler)
-        dog.diagnose = heartbeat.explain
-    with heartbeat or nullcontext(), dog:
-        try:
-            yield dog
-        except Exception as exc:
-            if heartbeat is not None and is_collective_timeout(exc):
-                log.error("a collective timed out; collectives: %s", heartbeat.explain_collectives())
-            raise
-
-
-def is_collective_timeout(exc: BaseException) -> bool:
-    """gloo's ``Timed out waiting 600000ms for recv operation``, NCCL's ``Watchdog caught
-    collective operation timeout``: the process group's own timeout (distributed.timeout_s)."""
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)

@@ -10,10 +10,11 @@
 A signal lands on one rank (or some); ``now`` all-reduces the flag every
 ``check_every_n_steps`` steps, so all ranks stop at the same step. Rank 0 also requests
 the stop when the time left before the deadline gets shorter than the next interval's
-steps plus a checkpoint plus ``margin_s`` (measured as training goes:
-``ddp_hpc.engine.deadline``; ``auto``: the slowest step plus the slowest checkpoint, at
-least 10 s). The library installs no signal handler unless
-``handle_signals`` is called.
+steps (plus an epoch end's work, when the loop says the interval crosses one) plus a
+checkpoint plus ``margin_s`` (measured as training goes: ``ddp_hpc.engine.deadline``;
+``auto``: the slowest step plus the slowest checkpoint, at least 10 s). This is the one
+deadline stop: the Trainer's is this one too. The library installs no signal handler
+unless ``handle_signals`` is called.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 from ddp_hpc.engine.checkpointer import Checkpointer
-from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now
+from ddp_hpc.contract import DEADLINE_VAR, ExitStatus
+from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now, time_needed
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
-from ddp_hpc.contract import ExitStatus
 from ddp_hpc.stop import ALWAYS_STOP, StopSignalsOutsideTraining, job_deadline
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,25 @@ class StopAgreement:
         self.requested = False
         #: True once the ranks agreed to stop.
         self.stopped = False
+        #: The step the ranks agreed to stop at (None: not stopped).
+        self.stopped_at: int | None = None
         self._steps = 0
         self._previous_handlers: dict[int, object] = {}
         self._last_save_s = 0.0
         self._by_deadline = False
         if self.policy is not None and self.group.is_rank_zero:
-            log.info("job deadline in %.0f s: will checkpoint and stop ahead of it (%s)",
-                     self.policy.deadline - clock(), self.policy.describe_margin())
+            self._announce(clock())
+
+    def _announce(self, now: float) -> None:
+        policy = self.policy
+        if policy.deadline <= now:
+            log.warning("the job's deadline passed %.0f s ago (a stale %s?): training will checkpoint and stop "
+                        "at its first agreement step (every %d steps)", now - policy.deadline, DEADLINE_VAR,
+                        self.check_every_n_steps)
+        else:
+            log.info("job deadline in %.0f s (%s): will checkpoint and stop ahead of it (%s)", policy.deadline - now,
+                     time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(policy.deadline)),
+                     policy.describe_margin())
 
     @property
     def exit_status(self) -> ExitStatus:
@@ -100,42 +113,69 @@ class StopAgreement:
     def _step(self) -> int:
         return self.checkpointer.step if self.checkpointer is not None else self._steps
 
-    def _deadline_near(self, now: float) -> bool:
-        if self.policy is None or not self.group.is_rank_zero:
+    def _deadline_near(self, step: int, now: float, steps_left_in_epoch: int | None) -> bool:
+        """Rank 0: whether going on to the next agreement step would leave too little time."""
+        if self.policy is None or not self.group.is_rank_zero or self.requested:
             return False
-        return must_stop_now(self.policy, now, self.measured.timings(), self.check_every_n_steps, False)
+        every, timings = self.check_every_n_steps, self.measured.timings()
+        crosses = steps_left_in_epoch is not None and steps_left_in_epoch <= every
+        if not must_stop_now(self.policy, now, timings, every, crosses):
+            return False
+        log.warning("job deadline in %.1f s, but going on to step %d and stopping there needs about %.1f s "
+                    "(steps of up to %.2f s, checkpoint %.1f s, epoch end %.1f s, margin %.0f s): "
+                    "checkpointing and stopping at step %d", self.policy.deadline - now, step + every,
+                    time_needed(self.policy, timings, every, crosses), timings.step_s, timings.checkpoint_s,
+                    timings.epoch_end_s, self.policy.margin(timings), step)
+        return True
 
-    def agreed(self, step: int) -> bool:
+    def agreed(self, step: int, *, steps_left_in_epoch: int | None = None, now: float | None = None) -> bool:
         """Whether the ranks stop at ``step`` (every rank calls it at every step): at every
         ``check_every_n_steps``-th step one all-reduce of the flags, rank 0's deadline
-        prediction included. ``now`` is this plus the measuring and the checkpoint."""
+        prediction included (``steps_left_in_epoch``: the interval may cross an epoch end,
+        whose work it then counts). ``now`` is this plus the measuring and the checkpoint."""
         if step % self.check_every_n_steps:
             return False
-        now = self.clock()
-        deadline_near = self._deadline_near(now)
-        if deadline_near and not self.requested:
-            log.warning("job deadline in %.1f s: checkpointing and stopping at step %d",
-                        self.policy.deadline - now, step)
+        now = self.clock() if now is None else now
+        deadline_near = self._deadline_near(step, now, steps_left_in_epoch)
         wanted = self.requested or deadline_near
         self._by_deadline = deadline_near  # rank 0's own prediction: what its stop line names
         if self.group.group_initialized:
             wanted = self.group.all_reduce([1.0 if wanted else 0.0], op="max")[0] > 0
-        self.stopped = self.stopped or wanted
+        if wanted and not self.stopped:
+            self.stopped, self.stopped_at = True, step
         return wanted
 
-    def now(self) -> bool:
-        """Call after every step on every rank. True (on every rank at the same step) when
-        the ranks are to stop; the checkpointer's checkpoint of this step is then on disk."""
-        self._steps += 1
+    def start(self) -> None:
+        """Training starts now: the deadline's measuring counts the first step from here
+        (without it, from the end of the first step on)."""
+        self.measured.start(self.clock())
+
+    def _measure_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.last_save_s != self._last_save_s:
             self._last_save_s = self.checkpointer.last_save_s
             self.measured.checkpoint_written(self._last_save_s)
-        self.measured.step_ended(self.clock())
-        if not self.agreed(self._step()):
+
+    def epoch_ended(self) -> None:
+        """After an epoch's end work (validation, its checkpoint): measured, so the deadline
+        leaves time for the next one."""
+        self._measure_checkpoint()
+        self.measured.epoch_ended(self.clock())
+
+    def now(self, *, steps_left_in_epoch: int | None = None, quiet: bool = False) -> bool:
+        """Call after every step on every rank. True (on every rank at the same step) when
+        the ranks are to stop; the checkpointer's checkpoint of this step is then on disk
+        (at an epoch's last step: once ``checkpointer.epoch_done`` saved it).
+        ``steps_left_in_epoch``: optimizer steps left in the epoch, for the deadline's
+        prediction. ``quiet``: no "stopped" line (the caller logs its own)."""
+        self._steps += 1
+        self._measure_checkpoint()
+        now = self.clock()
+        self.measured.step_ended(now)
+        if not self.agreed(self._step(), steps_left_in_epoch=steps_left_in_epoch, now=now):
             return False
         if self.checkpointer is not None:
-            self.checkpointer.save(wait=True)  # no rank exits before the checkpoint is whole on disk
-        if self.group.is_rank_zero:
+            self.checkpointer.save_step(wait=True)  # no rank exits before the checkpoint is whole on disk
+        if self.group.is_rank_zero and not quiet:
             log.warning("stopped %s at step %d%s: rerun or requeue to resume",
                         "ahead of the job deadline" if self._by_deadline else "on request", self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")

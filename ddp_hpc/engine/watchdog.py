@@ -1,11 +1,14 @@
-"""A progress watchdog: a rank that makes no progress for too long ends the job loudly.
+"""The watchdog: a rank that makes no progress for too long ends the job loudly.
 
 A collective that never completes (a peer stuck in user code, a lost node the backend
-does not notice) would otherwise hold the job until its walltime. The training loop
-calls ``beat(phase)`` at every step; a daemon thread checks the time since the last beat
-and, past the limit, logs which rank on which host was stuck in which phase, dumps every
-thread's stack (showing the blocked collective) and exits the process, so the launcher
-ends the job.
+does not notice) would otherwise hold the job until its walltime. A loop (a user's own, or
+the Trainer's) runs inside ``watchdog(limit_s)`` and calls ``beat(phase)`` at every step;
+a daemon thread checks the time since the last beat and, past the limit, logs which rank on
+which host was stuck in which phase, which ranks went silent and which are out of step in
+the collectives (the heartbeat: ``engine/liveness.py``), dumps every thread's stack
+(showing the blocked collective) and exits the process, so the launcher ends the job.
+This is the one watchdog: the Trainer's ``distributed.watchdog_s`` is this context manager
+around its training.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch.distributed as dist
+
+from ddp_hpc.engine.collectives import position
+from ddp_hpc.engine.liveness import Heartbeat, RankStatus, Straggler
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +112,71 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(EXIT_CODE)
+
+
+@contextmanager
+def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
+             on_straggler: Callable[[Straggler], None] | None = None,
+             limit_name: str = "watchdog limit_s") -> Iterator[Watchdog]:
+    """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
+    makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
+    silent, which ranks are out of step in the collectives (with ``TORCH_FR_BUFFER_SIZE``
+    set, as ``ddp-hpc run`` does), every thread's stack, and exits (status 3) so the
+    launcher ends the job. ``.beat(compute_s=...)`` with the seconds of the step's own
+    work lets rank 0 log stragglers (and call ``on_straggler``).
+
+    The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
+    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name``
+    is how the message names the limit (the Trainer's: ``distributed.watchdog_s``).
+    """
+    if limit_s <= 0:
+        raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
+    rank, world_size, store = 0, 1, heartbeat_store
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    with _watching(limit_s, rank, world_size, store if world_size > 1 else None, limit_name,
+                   on_straggler=on_straggler) as dog:
+        yield dog
+
+
+def rank_status(dog: Watchdog, interval_s: float) -> RankStatus:
+    """What this rank's heartbeat publishes: its step time, and its collective once it has
+    made no progress for a beat. Only then: a dump of the flight recorder costs ~40 us an
+    entry (80 ms with the 2,000 entries torch suggests for NCCL), and a rank that beats has
+    nothing to explain."""
+    collective = None
+    if dog.idle_s() >= interval_s:
+        try:
+            collective = position()
+        except Exception as exc:  # an unexpected flight-record layout must not stop the heartbeat
+            log.debug("no flight record: %s", exc)
+    return RankStatus(collective, dog.compute_s(), dog.step)
+
+
+@contextmanager
+def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int] | None,
+              limit_name: str = "distributed.watchdog_s",
+              on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
+    dog = Watchdog(limit_s, rank, limit_name=limit_name)
+    heartbeat = None
+    if store is not None:
+        interval_s = min(max(limit_s / 10, 1.0), 10.0)
+        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1], interval_s=interval_s,
+                              status=lambda: rank_status(dog, interval_s), on_straggler=on_straggler)
+        dog.diagnose = heartbeat.explain
+    with heartbeat or nullcontext(), dog:
+        try:
+            yield dog
+        except Exception as exc:
+            if heartbeat is not None and is_collective_timeout(exc):
+                log.error("a collective timed out; collectives: %s", heartbeat.explain_collectives())
+            raise
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """gloo's ``Timed out waiting 600000ms for recv operation``, NCCL's ``Watchdog caught
+    collective operation timeout``: the process group's own timeout (distributed.timeout_s)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)

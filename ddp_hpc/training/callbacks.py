@@ -1,8 +1,8 @@
 """The one extension point of the Trainer: callbacks, built-in services and the user's alike.
 
-The Trainer's periodic services (tracking, early stopping, the watchdog, the background
-prestage, the deadline stop, the weights check) are callbacks too (``training/services/``);
-a user's callbacks, named in the config's ``callbacks`` list, get the same hooks.
+The Trainer's periodic services (tracking, early stopping, the background prestage, the
+weights check) are callbacks too (``training/services/``); a user's callbacks, named in the
+config's ``callbacks`` list, get the same hooks.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Callback:
 
     def running(self, trainer: Trainer) -> AbstractContextManager[None]:
         """Entered after ``on_fit_start``, left when training ends or raises (a service that
-        holds a thread, such as the watchdog)."""
+        holds a thread, say)."""
         return nullcontext()
 
     def on_progress(self, trainer: Trainer, phase: str) -> None:

@@ -1,13 +1,16 @@
 """The loop: epochs and steps, accumulation, the optimizer step, validation and test.
 
-What it trains and saves is the ``TrainingState``; what happens around a step (tracking,
-the watchdog, early stopping, the deadline, ...) is the callbacks'. The stop every rank
-agrees on is the Trainer's ``StopAgreement``.
+What it trains and saves is the ``TrainingState``; it uses the engine's parts as a loop of
+one's own does: the ``Checkpointer`` saves at its cadence (``save_due`` after each step,
+``epoch_done`` at each epoch's end), the ``StopAgreement`` decides a stop (a signal or the
+deadline) after each step, the watchdog is beaten at every step, evaluation batch and
+checkpoint. What else happens around a step (tracking, early stopping, ...) is the callbacks'.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -17,6 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from ddp_hpc.engine.watchdog import Watchdog
 from ddp_hpc.training.callbacks import Verdict
 from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
 from ddp_hpc.training.job import Datasets, StepOutput
@@ -54,20 +58,21 @@ class TrainingLoop:
         self.step_compute_s = 0.0
         #: The ranks agreed to stop (a signal or the deadline).
         self.preempted = False
-        self._step_save_pending = False
+        #: The engine's watchdog while training runs under ``distributed.watchdog_s`` (the Trainer's ``fit``).
+        self.watchdog: Watchdog | None = None
 
     # ----- epochs -----------------------------------------------------------------------
 
     def run(self) -> str:
         """Train from where the state stands: "completed", "early_stopped" or "preempted"."""
-        state, trainer = self.state, self.trainer
+        state, trainer, checkpointer = self.state, self.trainer, self.state.checkpointer
         while state.progress.epoch < self.training.epochs:
             epoch = state.progress.epoch
             epoch_started = time.perf_counter()
             train_metrics, samples = self._train_one_epoch(epoch)
             if state.progress.batches_done < self.plan.batches:
-                # Stopped inside the epoch (preemption, max_steps): save where we are.
-                self.save(improved=False)
+                # Stopped inside the epoch: the agreed stop saved it; max_steps: the last save.
+                checkpointer.save()
                 return "preempted" if self.preempted else "completed"
             elapsed = time.perf_counter() - epoch_started
             state.epoch_done()
@@ -90,10 +95,9 @@ class TrainingLoop:
             if self.ctx.is_rank_zero:
                 trainer.run.append_metrics(row)
                 log.info(self._epoch_line(row))
-            every = self.config.checkpoint.every_n_epochs
-            if (every and (epoch + 1) % every == 0) or last_epoch or verdict.stop or verdict.improved \
-                    or self._step_save_pending or self.preempted:
-                self.save(improved=verdict.improved)
+            checkpointer.epoch_done(epoch + 1, save=last_epoch or verdict.stop or verdict.improved,
+                                    best=verdict.improved and self.config.checkpoint.save_best)
+            trainer.stop.epoch_ended()
             self.callbacks.on_epoch_end(trainer, row)
             if self.preempted and not last_epoch:
                 return "preempted"
@@ -106,14 +110,18 @@ class TrainingLoop:
     def reached_max_steps(self) -> bool:
         return bool(self.training.max_steps) and self.state.progress.global_step >= self.training.max_steps
 
-    def save(self, improved: bool) -> None:
-        self.callbacks.on_progress(self.trainer, "checkpoint")
-        self.state.save(improved)
+    def beat(self, phase: str) -> None:
+        """Progress, at every step, evaluation batch and checkpoint: the watchdog's beat
+        and the callbacks' ``on_progress``."""
+        if self.watchdog is not None:
+            self.watchdog.beat(phase, self.state.checkpointer.step,
+                               self.step_compute_s if phase == "training" else None)
+        self.callbacks.on_progress(self.trainer, phase)
 
     # ----- steps ------------------------------------------------------------------------
 
     def _train_one_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
-        state, trainer, sampler = self.state, self.trainer, self.state.sampler
+        state, trainer, sampler, checkpointer = self.state, self.trainer, self.state.sampler, self.state.checkpointer
         model = state.ddp_model
         model.train()
         sampler.set_epoch(epoch)  # a new epoch starts whole, the restored one where its checkpoint left it
@@ -124,7 +132,6 @@ class TrainingLoop:
         self.loader.generator.manual_seed(self.training.seed * 1_000_003 + epoch)
         accum, total_batches = self.training.grad_accum_steps, self.plan.batches
         sums = self.epoch_sums = MetricSums(self.device)
-        self._step_save_pending = False
         batch_index = start_batch
         forward_s = 0.0
         for batch in self._progress_bar(self.loader, epoch, start_batch, total_batches):
@@ -144,19 +151,15 @@ class TrainingLoop:
             if not closes_window:
                 continue
             self._optimizer_step()
-            state.step_done(batch_index - sampler.batches_done)
+            checkpointer.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
+                                   save=False)
             self.step_compute_s, forward_s = forward_s, 0.0
             step = state.progress.global_step
-            self.callbacks.on_progress(trainer, "training")
+            self.beat("training")
             self.callbacks.on_step_end(trainer)
             self._maybe_log_step(sums, step)
-            every = self.config.checkpoint.every_n_steps
-            if every and step % every == 0:
-                if batch_index < total_batches:
-                    self.save(improved=False)
-                else:
-                    self._step_save_pending = True  # the epoch-end checkpoint covers it
-            if trainer.stop.agreed(step):
+            checkpointer.save_due()  # after the callbacks: their state of this step is in it
+            if trainer.stop.now(steps_left_in_epoch=math.ceil((total_batches - batch_index) / accum), quiet=True):
                 self.preempted = True
                 break
             if self.reached_max_steps():
@@ -221,7 +224,7 @@ class TrainingLoop:
                                           len(dataset), self.device)
                 sums.add(per_sample, mask)
                 position += length
-                self.callbacks.on_progress(self.trainer, "evaluation")
+                self.beat("evaluation")
         model.train(was_training)
         metrics, count = sums.reduce(self.ctx)
         if count != len(dataset):

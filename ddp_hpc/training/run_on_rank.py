@@ -14,14 +14,12 @@ from pathlib import Path
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.contract import CURVES_FILE
 from ddp_hpc.distributed import DistributedOptions, process_group
-from ddp_hpc.engine.deadline import DeadlinePolicy
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, create_callbacks
-from ddp_hpc.training.services.deadline import DeadlineStop
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.strategy import check_supported
@@ -109,13 +107,6 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
     job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
     deadline = job_deadline(os.environ)
-    if deadline is not None and config.checkpoint.deadline_margin_s is not None:
-        callbacks.append(DeadlineStop(DeadlinePolicy(deadline, config.checkpoint.preemption_check_every_n_steps,
-                                                     config.checkpoint.deadline_margin_s)))
-    if config.distributed.weights_check_every:
-        from ddp_hpc.training.services.weights_check import WeightsCheckCallback
-
-        callbacks.append(WeightsCheckCallback(config.distributed.weights_check_every))
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
     run.check_creatable()
     with process_group(distributed_options(config, options.device, options.backend)) as ctx:
@@ -128,7 +119,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         trainer: Trainer | None = None
         started = time.time()
         try:
-            trainer = Trainer(job, config, ctx, run, callbacks)
+            trainer = Trainer(job, config, ctx, run, callbacks, deadline=deadline)
             if options.handle_signals:
                 previous = _install_stop_handlers(trainer, received)
                 early = options.outside_training.received if options.outside_training else []

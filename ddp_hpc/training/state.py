@@ -107,13 +107,15 @@ class TrainingState:
     ``checkpoint_format``: how checkpoints are laid out (one file by default, written in
     the background with ``checkpoint.async``). ``kept``: more objects with
     ``state_dict``/``load_state_dict`` that checkpoints hold under their keys.
-    ``on_written``: rank 0 hears of each checkpoint once its file is complete.
+    ``on_written``: rank 0 hears of each checkpoint once its file is complete;
+    ``on_saving``: every rank, before each save begins.
     """
 
     def __init__(self, job: Job, config: Config, ctx: DistContext, run: RunFolder, train_set: Dataset,
                  precision: Precision, *, checkpoint_format: CheckpointFormat | None = None,
                  kept: Mapping[str, Any] | None = None,
-                 on_written: Callable[[WriteRecord], None] | None = None) -> None:
+                 on_written: Callable[[WriteRecord], None] | None = None,
+                 on_saving: Callable[[], None] | None = None) -> None:
         self.config, self.ctx, self.run = config, ctx, run
         training = config.training
         format_name = checkpoint_format_name(config, run.checkpoints)
@@ -163,8 +165,12 @@ class TrainingState:
             "config": Kept(config.to_dict, _ignore),
             **(kept or {}),
         }
-        self.checkpointer = Checkpointer(run.path, objects, keep_last=config.checkpoint.keep_last,
-                                         format=file_format, group=ctx, on_written=on_written)
+        #: Saves at the cadence ``checkpoint.every_n_steps`` / ``every_n_epochs`` (the loop
+        #: calls it as a loop of one's own does) and restores.
+        self.checkpointer = Checkpointer(run.path, objects, every_n_steps=config.checkpoint.every_n_steps or 0,
+                                         every_n_epochs=config.checkpoint.every_n_epochs or 0,
+                                         keep_last=config.checkpoint.keep_last, format=file_format, group=ctx,
+                                         on_written=on_written, on_saving=on_saving)
         #: Set when the checkpoint resumed from was written by another world size or batch.
         self.resharding: Resharding | None = None
         #: The checkpoint this run resumed from (None: a fresh start).
@@ -257,18 +263,10 @@ class TrainingState:
         return Progress(self.sampler.epoch, self.sampler.batches_done, self.checkpointer.step,
                         self.sampler.epoch_offset)
 
-    def step_done(self, batches: int) -> None:
-        """An optimizer step over ``batches`` micro-batches is done."""
-        self.checkpointer.step_done(batches)
-
     def epoch_done(self) -> None:
         """The epoch's last step is done: what follows (validation, its checkpoint) belongs
         to the start of the next."""
         self.sampler.set_epoch(self.sampler.epoch + 1)
-
-    def save(self, improved: bool = False) -> Path:
-        """Every rank calls this (rank 0 gathers their RNG states); rank 0 writes the file."""
-        return self.checkpointer.save(best=improved and self.config.checkpoint.save_best)
 
     def prestage(self) -> None:
         """``checkpoint.async``: host memory for the largest parts of a checkpoint, allocated

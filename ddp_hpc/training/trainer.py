@@ -1,11 +1,12 @@
 """The Trainer: a user's ``Job`` trained on every rank, built from the engine's public parts.
 
-Three pieces, each built up front: the state (``state.py``: what a checkpoint holds, on a
-``Checkpointer``, with the data order a ``ResumableSampler``), the loop (``loop.py``), and
-the callbacks (``callbacks.py``), through which the periodic services
-(``services/``: tracking, early stopping, the watchdog, the background prestage, and from
-``train()`` the deadline stop and the weights check) and the user's own hooks run. The
-stop every rank agrees on is a ``StopAgreement``.
+Built up front, here and nowhere else: the state (``state.py``: what a checkpoint holds, on
+a ``Checkpointer`` that owns the checkpoint cadence, with the data order a
+``ResumableSampler``), the stop every rank agrees on (a ``StopAgreement``, whose deadline
+policy is the engine's), the loop (``loop.py``), and the callbacks (``callbacks.py``,
+assembled by ``build_callbacks``), through which the periodic services (``services/``:
+tracking, early stopping, the background prestage, the weights check) and the user's own
+hooks run. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -25,13 +27,14 @@ from ddp_hpc.config import Config
 from ddp_hpc.distributed import DistContext
 from ddp_hpc.engine.background_writer import WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat
+from ddp_hpc.engine.liveness import Straggler
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
+from ddp_hpc.engine.watchdog import watchdog
 from ddp_hpc.errors import UserError
 from ddp_hpc.summary import RunStatus, RunSummary
 from ddp_hpc.tracking import Tracking
 from ddp_hpc.training.callbacks import Callback, CallbackList
-from ddp_hpc.training.data import LoaderPlan
 from ddp_hpc.training.job import Datasets, Job
 from ddp_hpc.training.loop import TrainingLoop
 from ddp_hpc.training.precision import resolve_precision
@@ -39,22 +42,36 @@ from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.services.early_stopping import EarlyStopping
 from ddp_hpc.training.services.prestage import Prestage
 from ddp_hpc.training.services.tracking import TrackingService
-from ddp_hpc.training.services.watchdog import WatchdogService
+from ddp_hpc.training.services.weights_check import WeightsCheckCallback
 from ddp_hpc.training.state import Progress, TrainingState, parameter_checksum
 from ddp_hpc.training.strategy import state_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "Progress", "parameter_checksum"]
+__all__ = ["Trainer", "Progress", "parameter_checksum", "build_callbacks"]
+
+
+def build_callbacks(config: Config, ctx: DistContext, run: RunFolder, early_stopping: EarlyStopping,
+                    callbacks: Sequence[Callback]) -> CallbackList:
+    """Every callback of a run, in the order their hooks run: the services the config
+    turns on, early stopping, the caller's ``callbacks``, the weights check, tracking last."""
+    services: list[Callback] = [Prestage()] if config.checkpoint.async_write else []
+    checks = ([WeightsCheckCallback(config.distributed.weights_check_every)]
+              if config.distributed.weights_check_every else [])
+    return CallbackList([*services, early_stopping, *callbacks, *checks, TrackingService(Tracking(config, ctx, run))])
 
 
 class Trainer:
     """Builds the datasets, the training state (restored from the newest checkpoint when
-    resuming) and the loop at construction; ``fit`` trains. ``checkpoint_format``: how
-    checkpoints are laid out (default: one file, rank 0 writes it)."""
+    resuming), the stop agreement and the loop at construction; ``fit`` trains.
+    ``checkpoint_format``: how checkpoints are laid out (default: one file, rank 0 writes
+    it). ``deadline``: the job's end (seconds since the epoch; ``train()`` reads it from the
+    environment), which the stop agreement stops ahead of unless
+    ``checkpoint.deadline_margin_s`` is null; ``clock`` tells the time for it."""
 
     def __init__(self, job: Job, config: Config, ctx: DistContext, run: RunFolder,
-                 callbacks: Sequence[Callback] = (), *, checkpoint_format: CheckpointFormat | None = None) -> None:
+                 callbacks: Sequence[Callback] = (), *, checkpoint_format: CheckpointFormat | None = None,
+                 deadline: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self._created = time.perf_counter()
         self.job, self.config, self.ctx, self.run = job, config, ctx, run
         self.training = config.training
@@ -62,20 +79,21 @@ class Trainer:
         self._setup_runtime()
         self.datasets = job.build_datasets()
         self._check_datasets(self.datasets)
-        #: The stop every rank agrees on (a signal handler calls ``request_stop``; the
-        #: deadline is the DeadlineStop callback's, which measures the Trainer's phases).
-        self.stop = StopAgreement(check_every_n_steps=config.checkpoint.preemption_check_every_n_steps,
-                                  deadline=None, group=ctx)
         self.early_stopping = EarlyStopping(config.validation.early_stopping)
-        services: list[Callback] = [Prestage()] if config.checkpoint.async_write else []
-        if config.distributed.watchdog_s:
-            services.append(WatchdogService(config.distributed.watchdog_s))
-        self.callbacks = CallbackList([*services, self.early_stopping, *callbacks,
-                                       TrackingService(Tracking(config, ctx, run))])
+        self.callbacks = build_callbacks(config, ctx, run, self.early_stopping, callbacks)
         self.state = TrainingState(job, config, ctx, run, self.datasets.train, self.precision,
                                    checkpoint_format=checkpoint_format, kept=self.callbacks.stateful(),
-                                   on_written=self._checkpoint_written)
+                                   on_written=self._checkpoint_written, on_saving=self._saving)
+        margin = config.checkpoint.deadline_margin_s
+        #: The stop every rank agrees on: a signal handler calls ``request_stop``; rank 0
+        #: requests it ahead of ``deadline``.
+        self.stop = StopAgreement(self.state.checkpointer,
+                                  check_every_n_steps=config.checkpoint.preemption_check_every_n_steps,
+                                  deadline=deadline if margin is not None else None,
+                                  margin_s=margin if margin is not None else "auto", group=ctx, clock=clock)
         self.loop = TrainingLoop(self, self.datasets)
+        #: Rank 0: the stragglers the watchdog's heartbeat named, by rank (kept in the run record).
+        self.stragglers: dict[int, Straggler] = {}
 
     # ----- set-up -----------------------------------------------------------------------
 
@@ -147,25 +165,12 @@ class Trainer:
         return self.loop.pin_memory
 
     @property
-    def plan(self) -> LoaderPlan:
-        return self.loop.plan
-
-    @property
-    def last_checkpoint_s(self) -> float:
-        """Seconds rank 0's latest checkpoint kept training waiting (the deadline stop uses it)."""
-        return self.state.checkpointer.last_save_s
-
-    @property
     def effective_batch_size(self) -> int:
         return self.training.batch_size * self.ctx.world_size * self.training.grad_accum_steps
 
     def request_stop(self) -> None:
         """Checkpoint and stop at the next agreed step (from a signal handler: just a flag)."""
         self.stop.request()
-
-    @property
-    def stop_requested(self) -> bool:
-        return self.stop.requested
 
     def evaluate(self, dataset) -> tuple[dict[str, float], int]:
         """Metrics over ``dataset``, each sample counted exactly once across ranks."""
@@ -178,7 +183,8 @@ class Trainer:
             self.run.create(self.config.to_dict())
         self._log_start()
         self.callbacks.on_fit_start(self)
-        with self.callbacks.running(self), self.state.writes(partial(self.callbacks.on_progress, self)):
+        self.stop.start()
+        with self._watching(), self.callbacks.running(self), self.state.writes(self.loop.beat):
             status = self.loop.run()
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
@@ -193,6 +199,32 @@ class Trainer:
         summary = self._summary(RunStatus(status), test_metrics)
         self.callbacks.on_fit_end(self, summary)
         return summary
+
+    @contextmanager
+    def _watching(self) -> Iterator[None]:
+        """``distributed.watchdog_s``: the engine's watchdog around training, watched from
+        the first step on (set-up, datasets and resume, may take long legitimately); its
+        heartbeat uses the group's rendezvous store."""
+        limit_s = self.config.distributed.watchdog_s
+        if not limit_s:
+            yield
+            return
+        ctx = self.ctx
+        store = (ctx.env.master_addr, ctx.env.master_port) if ctx.group_initialized and ctx.world_size > 1 else None
+        with watchdog(limit_s, heartbeat_store=store, on_straggler=self._straggler if ctx.is_rank_zero else None,
+                      limit_name="distributed.watchdog_s") as self.loop.watchdog:
+            try:
+                yield
+            finally:
+                self.loop.watchdog = None
+
+    def _straggler(self, straggler: Straggler) -> None:
+        """Rank 0's heartbeat thread: keep what it found in the run record."""
+        self.stragglers[straggler.rank] = straggler
+        self.run.write_stragglers([asdict(found) for found in self.stragglers.values()])
+
+    def _saving(self) -> None:
+        self.loop.beat("checkpoint")
 
     def _checkpoint_written(self, record: WriteRecord) -> None:
         self.callbacks.on_checkpoint_saved(self, record.path)
