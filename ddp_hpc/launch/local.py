@@ -67,4 +67,5 @@ def describe(launch: LocalLaunch) -> str:
     if isinstance(starter, OneLauncher):
         return f"{shlex.join(starter.argv)}\n# {restarts}\n"
     return (f"# {launch.nproc} ranks, each with torchrun's worker variables (RANK, LOCAL_RANK, WORLD_SIZE, "
-            f"MASTER_ADDR, MASTER_PORT, ...); {restarts}\n{shlex.join(starter.command)}\n")
+            f"MASTER_ADDR, MASTER_PORT, ...); rank 0 serves a fresh store on a free port each attempt; {restarts}\n"
+            f"{shlex.join(starter.command)}\n")

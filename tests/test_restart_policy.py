@@ -1,0 +1,111 @@
+"""The one restart policy (ddp_hpc/launch/restart.py): its table, its bash form in the
+rendered scripts, and the supervisor of ``ddp-hpc launch`` applying it to real processes
+(small shell commands: no torch)."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from ddp_hpc.contract import ExitStatus
+from ddp_hpc.launch.restart import Decision, RestartPolicy
+from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
+
+STATUSES = (0, 1, 2, 75, 130, 137, 143)
+
+
+@pytest.mark.parametrize("status,attempt,stop,expected", [
+    (0, 0, False, Decision(restart=False, status=0)),
+    (75, 0, False, Decision(restart=False, status=75, requeue=True)),  # a stop: never restarted in place
+    (1, 0, False, Decision(restart=True, status=1)),
+    (137, 1, False, Decision(restart=True, status=137)),
+    (137, 2, False, Decision(restart=False, status=137)),  # no restart left: the failure's status
+    (143, 0, True, Decision(restart=False, status=143, requeue=True)),  # a stop signal came: no restart
+    (0, 0, True, Decision(restart=False, status=0)),  # finished as the signal came: nothing to requeue
+])
+def test_the_policy_table(status, attempt, stop, expected):
+    assert RestartPolicy(max_restarts=2).decide(status, attempt, stop) == expected
+
+
+def test_the_rendered_scripts_decide_as_the_policy_does():
+    """``launch_lines`` renders ``RestartPolicy.shell_tests``: bash must agree with ``decide``
+    for every status, attempt and stop."""
+    policy = RestartPolicy(max_restarts=2)
+    tests = policy.shell_tests()
+    cases = list(itertools.product(STATUSES, range(4), (False, True)))
+    script = "\n".join(
+        f'status={s}; attempt={a}; stop_requested={int(stop)}; '
+        f'if {tests.ends}; then e=1; else e=0; fi; if {tests.requeues}; then r=1; else r=0; fi; echo "$e $r"'
+        for s, a, stop in cases)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    for (status, attempt, stop), line in zip(cases, out):
+        decision = policy.decide(status, attempt, stop)
+        ends, requeues = line.split()
+        assert ends == str(int(not decision.restart)), (status, attempt, stop)
+        if not decision.restart:
+            assert requeues == str(int(decision.requeue)), (status, attempt, stop)
+
+
+def sh(*commands: str) -> LocalRanks:
+    """One local rank per shell command; the rank's $RANK picks its command."""
+    cases = " ".join(f"{rank}) {command} ;;" for rank, command in enumerate(commands))
+    return LocalRanks(len(commands), ["sh", "-c", f'case "$RANK" in {cases} esac', "rank"])
+
+
+def test_a_stop_of_every_rank_is_handed_back_as_75_without_a_restart(tmp_path):
+    log = tmp_path / "starts"
+    ranks = sh(f'echo "$DDP_HPC_RESTART_COUNT" >>{log}; exit 75', "exit 75")
+    assert Supervisor(ranks.start, RestartPolicy(2)).run() == ExitStatus.REQUEUE
+    assert log.read_text() == "0\n"
+
+
+def test_a_failed_rank_ends_the_others_and_the_attempt_is_restarted(tmp_path):
+    """Rank 1 fails at once in the first attempt: rank 0 (which would sleep a minute) is
+    ended, and both start again with the next restart count."""
+    log = tmp_path / "starts"
+    ranks = sh(f'echo "0 $DDP_HPC_RESTART_COUNT $WORLD_SIZE $LOCAL_RANK $TORCHELASTIC_RESTART_COUNT" >>{log}; '
+               '[ "$DDP_HPC_RESTART_COUNT" = 1 ] || sleep 60',
+               '[ "$DDP_HPC_RESTART_COUNT" = 1 ] || kill -9 $$')
+    started = time.monotonic()
+    assert Supervisor(ranks.start, RestartPolicy(2), end_grace_s=5).run() == 0
+    assert time.monotonic() - started < 20
+    assert log.read_text() == "0 0 2 0 0\n0 1 2 0 1\n"
+
+
+def test_the_last_failure_is_handed_back_when_no_restart_is_left():
+    ranks = sh("exit 0", "exit 3")
+    assert Supervisor(ranks.start, RestartPolicy(1)).run() == 3
+
+
+def test_a_stop_signal_reaches_every_rank_and_nothing_is_restarted(tmp_path):
+    """``request_stop`` (what the CLI's SIGUSR2 handler calls) passes the signal on: rank 0
+    stops (75), rank 1 fails on it (1); the launch ends with the failure, not restarted."""
+    starts = tmp_path / "starts"
+    # Each rank gives up after 30 s (exit 9): a missing signal fails the test, not hangs it.
+    wait = f"echo >>{starts}; touch {tmp_path}/ready$RANK; for i in $(seq 300); do sleep 0.1; done; exit 9"
+    supervisor = Supervisor(sh(f"trap 'exit 75' USR2; {wait}", f"trap 'exit 1' USR2; {wait}").start,
+                            RestartPolicy(2))
+
+    def stop_when_ready() -> None:
+        while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+            time.sleep(0.05)
+        supervisor.request_stop(signal.SIGUSR2)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    assert supervisor.run() == 1
+    assert starts.read_text() == "\n\n"
+
+
+def test_ranks_see_torchruns_variables():
+    env = LocalRanks(2, ["true"], base_env={}).environment(1, attempt=3, port=29555, run_id="x")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                "DDP_HPC_RESTART_COUNT", "OMP_NUM_THREADS")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "x",
+        "TORCHELASTIC_RESTART_COUNT": "3", "DDP_HPC_RESTART_COUNT": "3", "OMP_NUM_THREADS": "1"}
