@@ -7,10 +7,10 @@ child's real exit status, ends the others when one fails, and asks the one resta
 non-zero status into 1 and restarts a stop (75) as a failure, so neither a requeue nor a
 restart could keep the contract through it.
 
-Later in-job recovery (issue 31) sits here: the supervisor already knows which rank ended
-and keeps the others' ``Popen``; replacing one rank while the survivors stay up means a
-``Supervisor`` that, on a failure, starts that rank again (``RankStarter.start_rank``)
-instead of ending the attempt (see docs/architecture.md, "Recovery").
+In-job recovery (issue 31) sits here: the supervisor knows which rank ended and keeps the
+others' ``Popen``; given an ``InJob`` (``launch/recovering.py``'s ``Recoverer``) it asks it on
+each failure, and where it starts that rank again (or lets the others go on without it),
+the attempt goes on instead of ending (see docs/architecture.md).
 
 Library code: signal handlers are the CLI's; it calls ``Supervisor.request_stop``.
 """
