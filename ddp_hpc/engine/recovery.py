@@ -90,6 +90,8 @@ class RecoveryEvent:
     world_size: int
     #: The step every rank continued from (the failed step is the next one).
     step: int
+    #: ``time.time()`` when the launch saw the loss.
+    detected_at: float
     #: Seconds from the launch seeing the loss to: the new group formed on this rank, the
     #: state received, the first step after it completed (the time to recover).
     group_s: float
@@ -102,7 +104,8 @@ class InJobRecovery:
 
     ``backend``: ``gloo`` (CPU) or another ``torch.distributed`` backend. ``run_dir``: where
     each recovery is recorded (``record/``), on rank 0 of the new group. ``ddp_kwargs`` go
-    to each ``DistributedDataParallel``. ``collective_timeout_s``: how long a collective
+    to each ``DistributedDataParallel`` (``find_unused_parameters=True`` unless given: it
+    keeps the bucket layout, hence the sums, the same across a re-wrap). ``collective_timeout_s``: how long a collective
     may wait for a silent peer before it fails.
     """
 
@@ -111,7 +114,12 @@ class InJobRecovery:
                  heartbeat_s: float = 0.25, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
-        self.ddp_kwargs = dict(ddp_kwargs or {})
+        # A DDP that rebuilds its buckets after its first step lays the gradients out anew, and
+        # gloo's ring then sums some of them in another order: the step after a re-wrap would
+        # differ in the last bits from the same step without a recovery. With
+        # find_unused_parameters the buckets are never rebuilt (the reducer's
+        # should_rebuild_buckets), so every wrap sums in the same order.
+        self.ddp_kwargs = {"find_unused_parameters": True, **(ddp_kwargs or {})}
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
         self.slot = int(env.get("RANK", "0"))
         self.generation = int(env.get(RECOVERY_GENERATION_VAR, "0"))
@@ -316,6 +324,7 @@ class InJobRecovery:
         plan: keys.Plan = pending["plan"]
         event = RecoveryEvent(generation=plan.generation, rank=plan.lost, host=plan.host, cause=plan.cause,
                               replaced=plan.replaced, world_size=plan.world_size, step=self.step - 1,
+                              detected_at=plan.detected_at,
                               group_s=round(pending["group_s"], 4), transfer_s=round(pending["transfer_s"], 4),
                               recover_s=round(time.time() - plan.detected_at, 4))
         self.recoveries.append(event)
