@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_hpc
-from ddp_hpc.engine.rng import capture_rng
+from ddp_hpc.engine.rng import capture_rng, seed_everything
 
 
 def main() -> None:
@@ -37,8 +37,9 @@ def main() -> None:
     digits = load_digits()
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     train_set = TensorDataset(inputs[:1500], torch.tensor(digits.target[:1500]), torch.arange(1500))
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10))
+    seed_everything(1000 + slot)  # each rank's own streams (torch, numpy, Python): its own dropout
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     sampler = ddp_hpc.ResumableSampler(train_set, shuffle=True, seed=0, batch_size=32)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, generator=torch.Generator())

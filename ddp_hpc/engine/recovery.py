@@ -136,6 +136,7 @@ class InJobRecovery:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._group_fds: set[int] = set()
+        self._heartbeat: threading.Thread | None = None
         self.enabled = address is not None
         if address is None:
             log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
@@ -145,8 +146,9 @@ class InJobRecovery:
             return
         self._store = keys.connect(address, self.wait_s)
         self._form(self.generation, self._plan(self.generation) if self.generation else None)
-        threading.Thread(target=self._beat, args=(address, heartbeat_s), name="ddp_hpc-recovery-heartbeat",
-                         daemon=True).start()
+        self._heartbeat = threading.Thread(target=self._beat, args=(address, heartbeat_s), daemon=True,
+                                           name="ddp_hpc-recovery-heartbeat")
+        self._heartbeat.start()
         self._store.set(keys.ready_key(self.slot), "1")
 
     # ----- the user's loop --------------------------------------------------------------
@@ -197,6 +199,8 @@ class InJobRecovery:
         if self._store is not None:
             self._store.delete_key(keys.ready_key(self.slot))
         self._stop.set()
+        if self._heartbeat is not None:  # not left inside a store call when the interpreter ends
+            self._heartbeat.join(timeout=self.wait_s)
         if dist.is_initialized():
             dist.destroy_process_group()
 
