@@ -118,7 +118,7 @@ def spread(values: list[float]) -> dict[str, float]:
 # ----- launching ------------------------------------------------------------------------
 
 def _launcher_argv(launcher: str, nproc: int, command: list[str]) -> list[str]:
-    """The same launch lines ``ddp-hpc launch`` builds (launch/local.py, launch/mpi.py)."""
+    """torchrun itself, or the mpiexec line ``ddp-hpc launch`` builds (launch/local.py, launch/mpi.py)."""
     if launcher == "torchrun":
         return build_torchrun(nproc, command)
     return build_mpiexec(MpiLaunch(launcher, nodes=1, ranks_per_node=nproc, command=command,
