@@ -27,7 +27,8 @@ LAUNCH_TIMEOUT_S = 500
 def launch(run_dir: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([*ddp_hpc_command(), "launch", "--nproc", str(RANKS), *flags, "--", "python", EXAMPLE],
                             env=clean_env({**SETTINGS, "RUN_DIR": str(run_dir)}), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its ranks too can be ended at once
 
 
 def steps(run_dir: Path, slot: int) -> list[tuple[int, int, int, list[int]]]:
@@ -44,7 +45,7 @@ def finish(process: subprocess.Popen) -> str:
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)  # the launch and every rank, a frozen one included
         output, _ = process.communicate()
         pytest.fail(f"the launch did not end in {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
     assert process.returncode == 0, output[-4000:]
