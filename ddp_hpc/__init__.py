@@ -29,12 +29,13 @@ _EXPORTS = {
     "train": "ddp_hpc.training.run_on_rank",
     "TrainOptions": "ddp_hpc.training.run_on_rank",
     "RunSummary": "ddp_hpc.summary",
-    # Your own loop: resumable checkpoints, agreed stops, the watchdog
+    # Your own loop: resumable checkpoints, agreed stops, the watchdog, in-job recovery
     "Checkpointer": "ddp_hpc.engine.checkpointer",
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
     "record_stop_signals": "ddp_hpc.stop",
     "watchdog": "ddp_hpc.engine.watchdog",
+    "InJobRecovery": "ddp_hpc.engine.recovery",
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from ddp_hpc.distributed import DistContext
     from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.recovery import InJobRecovery
     from ddp_hpc.engine.watchdog import watchdog
     from ddp_hpc.engine.sampler import ResumableSampler
     from ddp_hpc.engine.stop_agreement import StopAgreement

@@ -12,7 +12,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ddp_hpc import __version__
 from ddp_hpc.contract import (
@@ -279,12 +279,33 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
     fan_out.set_defaults(func=_cmd_stage_fan_out)
 
 
+def _in_job_recovery(args: argparse.Namespace, starter: object) -> Any:
+    """``--recover N``: a ``Recoverer`` where this launch can keep the survivors up (its own
+    ranks on this machine), else one line saying that a failure restarts in place."""
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+    from ddp_hpc.launch.supervisor import LocalRanks
+
+    if not args.recover:
+        return None
+    limits = RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout)
+    if not isinstance(starter, LocalRanks):
+        logging.getLogger("ddp_hpc").warning(
+            "in-job recovery is off under --launcher %s (mpiexec ends every rank when one fails): a failure "
+            "restarts in place (--max-restarts)", args.launcher)
+        return None
+    return Recoverer(starter, limits)
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
 
     if args.hostfile:
+        if args.recover:
+            logging.getLogger("ddp_hpc").warning(
+                "in-job recovery is off with --hostfile (mpiexec ends every rank when one fails): a failure restarts "
+                "in place (--max-restarts)")
         return _launch_on_hosts(args)
     if args.nodes is not None or args.run_folder:
         raise UserError("--nodes and --run-folder go with --hostfile (a launch on this machine has one node)")
@@ -294,7 +315,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(describe(launch), end="")
         return 0
     sys.stdout.flush()
-    supervisor = Supervisor(attempt_starter(launch).start, RestartPolicy(launch.max_restarts))
+    starter = attempt_starter(launch)
+    in_job = _in_job_recovery(args, starter)
+    supervisor = Supervisor(in_job.start if in_job else starter.start, RestartPolicy(launch.max_restarts),
+                            in_job=in_job)
     # A stop signal (preemption, the time limit) reaches the ranks through the
     # supervisor, which then restarts nothing: the launch exits with the ranks' 75.
     for signum in (signal.SIGUSR2, signal.SIGTERM):
@@ -481,6 +505,17 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks after a failure, at most N times; they resume from the newest "
                              "checkpoint. A stop (exit 75) is never restarted: the launch exits 75")
+    launch.add_argument("--recover", type=int, default=0, metavar="N",
+                        help="in-job recovery (DDP loops that use InJobRecovery; --launcher torchrun): replace a "
+                             "lost or frozen rank while the others stay up, at most N times; state comes from the "
+                             "survivors' memory, no restart. Beyond N: --max-restarts")
+    launch.add_argument("--recovery-wait", type=_positive_float, default=120.0, metavar="S",
+                        help="with --recover: seconds the ranks wait for the new group (default: 120)")
+    launch.add_argument("--shrink", action="store_true",
+                        help="with --recover: go on without the lost rank instead of starting a replacement")
+    launch.add_argument("--hang-timeout", type=_positive_float, default=10.0, metavar="S",
+                        help="with --recover: a rank whose heartbeat stands still S seconds is frozen: it is "
+                             "killed and recovered (default: 10)")
     launch.add_argument("--hostfile", metavar="FILE",
                         help="start the ranks on these hosts (one name per line) with mpiexec (--launcher openmpi "
                              "or mpich): --nproc ranks on each of the first --nodes; the rest are spares a restart "

@@ -33,6 +33,12 @@ HOST_SUFFIX_VAR = "DDP_HPC_HOST_SUFFIX"
 RENDEZVOUS_TIMEOUT_VAR = "DDP_HPC_RENDEZVOUS_TIMEOUT"
 #: How many times the ranks were relaunched after a failure (0 on the first attempt).
 RESTART_COUNT_VAR = "DDP_HPC_RESTART_COUNT"
+#: In-job recovery (``ddp-hpc launch --recover``): ``host:port`` of the store the launch
+#: serves (it outlives every rank), and the seconds a rank waits for the group to re-form.
+RECOVERY_STORE_VAR = "DDP_HPC_RECOVERY_STORE"
+RECOVERY_WAIT_VAR = "DDP_HPC_RECOVERY_WAIT_S"
+#: The group generation a replacement rank joins (unset: the first group).
+RECOVERY_GENERATION_VAR = "DDP_HPC_RECOVERY_GENERATION"
 #: The run folder (also read by ``ddp-hpc status``).
 RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 #: The job's end (walltime limit) in seconds since the epoch.

@@ -7,10 +7,10 @@ child's real exit status, ends the others when one fails, and asks the one resta
 non-zero status into 1 and restarts a stop (75) as a failure, so neither a requeue nor a
 restart could keep the contract through it.
 
-Later in-job recovery (issue 31) sits here: the supervisor already knows which rank ended
-and keeps the others' ``Popen``; replacing one rank while the survivors stay up means a
-``Supervisor`` that, on a failure, starts that rank again (``RankStarter.start_rank``)
-instead of ending the attempt (see docs/architecture.md, "Recovery").
+In-job recovery (issue 31) sits here: the supervisor knows which rank ended and keeps the
+others' ``Popen``; given an ``InJob`` (``launch/recovering.py``'s ``Recoverer``) it asks it on
+each failure, and where it starts that rank again (or lets the others go on without it),
+the attempt goes on instead of ending (see docs/architecture.md).
 
 Library code: signal handlers are the CLI's; it calls ``Supervisor.request_stop``.
 """
@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
 from ddp_hpc.environment import DistEnv
@@ -97,11 +98,23 @@ def start_all(processes: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> l
     return started
 
 
+class InJob(Protocol):
+    """Recovery inside the attempt (``launch/recovering.py``'s ``Recoverer``)."""
+
+    def on_failure(self, index: int, status: int, children: list[subprocess.Popen]) -> bool:
+        """Process ``index`` failed: True when the attempt goes on (its replacement is in
+        ``children[index]``, or the others go on without it)."""
+
+    def watch(self, children: list[subprocess.Popen]) -> None:
+        """Called on every look at the children: may kill a frozen one."""
+
+
 class Supervisor:
     """Attempts of a launch under one ``RestartPolicy``; ``run()`` returns the launch's status."""
 
-    def __init__(self, start: StartAttempt, policy: RestartPolicy, end_grace_s: float = END_GRACE_S) -> None:
-        self._start, self.policy, self.end_grace_s = start, policy, end_grace_s
+    def __init__(self, start: StartAttempt, policy: RestartPolicy, end_grace_s: float = END_GRACE_S,
+                 in_job: InJob | None = None) -> None:
+        self._start, self.policy, self.end_grace_s, self.in_job = start, policy, end_grace_s, in_job
         self._children: list[subprocess.Popen] = []
         self.stop_signal: int | None = None
 
@@ -138,10 +151,20 @@ class Supervisor:
         first_failure: int | None = None
         kill_at: float | None = None
         while len(statuses) < len(self._children):
+            if self.in_job is not None and first_failure is None and self.stop_signal is None:
+                self.in_job.watch(self._children)
             for index, child in enumerate(self._children):
                 if index in statuses or child.poll() is None:
                     continue
                 statuses[index] = ExitStatus.of_returncode(child.returncode)
+                if (first_failure is None and statuses[index] not in AGREED_EXIT_STATUSES
+                        and self.in_job is not None and self.stop_signal is None
+                        and self.in_job.on_failure(index, statuses[index], self._children)):
+                    if self._children[index] is child:  # went on without it
+                        statuses[index] = ExitStatus.OK
+                    else:
+                        del statuses[index]
+                    continue
                 if first_failure is None and statuses[index] not in AGREED_EXIT_STATUSES:
                     first_failure = statuses[index]
                     log.error("process %d of %d (pid %d) exited with status %d: ending the others",

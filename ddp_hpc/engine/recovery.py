@@ -1,0 +1,386 @@
+"""In-job recovery for DDP: a lost rank costs seconds, not a restart.
+
+Under DDP every rank holds the whole model, optimizer state and its place in the data, so
+a lost rank needs nothing from disk. ``InJobRecovery`` starts the process group in place
+of ``dist.init_process_group`` and runs the user's training function; when a collective
+fails (gloo raises within milliseconds once a peer's connection closes; a frozen peer is
+ended by the launch, which closes it):
+
+1. the survivors leave the broken group without exiting (``destroy_process_group``);
+2. they wait for the launch's ``Plan`` of the next generation (``engine/recovery_store.py``):
+   the same ranks with a replacement the launch started for the lost one, or, where the
+   user allowed shrinking, the survivors only, numbered anew;
+3. they form the new group on the store under a fresh prefix (the generation), as torchft
+   does for each quorum (``torchft/process_group.py``, ``configure``);
+4. the lowest rank at the lowest step every member completed sends model, optimizer,
+   sampler position and step (``broadcast_object_list``); ranks one step ahead (they
+   finished the failed step's all-reduce before the peer's loss reached them) go back to
+   it, and every rank takes its RNG streams as they were after that step (its own copy; a
+   replacement reads the lost rank's from the store, where each rank leaves them every
+   step);
+5. DDP is wrapped anew on the new group and the training function is called again: it
+   continues from the sampler's position, redoing the step that failed.
+
+No checkpoint is read and no completed step is lost. Unlike torchft (a quorum and a commit
+vote every step), nothing is added to a step but an RNG copy to the store: the launch that
+started the ranks sees which one ended, so no per-step agreement is needed.
+
+Limits: DDP only (FSDP2's shards exist once; refused). The state travels pickled in one
+broadcast (fine for models of a few GB on one host; larger ones would broadcast tensor by
+tensor). Without a launch that recovers (``ddp-hpc launch --recover``), a failure ends the
+rank as before and the launcher restarts in place.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_hpc.contract import (RECORD_DIR, RECOVERY_GENERATION_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR,
+                              atomic_write)
+from ddp_hpc.engine import recovery_store as keys
+from ddp_hpc.engine.rng import capture_rng, restore_rng
+from ddp_hpc.errors import UserError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """A collective failed because a peer is gone: torch's ``DistError``s, and the plain
+    ``RuntimeError`` gloo raises from its transport ("[.../gloo/transport/tcp/pair.cc:553]
+    Connection closed by peer"). Any other error is the user's and ends the rank as before."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+
+#: Seconds a rank waits for the next group to form when the launch does not say.
+DEFAULT_WAIT_S = 120.0
+
+
+class RecoveryError(RuntimeError):
+    """The job cannot recover in place (no new group in time, a lost RNG stream): the rank
+    exits with a failure and the launch restarts in place from the newest checkpoint."""
+
+
+@dataclass(frozen=True)
+class RecoveryEvent:
+    """One recovery, as the run record keeps it (``record/recovery-<generation>.json``)."""
+
+    generation: int
+    #: The lost rank's slot (its rank in the first group), host and why it was lost.
+    rank: int
+    host: str
+    cause: str
+    replaced: bool
+    world_size: int
+    #: The step every rank continued from (the failed step is the next one).
+    step: int
+    #: ``time.time()`` when the launch saw the loss.
+    detected_at: float
+    #: Seconds from the launch seeing the loss to: the new group formed on this rank, the
+    #: state received, the first step after it completed (the time to recover).
+    group_s: float
+    transfer_s: float
+    recover_s: float
+
+
+class InJobRecovery:
+    """Starts this rank's process group and keeps DDP training through a lost rank.
+
+    ``backend``: ``gloo`` (CPU) or another ``torch.distributed`` backend. ``run_dir``: where
+    each recovery is recorded (``record/``), on rank 0 of the new group. ``ddp_kwargs`` go
+    to each ``DistributedDataParallel`` (``find_unused_parameters=True`` unless given: it
+    keeps the bucket layout, hence the sums, the same across a re-wrap). ``collective_timeout_s``: how long a collective
+    may wait for a silent peer before it fails.
+    """
+
+    def __init__(self, backend: str = "gloo", *, run_dir: str | os.PathLike[str] | None = None,
+                 ddp_kwargs: Mapping[str, Any] | None = None, collective_timeout_s: float = 300.0,
+                 heartbeat_s: float = 0.25, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
+        # A DDP that rebuilds its buckets after its first step lays the gradients out anew, and
+        # gloo's ring then sums some of them in another order: the step after a re-wrap would
+        # differ in the last bits from the same step without a recovery. With
+        # find_unused_parameters the buckets are never rebuilt (the reducer's
+        # should_rebuild_buckets), so every wrap sums in the same order.
+        self.ddp_kwargs = {"find_unused_parameters": True, **(ddp_kwargs or {})}
+        self.collective_timeout = timedelta(seconds=collective_timeout_s)
+        self.slot = int(env.get("RANK", "0"))
+        self.generation = int(env.get(RECOVERY_GENERATION_VAR, "0"))
+        self.wait_s = float(env.get(RECOVERY_WAIT_VAR, DEFAULT_WAIT_S))
+        address = env.get(RECOVERY_STORE_VAR)
+        #: Steps completed (``step_done``); a recovery sets it to the step every rank continues from.
+        self.step = 0
+        self.recoveries: list[RecoveryEvent] = []
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._sampler: Any = None
+        self._rng: dict[int, dict[str, Any]] = {}
+        self._pending: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._group_fds: set[int] = set()
+        self._heartbeat: threading.Thread | None = None
+        self.enabled = address is not None
+        if address is None:
+            log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
+                        "the job and the launcher restarts it in place")
+            dist.init_process_group(backend, timeout=self.collective_timeout)
+            self._store: dist.Store | None = None
+            return
+        self._store = keys.connect(address, self.wait_s)
+        self._form(self.generation, self._plan(self.generation) if self.generation else None)
+        self._heartbeat = threading.Thread(target=self._beat, args=(address, heartbeat_s), daemon=True,
+                                           name="ddp_hpc-recovery-heartbeat")
+        self._heartbeat.start()
+        self._store.set(keys.ready_key(self.slot), "1")
+
+    # ----- the user's loop --------------------------------------------------------------
+
+    def run(self, train: Callable[[nn.Module], T], *, model: nn.Module, optimizer: torch.optim.Optimizer,
+            sampler: Any = None) -> T:
+        """``train(ddp_model)`` until it returns, recovering from lost ranks in between.
+
+        ``model`` is the module itself (not wrapped: each group gets its own DDP);
+        ``sampler`` a ``ResumableSampler`` whose position ``train`` starts from. ``train``
+        calls ``step_done()`` after each optimizer step and is called again after a
+        recovery, so it must continue from the sampler's position rather than from scratch.
+        """
+        refuse_sharded(model)
+        if isinstance(model, DistributedDataParallel):
+            raise UserError("InJobRecovery.run takes the model itself: it wraps it in DDP for each group")
+        self._model, self._optimizer, self._sampler = model, optimizer, sampler
+        if self.enabled and self.generation:
+            self._transfer(self._plan(self.generation), joining=True)
+        else:
+            self._keep_rng()
+        while True:
+            wrapped = DistributedDataParallel(model, **self.ddp_kwargs)
+            try:
+                return train(wrapped)
+            except RuntimeError as exc:  # DistError is one
+                if not (self.enabled and is_collective_error(exc)):
+                    raise
+                log.warning("rank %d: a collective failed (%s): recovering in the job", self.slot,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            # DDP holds the broken group: free it (it sits in a reference cycle) before leaving.
+            del wrapped
+            gc.collect()
+            self._recover()
+
+    def step_done(self) -> None:
+        """One optimizer step is complete on this rank: counts it, advances the sampler and
+        leaves this rank's RNG streams where a replacement finds them."""
+        self.step += 1
+        if self._sampler is not None:
+            self._sampler.advance()
+        self._keep_rng()
+        if self._pending is not None:
+            self._finish_recovery()
+
+    def close(self) -> None:
+        """Stops the heartbeat (the launch no longer watches this rank) and ends the process group."""
+        if self._store is not None:
+            self._store.delete_key(keys.ready_key(self.slot))
+        self._stop.set()
+        if self._heartbeat is not None:  # not left inside a store call when the interpreter ends
+            self._heartbeat.join(timeout=self.wait_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ----- forming a group --------------------------------------------------------------
+
+    def _plan(self, generation: int) -> keys.Plan:
+        assert self._store is not None
+        try:
+            self._store.wait([keys.plan_key(generation)], timedelta(seconds=self.wait_s))
+        except (dist.DistStoreError, RuntimeError) as exc:
+            raise RecoveryError(f"rank {self.slot}: no new group from the launch within {self.wait_s:g} s "
+                                f"({RECOVERY_WAIT_VAR}); the launch restarts the job in place") from exc
+        return keys.Plan.from_json(self._store.get(keys.plan_key(generation)))
+
+    def _form(self, generation: int, plan: keys.Plan | None) -> None:
+        assert self._store is not None
+        if plan is None:
+            rank, world_size = self.slot, int(os.environ.get("WORLD_SIZE", "1"))
+        elif self.slot not in plan.ranks:
+            raise RecoveryError(f"rank {self.slot} is not in group {generation}")
+        else:
+            rank, world_size = plan.ranks[self.slot], plan.world_size
+        before = socket_fds()
+        dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(generation), self._store),
+                                rank=rank, world_size=world_size, timeout=self.collective_timeout)
+        with self._lock:
+            self._group_fds = socket_fds() - before
+            self.generation = generation
+
+    def _break_group(self) -> None:
+        """Shut the current group's connections down, so that every collective of it fails
+        at once, on this rank and on each peer waiting for it.
+
+        A survivor whose ring neighbours are alive would otherwise wait out the collective
+        timeout: ``destroy_process_group`` does not close gloo's connections while anything
+        (DDP, a failed work) still holds the group, and nothing can interrupt a wait from
+        outside. torchft runs its groups in a subprocess it can kill for the same reason
+        (``ProcessGroupBaby``); here the sockets the group opened are shut down instead.
+        """
+        with self._lock:
+            for fd in self._group_fds:
+                try:
+                    sock = socket.socket(fileno=os.dup(fd))
+                except OSError:
+                    continue
+                try:
+                    # Not the listening socket: gloo's listener thread aborts the process on a failed accept.
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                finally:
+                    sock.close()
+            self._group_fds = set()
+
+    def _recover(self) -> None:
+        assert self._store is not None
+        self._break_group()
+        dist.destroy_process_group()
+        plan = self._plan(self.generation + 1)
+        latest = int(self._store.get(keys.LATEST_KEY))
+        if latest != plan.generation:  # another rank was lost meanwhile: join the newest group
+            plan = self._plan(latest)
+        self._form(plan.generation, plan)
+        self._transfer(plan, joining=False)
+
+    # ----- state --------------------------------------------------------------------------
+
+    def _transfer(self, plan: keys.Plan, joining: bool) -> None:
+        """Agree on the step to continue from, send the state from the lowest rank there,
+        and take this rank's RNG streams as they were after that step."""
+        formed = time.time()
+        mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
+        steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(steps, mine)
+        done = [int(step) for step in steps]
+        step = min(s for s in done if s >= 0)
+        source = done.index(step)
+        payload: list[Any] = [self._state() if dist.get_rank() == source else None]
+        dist.broadcast_object_list(payload, src=source)
+        self._load(payload[0])
+        restore_rng(self._rng_after(step, joining))
+        self.step = step
+        self._rng = {step: capture_rng()}
+        self._pending = {"plan": plan, "group_s": formed - plan.detected_at,
+                         "transfer_s": time.time() - plan.detected_at}
+
+    def _state(self) -> dict[str, Any]:
+        assert self._model is not None and self._optimizer is not None
+        state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "step": self.step}
+        if self._sampler is not None:
+            state["sampler"] = self._sampler.state_dict()
+        return state
+
+    def _load(self, state: dict[str, Any]) -> None:
+        assert self._model is not None and self._optimizer is not None
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        if self._sampler is not None and "sampler" in state:
+            self._sampler.num_replicas, self._sampler.rank = dist.get_world_size(), dist.get_rank()
+            self._sampler.load_state_dict(state["sampler"])
+
+    def _rng_after(self, step: int, joining: bool) -> dict[str, Any]:
+        if not joining:
+            if step not in self._rng:
+                raise RecoveryError(f"rank {self.slot} has no RNG state of step {step}")
+            return self._rng[step]
+        assert self._store is not None
+        saved_step, state = keys.rng_from_bytes(self._store.get(keys.rng_key(self.slot, step)))
+        if saved_step != step:
+            raise RecoveryError(f"the lost rank {self.slot} left its RNG streams of step {saved_step}, "
+                                f"not of step {step} (it was lost after its all-reduce)")
+        return state
+
+    def _keep_rng(self) -> None:
+        state = capture_rng()
+        self._rng = {s: kept for s, kept in self._rng.items() if s == self.step - 1}
+        self._rng[self.step] = state
+        if self._store is not None:
+            self._store.set(keys.rng_key(self.slot, self.step), keys.rng_to_bytes(self.step, state))
+
+    def _finish_recovery(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        plan: keys.Plan = pending["plan"]
+        event = RecoveryEvent(generation=plan.generation, rank=plan.lost, host=plan.host, cause=plan.cause,
+                              replaced=plan.replaced, world_size=plan.world_size, step=self.step - 1,
+                              detected_at=plan.detected_at,
+                              group_s=round(pending["group_s"], 4), transfer_s=round(pending["transfer_s"], 4),
+                              recover_s=round(time.time() - plan.detected_at, 4))
+        self.recoveries.append(event)
+        if dist.get_rank() == 0:
+            log.warning("recovered from the loss of rank %d (%s) in %.2f s: %d ranks, continuing after step %d",
+                        event.rank, event.cause, event.recover_s, event.world_size, event.step)
+            if self.run_dir is not None:
+                write_recovery(self.run_dir, event)
+
+    def _beat(self, address: str, interval_s: float) -> None:
+        try:
+            store = keys.connect(address, self.wait_s)
+            while not self._stop.wait(interval_s):
+                store.add(keys.alive_key(self.slot), 1)
+                # A rank was lost: leave the old group even where no collective noticed it yet.
+                if store.check([keys.LATEST_KEY]) and int(store.get(keys.LATEST_KEY)) > self.generation:
+                    self._break_group()
+        except (dist.DistError, RuntimeError, OSError):
+            return  # the launch is gone: nothing to tell
+
+
+def socket_fds() -> set[int]:
+    """This process's open sockets (Linux; elsewhere none are known and a recovery waits
+    for the collective timeout)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    fds = set()
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue
+    return fds
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """FSDP2 keeps each shard once: a lost rank's part is gone (issue 31 leaves it for later)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise UserError("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost "
+                        "rank's part is gone; use --max-restarts (restart from the newest checkpoint)")
+
+
+def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
+    """The recovery in the run record: ``record/recovery-<generation>.json``."""
+    import json
+
+    path = run_dir / RECORD_DIR / f"recovery-{event.generation}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
+    return path

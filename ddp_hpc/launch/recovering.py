@@ -1,0 +1,155 @@
+"""The launch's side of in-job recovery (``ddp-hpc launch --recover N``, one node).
+
+The supervisor owns every rank's process, so it knows which rank was lost and can start
+it again while the others stay up. ``Recoverer`` starts each attempt's ranks (as
+``LocalRanks`` does) around a store it serves itself (``engine/recovery_store.py``): the
+store outlives any rank. When a rank ends with a failure, or its heartbeat stands still
+(a frozen process: it is killed first), and recoveries are left and every rank runs
+``InJobRecovery``, it publishes the next group's ``Plan`` and starts a replacement in the
+lost rank's place (or, with ``shrink``, lets the survivors go on alone). Otherwise the
+supervisor ends the attempt and the restart policy decides, as without recovery.
+
+torch is imported only here, inside functions (the launch side never imports it at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.supervisor import LocalRanks, start_all
+
+log = logging.getLogger(__name__)
+
+#: How often the heartbeats are read.
+WATCH_S = 0.25
+
+
+@dataclass(frozen=True)
+class RecoveryLimits:
+    """``max_recoveries`` in one attempt; ``wait_s``: how long ranks wait for the next
+    group; ``shrink``: go on without the lost rank instead of replacing it; ``hang_s``: a
+    rank whose heartbeat stands still this long is frozen, and is ended and recovered."""
+
+    max_recoveries: int
+    wait_s: float = 120.0
+    shrink: bool = False
+    hang_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_recoveries < 0:
+            raise UserError(f"--recover {self.max_recoveries} must be >= 0")
+        if self.wait_s <= 0 or self.hang_s <= 0:
+            raise UserError("--recovery-wait and --hang-timeout must be > 0 seconds")
+
+
+def describe_cause(status: int) -> str:
+    if status > 128:
+        try:
+            return f"exit {status} ({signal.Signals(status - 128).name})"
+        except ValueError:
+            pass
+    return f"exit {status}"
+
+
+class Recoverer:
+    """Starts ``ranks`` (``start``, the supervisor's ``StartAttempt``) and recovers a lost
+    one in place (``on_failure``, ``watch``)."""
+
+    def __init__(self, ranks: LocalRanks, limits: RecoveryLimits) -> None:
+        self.ranks, self.limits = ranks, limits
+        self.used = 0
+        self._store: Any = None
+        self._run_id = ""
+        self._attempt = 0
+        self.generation = 0
+        #: slot -> rank in the current group; index in the supervisor's children == slot.
+        self.members: dict[int, int] = {}
+        self._causes: dict[int, str] = {}
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._next_watch = 0.0
+
+    def start(self, attempt: int) -> list[subprocess.Popen]:
+        from ddp_hpc.engine.recovery_store import LaunchStore
+
+        self._store = LaunchStore()
+        self._run_id, self._attempt = uuid.uuid4().hex[:12], attempt
+        self.generation, self.used = 0, 0
+        self.members = {slot: slot for slot in range(self.ranks.nproc)}
+        self._causes.clear()
+        self._beats.clear()
+        return start_all([(self.ranks.command, self._environment(slot)) for slot in range(self.ranks.nproc)])
+
+    def _environment(self, slot: int) -> dict[str, str]:
+        env = self.ranks.environment(slot, self._attempt, self._store.store.port, self._run_id)
+        env.update({RECOVERY_STORE_VAR: self._store.address, RECOVERY_WAIT_VAR: f"{self.limits.wait_s:g}",
+                    # The launch serves the store: a script that calls init_process_group itself connects to it.
+                    "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        if self.generation:
+            env[RECOVERY_GENERATION_VAR] = str(self.generation)
+        return env
+
+    def on_failure(self, slot: int, status: int, children: list[subprocess.Popen]) -> bool:
+        """Rank ``slot`` ended with ``status``: True when the job recovers in place (its
+        replacement is in ``children[slot]``, or the others go on without it)."""
+        from ddp_hpc.engine.recovery_store import Plan
+
+        cause = self._causes.pop(slot, describe_cause(status))
+        if self.used >= self.limits.max_recoveries:
+            log.error("rank %d lost (%s) and no in-job recovery is left (--recover %d): restarting in place",
+                      slot, cause, self.limits.max_recoveries)
+            return False
+        not_ready = [s for s in self.members if not self._store.ready(s)]
+        if not_ready:
+            log.error("rank %d lost (%s); rank(s) %s do not run InJobRecovery: restarting in place", slot, cause,
+                      ", ".join(map(str, not_ready)))
+            return False
+        survivors = [s for s in sorted(self.members) if s != slot]
+        if self.limits.shrink and not survivors:
+            return False
+        self.used += 1
+        self.generation += 1
+        if self.limits.shrink:
+            self.members = {s: rank for rank, s in enumerate(survivors)}
+        plan = Plan(generation=self.generation, world_size=len(self.members), ranks=dict(self.members), lost=slot,
+                    host=socket.gethostname(), cause=cause, detected_at=time.time(), replaced=not self.limits.shrink)
+        self._store.forget(slot)
+        self._store.publish(plan)
+        self._beats.pop(slot, None)
+        if self.limits.shrink:
+            log.warning("rank %d lost (%s): the %d others go on without it (recovery %d of %d)", slot, cause,
+                        len(self.members), self.used, self.limits.max_recoveries)
+        else:
+            children[slot] = start_all([(self.ranks.command, self._environment(slot))])[0]
+            log.warning("rank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
+                        slot, cause, children[slot].pid, self.used, self.limits.max_recoveries)
+        return True
+
+    def watch(self, children: list[subprocess.Popen]) -> None:
+        """Kill a rank whose heartbeat stood still for ``hang_s`` (it is then recovered as a lost rank)."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + WATCH_S
+        for slot in self.members:
+            child = children[slot]
+            if child.returncode is not None or not self._store.ready(slot):
+                continue
+            beats = self._store.beats(slot)
+            last = self._beats.get(slot)
+            if last is None or last[0] != beats:
+                self._beats[slot] = (beats, now)
+            elif now - last[1] >= self.limits.hang_s:
+                self._causes[slot] = f"frozen: no heartbeat for {self.limits.hang_s:g} s"
+                log.error("rank %d (pid %d) sent no heartbeat for %g s: ending it", slot, child.pid,
+                          self.limits.hang_s)
+                child.kill()
+                self._beats.pop(slot, None)
