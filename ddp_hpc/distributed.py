@@ -30,7 +30,7 @@ from ddp_hpc.environment.hosts import job_hosts
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
 from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
-from ddp_hpc.torch_support import installed, libuv_takes_listen_fd
+from ddp_hpc.torch_support import installed, libuv_takes_listen_fd, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,9 @@ def process_group(options: DistributedOptions | None = None,
     """Resolve, select, init; the group is destroyed on the way out, error or not."""
     options = options or DistributedOptions()
     environ = os.environ if environ is None else environ
+    too_old = unsupported(installed())
+    if too_old:
+        raise UserError(too_old)
     dist_env = resolve_env(environ, host_suffix=options.host_suffix, port_range=options.port_range)
     choice = select_device(
         requested(options.device, environ, DEVICE_VAR, options.config_device),

@@ -54,6 +54,14 @@ def installed() -> str:
     return str(torch.__version__)
 
 
+def unsupported(version: str) -> str | None:
+    """Why ddp_hpc does not run on torch ``version`` (one line), or None."""
+    if parse(version) >= MINIMUM:
+        return None
+    return (f"ddp_hpc needs torch {named(MINIMUM)} or newer, and this is torch {version}: "
+            f"install torch>={named(MINIMUM)} (docs/devices.md lists the versions CI runs)")
+
+
 def libuv_takes_listen_fd(version: str) -> bool:
     """Whether torch's default (libuv) TCPStore server can serve on a socket we bound."""
     return parse(version) >= LIBUV_LISTEN_FD

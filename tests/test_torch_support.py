@@ -80,3 +80,22 @@ def test_the_dcp_gates_agree_with_the_installed_torchs_own_signatures():
     assert ("no_dist" in inspect.signature(dcp.load).parameters) is torch_support.dcp_takes_no_dist(version)
     assert ("async_stager" in inspect.signature(dcp.async_save).parameters) is \
         torch_support.dcp_async_takes_stager(version)
+
+
+@pytest.mark.parametrize("version,refused", [("2.4.1", True), ("2.3.0+cpu", True), ("2.5.1", False),
+                                             ("2.14.1", False)])
+def test_a_torch_below_the_minimum_is_refused_in_one_line_naming_both_versions(version, refused):
+    refusal = torch_support.unsupported(version)
+    assert (refusal is not None) is refused
+    if refused:
+        assert "\n" not in refusal and version in refusal and "torch>=2.5" in refusal
+
+
+def test_process_group_refuses_a_torch_below_the_minimum_before_anything_starts(monkeypatch):
+    from ddp_hpc import distributed
+    from ddp_hpc.errors import UserError
+
+    monkeypatch.setattr(distributed, "installed", lambda: "2.4.1+cu121")
+    with pytest.raises(UserError, match=r"needs torch 2\.5 or newer, and this is torch 2\.4\.1\+cu121"):
+        with distributed.process_group(environ={}):
+            pass
