@@ -323,6 +323,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     # supervisor, which then restarts nothing: the launch exits with the ranks' 75.
     for signum in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
+    # A closed terminal ends the ranks with the launch, as Ctrl-C does.
+    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     return supervisor.run()
 
 

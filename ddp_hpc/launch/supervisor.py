@@ -137,6 +137,9 @@ class Supervisor:
             except KeyboardInterrupt:
                 self._end_running(signal.SIGINT)
                 raise
+            except BaseException:  # e.g. a replacement that could not start: no rank outlives its supervisor
+                self._end_running(signal.SIGTERM)
+                raise
             decision = self.policy.decide(status, attempt, stop_requested=self.stop_signal is not None)
             if not decision.restart:
                 return decision.status
