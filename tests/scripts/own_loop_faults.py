@@ -161,7 +161,9 @@ def _inject() -> None:
 
     def restore(self):
         path = real_restore(self)
-        print(f"rank {self.group.rank}: restored {path} at step {self.step}", file=sys.stderr, flush=True)
+        # One write with its newline: the ranks share the launcher's stderr, and print() writes
+        # the newline separately, so two ranks' lines could merge.
+        print(f"rank {self.group.rank}: restored {path} at step {self.step}\n", end="", file=sys.stderr, flush=True)
         if restored_folder and path is not None:
             model = self.objects["model"]
             held = {"model": getattr(model, "module", model).state_dict(),
