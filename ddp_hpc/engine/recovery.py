@@ -122,6 +122,7 @@ class InJobRecovery:
         self.ddp_kwargs = {"find_unused_parameters": True, **(ddp_kwargs or {})}
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
         self.slot = int(env.get("RANK", "0"))
+        self._launch_world_size = int(env.get("WORLD_SIZE", "1"))
         self.generation = int(env.get(RECOVERY_GENERATION_VAR, "0"))
         self.wait_s = float(env.get(RECOVERY_WAIT_VAR, DEFAULT_WAIT_S))
         address = env.get(RECOVERY_STORE_VAR)
@@ -218,7 +219,7 @@ class InJobRecovery:
     def _form(self, generation: int, plan: keys.Plan | None) -> None:
         assert self._store is not None
         if plan is None:
-            rank, world_size = self.slot, int(os.environ.get("WORLD_SIZE", "1"))
+            rank, world_size = self.slot, self._launch_world_size
         elif self.slot not in plan.ranks:
             raise RecoveryError(f"rank {self.slot} is not in group {generation}")
         else:
