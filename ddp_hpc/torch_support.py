@@ -75,7 +75,6 @@ def fsdp2_refusal(version: str) -> str | None:
             f"use training.strategy=ddp, or install torch>={named(FSDP2)}")
 
 
-
 def dcp_takes_no_dist(version: str) -> bool:
     """Whether ``dcp.save``/``dcp.load`` take the ``no_dist`` keyword."""
     return parse(version) >= DCP_NO_DIST

@@ -262,7 +262,9 @@ def _blob_template(metadata: Metadata, key: str) -> torch.Tensor:
 
 
 def _host_copy(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor copied to host memory (nested dicts and lists kept)."""
+    """``state`` with every tensor copied to host memory (nested dicts and lists kept). Not
+    ``background_writer.snapshot``: that copies into plain tensors, and an FSDP2 model's
+    DTensors must stay DTensors (``.to`` copies a DTensor's local shard)."""
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):

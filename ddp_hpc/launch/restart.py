@@ -2,7 +2,7 @@
 
 Every path that restarts or requeues asks it: ``ddp-hpc launch`` (its supervisor, under each
 launcher), the rendered PBS, SLURM and local scripts (their loop's condition is rendered
-from ``ENDING_STATUSES``) and a submitit command job. docs/reliability.md has the table.
+from ``contract.AGREED_EXIT_STATUSES``) and a submitit command job. docs/reliability.md has the table.
 
 - 0 ends the launch.
 - ``ExitStatus.REQUEUE`` (75) is a stop on request (a signal, the job's deadline): the ranks
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_hpc.contract import ExitStatus
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, ExitStatus
 
-#: Statuses that end a launch whatever restarts are left.
-ENDING_STATUSES = (ExitStatus.OK, ExitStatus.REQUEUE)
 
 
 @dataclass(frozen=True)
@@ -54,13 +52,13 @@ class RestartPolicy:
 
     def decide(self, status: int, attempt: int, stop_requested: bool = False) -> Decision:
         """What follows attempt ``attempt`` (0 first) that ended with ``status``."""
-        if status in ENDING_STATUSES or stop_requested or attempt >= self.max_restarts:
+        if status in AGREED_EXIT_STATUSES or stop_requested or attempt >= self.max_restarts:
             requeue = status == ExitStatus.REQUEUE or (stop_requested and status != ExitStatus.OK)
             return Decision(restart=False, status=status, requeue=requeue)
         return Decision(restart=True, status=status)
 
     def shell_tests(self) -> ShellTests:
-        ending = " || ".join(f'[ "$status" = {status:d} ]' for status in ENDING_STATUSES)
+        ending = " || ".join(f'[ "$status" = {status:d} ]' for status in sorted(AGREED_EXIT_STATUSES))
         return ShellTests(
             ends=f'{ending} || [ "$stop_requested" = 1 ] || [ "$attempt" -ge {self.max_restarts} ]',
             requeues=(f'[ "$status" = {ExitStatus.REQUEUE:d} ] || '
