@@ -185,7 +185,10 @@ def test_command_job_waits_for_the_end_and_reports_it(variant, script, per_node,
 @pytest.mark.parametrize("variant", [["slurm", "--sbatch"], ["pbs", "--cluster", "pbs-generic"]],
                          ids=["sbatch", "qsub"])
 def test_a_command_failing_on_one_rank_fails_the_wait(variant, slurm_cluster, tmp_path):
-    fail = 'import os, sys; print("rank", os.environ["RANK"], flush=True); sys.exit(3 if os.environ["RANK"] == "1" else 0)'
+    # One write per line: print() writes "rank", " ", "1" and "\n" separately when unbuffered,
+    # and two ranks' pieces then interleave in the job log ("rankrank 0\n 1").
+    fail = ('import os, sys; os.write(1, f"rank {os.environ[\'RANK\']}\\n".encode()); '
+            'sys.exit(3 if os.environ["RANK"] == "1" else 0)')
     result = submit(tmp_path, *variant, "--nodes", "1", "--tasks-per-node", "2", "--walltime", "5", *FAST_WAIT,
                     "--job-name", "fails", "--", "python", "-c", fail)
     job_id = re.search(r"submitted job (\S+)", result.stdout).group(1)
