@@ -189,6 +189,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         run_checkpoint_formats(parse_sizes(args.checkpoint_sizes, flag="--checkpoint-sizes"), args.checkpoint_mb,
                                output, output.parent / "checkpoint-formats")
         return 0
+    if args.goodput:
+        from ddp_hpc.bench.goodput_run import GoodputPlan, run_goodput
+
+        plan = GoodputPlan(arms=tuple(args.goodput_arms.split(",")), duration_s=args.goodput_minutes * 60,
+                           interval_s=args.goodput_interval, world_size=args.goodput_ranks, fault=args.goodput_fault,
+                           seed=args.goodput_seed, rounds=args.goodput_rounds,
+                           checkpoint_every=args.goodput_checkpoint_every, hang_timeout_s=args.goodput_hang_timeout)
+        output = Path(args.output)
+        run_goodput(plan, output, output.parent / "goodput")
+        return 0
     if args.own_cpu:
         from ddp_hpc.bench.runner import run_own_cpu
 
@@ -469,6 +479,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --checkpoints: world sizes (default: 2,4)")
     bench.add_argument("--checkpoint-mb", type=int, default=400, metavar="MB",
                        help="with --checkpoints: the model's weights in MB (default: 400)")
+    bench.add_argument("--goodput", action="store_true",
+                       help="instead: the same loop under in-job recovery, restart in place and requeue, with a "
+                            "rank killed (or frozen) at a fixed rate: goodput and each failure's cost; merged into "
+                            "--output, the ranks' logs beside it in goodput/")
+    bench.add_argument("--goodput-minutes", type=_positive_float, default=5.0, metavar="M",
+                       help="with --goodput: minutes each arm runs, per round (default: 5)")
+    bench.add_argument("--goodput-interval", type=_positive_float, default=30.0, metavar="S",
+                       help="with --goodput: seconds between faults (default: 30)")
+    bench.add_argument("--goodput-ranks", type=int, default=4, metavar="N",
+                       help="with --goodput: world size (default: 4)")
+    bench.add_argument("--goodput-fault", choices=("kill", "hang", "mixed"), default="kill",
+                       help="with --goodput: SIGKILL of a rank, SIGSTOP (a hung rank, found by the hang timeout), "
+                            "or either, drawn per fault (default: kill)")
+    bench.add_argument("--goodput-hang-timeout", type=_positive_float, default=5.0, metavar="S",
+                       help="with --goodput: seconds of silence that make a rank hung (--hang-timeout of the "
+                            "in-job arm, the watchdog's limit in the others; default: 5)")
+    bench.add_argument("--goodput-arms", default="in-job,restart,requeue", metavar="ARM,...",
+                       help="with --goodput: which arms, in this order each round (default: in-job,restart,requeue)")
+    bench.add_argument("--goodput-rounds", type=int, default=1, metavar="R",
+                       help="with --goodput: rounds of the arms, alternating (default: 1)")
+    bench.add_argument("--goodput-seed", type=int, default=0, metavar="N",
+                       help="with --goodput: seed of the fault schedule (which rank, which fault), the same in every arm")
+    bench.add_argument("--goodput-checkpoint-every", type=int, default=50, metavar="N",
+                       help="with --goodput: steps between checkpoints, in every arm (default: 50)")
     bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
     bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
     bench.set_defaults(func=_cmd_bench)
