@@ -19,10 +19,11 @@ def steps(epoch, numbers, first_end: float, durations=(1.0, 1.2), pids=(100, 101
 
 
 def restart_logs(stopped: float) -> ArmLogs:
-    """Steps 1-10 (ending at 1..10 s), rank 0 killed at 10.5 s, the launch sees it at 11 s; the
-    new attempt's group forms at 15 s, restores step 5 at 16 s, redoes 6-10 (17..21 s) and goes on."""
+    """Steps 1-10 (ending at 1..10 s, 1.1 s each), rank 0 killed at 10.5 s, the launch sees it at
+    11 s; the new attempt's group forms at 15 s, restores step 5 at 16 s, redoes 6-10 (17..21 s)
+    and goes on, its steps 0.6 s each."""
     return ArmLogs(
-        steps=tuple(steps(FIRST, range(1, 11), 1.0) + steps(RESTARTED, range(6, 16), 17.0, pids=(200, 201))),
+        steps=tuple(steps(FIRST, range(1, 11), 1.0) + steps(RESTARTED, range(6, 16), 17.0, (0.5, 0.7), (200, 201))),
         events=(Event("group", 0, 200, RESTARTED, 0, 14.0), Event("group", 1, 201, RESTARTED, 0, 15.0),
                 Event("restored", 0, 200, RESTARTED, 5, 16.0), Event("restored", 1, 201, RESTARTED, 5, 15.5)),
         faults=(Fault(10.5, 0, 100, "kill"),), detections=(11.0,), recoveries=(), started=0.0, stopped=stopped)
@@ -30,10 +31,10 @@ def restart_logs(stopped: float) -> ArmLogs:
 
 def test_a_restart_counts_each_step_once_and_its_cost_splits_into_detect_reform_transfer_redo():
     result = goodput(restart_logs(stopped=26.5))
-    # Steps 1-15 count, each once (6-10 in the attempt that redid them), at the ranks' median 1.1 s.
+    # Steps 1-15 count, each once (6-10 in the attempt that redid them), each its ranks' median.
     assert result.counted_steps == 15 and result.completed_steps == 20
-    assert result.counted_s == pytest.approx(15 * 1.1)
-    assert result.goodput == pytest.approx(15 * 1.1 / 26.5)
+    assert result.counted_s == pytest.approx(5 * 1.1 + 10 * 0.6)
+    assert result.goodput == pytest.approx((5 * 1.1 + 10 * 0.6) / 26.5)
     (fault,) = result.faults
     assert not fault.recovered_in_job and fault.steps_redone == 5
     assert fault.detect_s == pytest.approx(0.5)      # the launch's line at 11
@@ -48,13 +49,13 @@ def test_a_restart_counts_each_step_once_and_its_cost_splits_into_detect_reform_
 def test_steps_past_the_final_position_are_lost_not_counted():
     # Stopped at 19.5 s, while the new attempt redoes step 8: steps 9 and 10 of the first attempt are lost.
     result = goodput(restart_logs(stopped=19.5))
-    assert result.counted_steps == 8 and result.counted_s == pytest.approx(8 * 1.1)
+    assert result.counted_steps == 8 and result.counted_s == pytest.approx(5 * 1.1 + 3 * 0.6)
     assert result.faults[0].kill_to_progress_s is None and result.median_kill_to_progress_s is None
 
 
 def test_an_in_job_recovery_takes_its_phases_from_the_record_and_redoes_a_step_one_rank_had_finished():
     first = steps(FIRST, range(1, 11), 1.0) + [Step(1, 101, FIRST, 11, 10.0, 11.1)]  # rank 1 one step ahead
-    logs = ArmLogs(steps=tuple(first + steps(RECOVERED, range(11, 14), 12.5, pids=(300, 101))),
+    logs = ArmLogs(steps=tuple(first + steps(RECOVERED, range(11, 14), 12.5, (0.5, 0.7), (300, 101))),
                    events=(Event("group", 0, 300, RECOVERED, 1, 11.45),), faults=(Fault(11.2, 0, 100, "kill"),),
                    detections=(), recoveries=(Recovery(1, 11.3, 0.2, 0.4, 1.2),), started=0.0, stopped=15.0)
     result = goodput(logs)
@@ -63,7 +64,7 @@ def test_an_in_job_recovery_takes_its_phases_from_the_record_and_redoes_a_step_o
     assert (fault.detect_s, fault.reform_s, fault.transfer_s) == pytest.approx((0.1, 0.2, 0.2))
     assert fault.redo_s == pytest.approx(12.5 - 11.7)
     assert fault.kill_to_next_step_s == pytest.approx(1.3) and fault.kill_to_progress_s == pytest.approx(2.3)
-    assert result.counted_steps == 13 and result.counted_s == pytest.approx(13 * 1.1)
+    assert result.counted_steps == 13 and result.counted_s == pytest.approx(10 * 1.1 + 3 * 0.6)  # 11 as redone
 
 
 def test_a_fault_without_a_new_group_before_the_stop_has_no_figures():
@@ -84,7 +85,7 @@ def test_every_arm_sees_the_same_seeded_fault_schedule_and_bad_plans_are_refused
     plan = GoodputPlan(duration_s=300, interval_s=30, world_size=4, fault="mixed", seed=3)
     assert plan.schedule() == GoodputPlan(duration_s=300, interval_s=30, world_size=4, fault="mixed",
                                           seed=3).schedule()
-    assert len(plan.schedule()) == 11 and {kind for _, kind in plan.schedule()} <= {"kill", "hang"}
+    assert len(plan.schedule()) == 9  # at 30, 60, ... 270 s; none at the stop and {kind for _, kind in plan.schedule()} <= {"kill", "hang"}
     assert plan.schedule() != GoodputPlan(duration_s=300, interval_s=30, world_size=4, fault="mixed",
                                           seed=4).schedule()
     with pytest.raises(UserError, match="--goodput-arms"):

@@ -57,17 +57,17 @@ def main(argv: list[str] | None = None) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import ddp_hpc
     from ddp_hpc.contract import RESTART_COUNT_VAR
+    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.recovery import InJobRecovery
     from ddp_hpc.engine.rng import seed_everything
+    from ddp_hpc.engine.sampler import ResumableSampler
+    from ddp_hpc.engine.watchdog import watchdog
 
     run_dir = Path(args.run_dir)
     launch, attempt = int(os.environ.get("GOODPUT_LAUNCH", "0")), int(os.environ.get(RESTART_COUNT_VAR, "0"))
-    recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir)
-    log = StepLog(run_dir / "steps" / f"rank-{recovery.slot}.log", launch, attempt)
-    log.write("start", STARTED)
-    log.write("group", recovery.generation, time.time())
-
+    # The set-up that needs no rank comes before InJobRecovery: a warm spare has done it
+    # when it is given a lost rank's place.
     data = torch.Generator().manual_seed(0)
     inputs = torch.randn(args.samples, args.input_dim, generator=data)
     targets = torch.randint(0, 10, (args.samples,), generator=data)
@@ -75,13 +75,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.input_dim, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
                           nn.ReLU(), nn.Linear(args.hidden, 10))
-    seed_everything(1000 + recovery.slot)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    sampler = ddp_hpc.ResumableSampler(train_set, shuffle=True, seed=0, batch_size=args.batch)
+
+    recovery = InJobRecovery("gloo", run_dir=run_dir)
+    log = StepLog(run_dir / "steps" / f"rank-{recovery.slot}.log", launch, attempt)
+    log.write("start", STARTED)
+    log.write("group", recovery.generation, time.time())
+    seed_everything(1000 + recovery.slot)
+    sampler = ResumableSampler(train_set, shuffle=True, seed=0, batch_size=args.batch)
     loader = DataLoader(train_set, batch_size=args.batch, sampler=sampler, generator=torch.Generator())
     # The sampler advances in recovery.step_done; the Checkpointer only saves (save_due).
-    checkpointer = ddp_hpc.Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
-                                        every_n_steps=args.checkpoint_every, keep_last=2)
+    checkpointer = Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
+                                every_n_steps=args.checkpoint_every, keep_last=2)
     if recovery.generation == 0:  # a replacement takes the state from a survivor, not from disk
         checkpointer.restore(quiet=True)
         recovery.step = checkpointer.step
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         dog = _NoWatchdog()
         recovery.run(train, model=model, optimizer=optimizer, sampler=sampler)
     else:
-        with ddp_hpc.watchdog(limit_s=args.hang_timeout) as dog:
+        with watchdog(limit_s=args.hang_timeout) as dog:
             recovery.run(train, model=model, optimizer=optimizer, sampler=sampler)
 
 

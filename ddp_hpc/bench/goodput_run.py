@@ -3,7 +3,10 @@
 Each arm runs the same loop (``bench/goodput_loop.py``: the same steps, a checkpoint every
 ``checkpoint_every`` steps) on ``world_size`` ranks for ``duration_s`` under a different launch:
 
-- ``in-job``:  ``ddp-hpc launch --recover`` (a lost rank is replaced, the others stay up);
+- ``in-job``:  ``ddp-hpc launch --recover`` (a lost rank is replaced by a new process, the
+  others stay up);
+- ``in-job-spare``: the same with ``--warm-spare`` (the replacement is a process waiting
+  with torch imported);
 - ``restart``: ``ddp-hpc launch --max-restarts`` (every rank is ended and started again, and
   resumes from the newest checkpoint);
 - ``requeue``: ``ddp-hpc launch --max-restarts 0`` in a loop (the launch ends; a new one
@@ -20,6 +23,7 @@ computes the figures from the ranks' logs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -36,7 +40,7 @@ from typing import Any
 from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Recovery, Step, goodput, parse_line
 from ddp_hpc.errors import UserError
 
-ARMS = ("in-job", "restart", "requeue")
+ARMS = ("in-job", "in-job-spare", "restart", "requeue")
 FAULT_KINDS = ("kill", "hang", "mixed")
 #: Restarts or recoveries a launch may use: more than any run here has faults.
 ENOUGH = 1000
@@ -74,7 +78,7 @@ class GoodputPlan:
     def schedule(self) -> list[tuple[int, str]]:
         """(rank slot, fault kind) of each fault due in one arm's run: the same for every arm."""
         chooser = random.Random(self.seed)
-        count = int(self.duration_s // self.interval_s) + 1
+        count = math.ceil(self.duration_s / self.interval_s) - 1  # none due at the stop
         kinds = ["kill", "hang"] if self.fault == "mixed" else [self.fault]
         return [(chooser.randrange(self.world_size), chooser.choice(kinds)) for _ in range(count)]
 
@@ -162,8 +166,8 @@ class Launch:
 
 
 def _launch_argv(arm: str, plan: GoodputPlan, run_dir: Path) -> list[str]:
-    flags = {"in-job": ["--recover", str(ENOUGH), "--max-restarts", str(ENOUGH),
-                        "--hang-timeout", f"{plan.hang_timeout_s:g}"],
+    in_job = ["--recover", str(ENOUGH), "--max-restarts", str(ENOUGH), "--hang-timeout", f"{plan.hang_timeout_s:g}"]
+    flags = {"in-job": in_job, "in-job-spare": [*in_job, "--warm-spare"],
              "restart": ["--max-restarts", str(ENOUGH)],
              "requeue": ["--max-restarts", "0"]}[arm]
     return [sys.executable, "-m", "ddp_hpc", "launch", "--nproc", str(plan.world_size), *flags, "--",
@@ -252,8 +256,7 @@ def format_table(section: dict[str, Any]) -> str:
             lines.append(f"  {run['arm']:<8} r{run['round']} #{index + 1:<2} {f['kind']:<4} rank {f['slot']}  "
                          f"{_fmt(f['detect_s'])}  {_fmt(f['reform_s'])}  {_fmt(f['transfer_s'])}  "
                          f"{_fmt(f['redo_s'])} ({f['steps_redone']})  {_fmt(f['kill_to_next_step_s'])}  "
-                         f"{_fmt(f['kill_to_progress_s'])}" + ("" if f["recovered_in_job"] or
-                                                               run["arm"] != "in-job" else "  [restarted]"))
+                         f"{_fmt(f['kill_to_progress_s'])}" + _note(run["arm"], f))
     summary = section["summary"]
     for arm, figures in summary["arms"].items():
         lines.append(f"{arm:<8} all rounds: goodput {figures['goodput']:.3f}, median kill->next step "
@@ -264,9 +267,17 @@ def format_table(section: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _note(arm: str, fault: dict[str, Any]) -> str:
+    if fault["kill_to_next_step_s"] is None:
+        return "  [no step completed after it before the next fault or the stop]"
+    if arm.startswith("in-job") and not fault["recovered_in_job"]:
+        return "  [restarted in place: not recovered in the job]"
+    return ""
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm over its rounds: goodput (counted time over wall time, summed), the median
-    over every fault; and how many times faster in-job recovery is than each other arm."""
+    over every fault; and how many times faster each in-job arm is than each other arm."""
     arms: dict[str, Any] = {}
     for arm in dict.fromkeys(run["arm"] for run in runs):
         results = [run["result"] for run in runs if run["arm"] == arm]
@@ -278,13 +289,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "median_kill_to_next_step_s": statistics.median(to_next) if to_next else None,
                      "median_kill_to_progress_s": statistics.median(to_progress) if to_progress else None}
     speedups = {}
-    base = arms.get("in-job")
-    for arm, figures in arms.items():
-        if arm == "in-job" or base is None:
-            continue
-        for key, label in (("median_kill_to_next_step_s", "next step"), ("median_kill_to_progress_s", "progress")):
-            if base[key] and figures[key]:
-                speedups[f"in-job vs {arm}, kill->{label}"] = figures[key] / base[key]
+    for fast in (arm for arm in arms if arm.startswith("in-job")):
+        for arm, figures in arms.items():
+            if arm.startswith("in-job"):
+                continue
+            for key, label in (("median_kill_to_next_step_s", "next step"), ("median_kill_to_progress_s", "progress")):
+                if arms[fast][key] and figures[key]:
+                    speedups[f"{fast} vs {arm}, kill->{label}"] = figures[key] / arms[fast][key]
     return {"arms": arms, "speedups": speedups}
 
 
