@@ -297,7 +297,8 @@ def _in_job_recovery(args: argparse.Namespace, starter: object) -> Any:
 
     if not args.recover:
         return None
-    limits = RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout)
+    limits = RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout,
+                            warm_spare=args.warm_spare)
     if not isinstance(starter, LocalRanks):
         logging.getLogger("ddp_hpc").warning(
             "in-job recovery is off under --launcher %s (mpiexec ends every rank when one fails): a failure "
@@ -495,8 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--goodput-hang-timeout", type=_positive_float, default=5.0, metavar="S",
                        help="with --goodput: seconds of silence that make a rank hung (--hang-timeout of the "
                             "in-job arm, the watchdog's limit in the others; default: 5)")
-    bench.add_argument("--goodput-arms", default="in-job,restart,requeue", metavar="ARM,...",
-                       help="with --goodput: which arms, in this order each round (default: in-job,restart,requeue)")
+    bench.add_argument("--goodput-arms", default="in-job,in-job-spare,restart,requeue", metavar="ARM,...",
+                       help="with --goodput: which arms, in this order each round (default: "
+                            "in-job,in-job-spare,restart,requeue)")
     bench.add_argument("--goodput-rounds", type=int, default=1, metavar="R",
                        help="with --goodput: rounds of the arms, alternating (default: 1)")
     bench.add_argument("--goodput-seed", type=int, default=0, metavar="N",
@@ -549,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --recover: seconds the ranks wait for the new group (default: 120)")
     launch.add_argument("--shrink", action="store_true",
                         help="with --recover: go on without the lost rank instead of starting a replacement")
+    launch.add_argument("--warm-spare", action="store_true",
+                        help="with --recover: keep one more process of the command waiting in InJobRecovery (torch "
+                             "imported): a lost rank's place goes to it, without a Python start")
     launch.add_argument("--hang-timeout", type=_positive_float, default=10.0, metavar="S",
                         help="with --recover: a rank whose heartbeat stands still S seconds is frozen: it is "
                              "killed and recovered (default: 10)")

@@ -39,6 +39,9 @@ RECOVERY_STORE_VAR = "DDP_HPC_RECOVERY_STORE"
 RECOVERY_WAIT_VAR = "DDP_HPC_RECOVERY_WAIT_S"
 #: The group generation a replacement rank joins (unset: the first group).
 RECOVERY_GENERATION_VAR = "DDP_HPC_RECOVERY_GENERATION"
+#: Set in a warm spare (``--warm-spare``): its id; it waits in ``InJobRecovery`` for the slot
+#: of a lost rank (torch imported, the script run up to there), then joins in its place.
+RECOVERY_SPARE_VAR = "DDP_HPC_RECOVERY_SPARE"
 #: The run folder (also read by ``ddp-hpc status``).
 RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 #: The job's end (walltime limit) in seconds since the epoch.

@@ -133,11 +133,14 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_i
                    f"{record['transfer_s']:.1f} s after the launch saw it)")
 
 
-def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced(reference, tmp_path):
-    pids, sent_at, _ = lose_a_rank(tmp_path, signal.SIGSTOP, "--hang-timeout", "5")
+def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm_spare(reference, tmp_path):
+    pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGSTOP, "--hang-timeout", "5", "--warm-spare")
     record = assert_recovered_in_place(tmp_path, pids, reference, sent_at)
     assert record["cause"] == "frozen: no heartbeat for 5 s"
-    FIGURES.append(f"in-job recovery, SIGSTOP of 1 of 4 ranks (--hang-timeout 5): {kill_to_next_step(record, sent_at):.1f} "
+    # Its place went to the spare process (torch imported, waiting in InJobRecovery), not to a new one.
+    assert "rank 2 lost (frozen: no heartbeat for 5 s): the warm spare (pid" in output
+    FIGURES.append(f"in-job recovery, SIGSTOP of 1 of 4 ranks (--hang-timeout 5 --warm-spare): "
+                   f"{kill_to_next_step(record, sent_at):.1f} "
                    f"s from the stop to the next completed step ({record['recover_s']:.1f} s after the launch ended it)")
 
 

@@ -33,7 +33,8 @@ def test_recover_under_mpiexec_says_in_one_line_that_a_failure_restarts_in_place
     from ddp_hpc.cli import _in_job_recovery
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter
 
-    args = argparse.Namespace(recover=1, recovery_wait=120.0, shrink=False, hang_timeout=10.0, launcher=launcher)
+    args = argparse.Namespace(recover=1, recovery_wait=120.0, shrink=False, hang_timeout=10.0, launcher=launcher,
+                              warm_spare=False)
     starter = attempt_starter(LocalLaunch(nproc=2, command=["true"], launcher=launcher))
     with caplog.at_level(logging.WARNING, logger="ddp_hpc"):
         assert _in_job_recovery(args, starter) is None
@@ -46,7 +47,8 @@ def test_recover_under_the_default_launcher_recovers(caplog):
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter
     from ddp_hpc.launch.recovering import Recoverer
 
-    args = argparse.Namespace(recover=2, recovery_wait=60.0, shrink=True, hang_timeout=5.0, launcher="torchrun")
+    args = argparse.Namespace(recover=2, recovery_wait=60.0, shrink=True, hang_timeout=5.0, launcher="torchrun",
+                              warm_spare=False)
     recoverer = _in_job_recovery(args, attempt_starter(LocalLaunch(nproc=2, command=["true"])))
     assert isinstance(recoverer, Recoverer)
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
@@ -58,3 +60,41 @@ def test_a_negative_recovery_count_is_refused():
 
     with pytest.raises(UserError, match="--recover -1 must be >= 0"):
         RecoveryLimits(-1)
+
+
+def test_a_warm_spare_with_shrinking_is_refused():
+    from ddp_hpc.launch.recovering import RecoveryLimits
+
+    with pytest.raises(UserError, match="--warm-spare replaces a lost rank, --shrink goes on without it"):
+        RecoveryLimits(1, shrink=True, warm_spare=True)
+
+
+def test_a_replacement_takes_the_lost_ranks_streams_of_the_step_before_only_where_the_step_drew_nothing():
+    import torch
+
+    from ddp_hpc.engine import recovery_store as keys
+    from ddp_hpc.engine.recovery import InJobRecovery, RecoveryError, same_rng
+    from ddp_hpc.engine.rng import capture_rng
+
+    before = capture_rng()
+    assert same_rng(before, capture_rng())  # nothing drawn
+    torch.rand(1)
+    after = capture_rng()
+    assert not same_rng(before, after)
+
+    class Store:  # the lost rank 2 completed step 6 and was lost after its all-reduce of step 7
+        def get(self, key: str) -> bytes:
+            return {keys.rng_key(2, 6): keys.rng_to_bytes(6, after), keys.rng_key(2, 7): keys.rng_to_bytes(5, before)}[key]
+
+    joining = object.__new__(InJobRecovery)
+    joining.slot, joining._store = 2, Store()
+    assert same_rng(joining._rng_after(6, joining=True), after)  # its copy of the very step
+    assert same_rng(joining._rng_after(7, joining=True, drew_nothing=True), after)
+    with pytest.raises(RecoveryError, match="lost after its all-reduce"):
+        joining._rng_after(7, joining=True, drew_nothing=False)
+
+    survivor = object.__new__(InJobRecovery)
+    survivor._rng = {6: before, 7: capture_rng()}
+    assert not survivor._drew_nothing(7)  # torch.rand above drew between its copies
+    survivor._rng = {6: after, 7: capture_rng()}
+    assert survivor._drew_nothing(7) and not survivor._drew_nothing(8)

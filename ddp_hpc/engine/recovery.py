@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.contract import (RECORD_DIR, RECOVERY_GENERATION_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR,
-                              atomic_write)
+from ddp_hpc.contract import (RECORD_DIR, RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
+                              RECOVERY_WAIT_VAR, atomic_write)
 from ddp_hpc.engine import recovery_store as keys
 from ddp_hpc.engine.rng import capture_rng, restore_rng
 from ddp_hpc.errors import UserError
@@ -146,6 +146,12 @@ class InJobRecovery:
             self._store: dist.Store | None = None
             return
         self._store = keys.connect(address, self.wait_s)
+        spare = env.get(RECOVERY_SPARE_VAR)
+        if spare is not None:
+            self.slot = self._wait_as_spare(spare)
+            self.generation = int(self._store.get(keys.LATEST_KEY))
+            if environ is None:  # from here on this process is the rank it replaces, to the script too
+                os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(self.slot)
         self._form(self.generation, self._plan(self.generation) if self.generation else None)
         self._heartbeat = threading.Thread(target=self._beat, args=(address, heartbeat_s), daemon=True,
                                            name="ddp_hpc-recovery-heartbeat")
@@ -172,8 +178,11 @@ class InJobRecovery:
         else:
             self._keep_rng()
         while True:
-            wrapped = DistributedDataParallel(model, **self.ddp_kwargs)
+            wrapped = None
             try:
+                # Inside the try: DDP's constructor checks the parameters with a collective,
+                # which fails like any other when a peer is lost while the group is new.
+                wrapped = DistributedDataParallel(model, **self.ddp_kwargs)
                 return train(wrapped)
             except RuntimeError as exc:  # DistError is one
                 if not (self.enabled and is_collective_error(exc)):
@@ -215,6 +224,19 @@ class InJobRecovery:
             raise RecoveryError(f"rank {self.slot}: no new group from the launch within {self.wait_s:g} s "
                                 f"({RECOVERY_WAIT_VAR}); the launch restarts the job in place") from exc
         return keys.Plan.from_json(self._store.get(keys.plan_key(generation)))
+
+    def _wait_as_spare(self, spare: str) -> int:
+        """A warm spare (``ddp-hpc launch --warm-spare``): torch is imported and the script
+        has run up to here; wait, as long as the launch lives, for the slot of a lost rank."""
+        assert self._store is not None
+        key = keys.spare_key(spare)
+        while True:
+            try:
+                self._store.wait([key], timedelta(seconds=self.wait_s))
+            except dist.DistStoreError:
+                if not self._store.check([key]):  # no loss yet (a launch that is gone raises here)
+                    continue
+            return int(self._store.get(key))
 
     def _form(self, generation: int, plan: keys.Plan | None) -> None:
         assert self._store is not None
@@ -280,10 +302,14 @@ class InJobRecovery:
         done = [int(step) for step in steps]
         step = min(s for s in done if s >= 0)
         source = done.index(step)
+        # Did the step draw nothing from the RNG on any survivor (no dropout, say)? Then a lost
+        # rank's streams after it are those after the step before.
+        drew_nothing = torch.tensor([1 if joining or self._drew_nothing(step) else 0], dtype=torch.int64)
+        dist.all_reduce(drew_nothing, op=dist.ReduceOp.MIN)
         payload: list[Any] = [self._state() if dist.get_rank() == source else None]
         dist.broadcast_object_list(payload, src=source)
         self._load(payload[0])
-        restore_rng(self._rng_after(step, joining))
+        restore_rng(self._rng_after(step, joining, bool(drew_nothing.item())))
         self.step = step
         self._rng = {step: capture_rng()}
         self._pending = {"plan": plan, "group_s": formed - plan.detected_at,
@@ -304,17 +330,26 @@ class InJobRecovery:
             self._sampler.num_replicas, self._sampler.rank = dist.get_world_size(), dist.get_rank()
             self._sampler.load_state_dict(state["sampler"])
 
-    def _rng_after(self, step: int, joining: bool) -> dict[str, Any]:
+    def _drew_nothing(self, step: int) -> bool:
+        """This rank's streams after ``step`` are the same as after the step before."""
+        return step - 1 in self._rng and step in self._rng and same_rng(self._rng[step - 1], self._rng[step])
+
+    def _rng_after(self, step: int, joining: bool, drew_nothing: bool = False) -> dict[str, Any]:
         if not joining:
             if step not in self._rng:
                 raise RecoveryError(f"rank {self.slot} has no RNG state of step {step}")
             return self._rng[step]
         assert self._store is not None
         saved_step, state = keys.rng_from_bytes(self._store.get(keys.rng_key(self.slot, step)))
-        if saved_step != step:
-            raise RecoveryError(f"the lost rank {self.slot} left its RNG streams of step {saved_step}, "
-                                f"not of step {step} (it was lost after its all-reduce)")
-        return state
+        if saved_step == step:
+            return state
+        # Lost after its all-reduce of ``step`` and before its step_done: the copy of the step
+        # before serves where the step drew nothing from the RNG on any survivor.
+        saved_step, state = keys.rng_from_bytes(self._store.get(keys.rng_key(self.slot, step - 1)))
+        if saved_step == step - 1 and drew_nothing:
+            return state
+        raise RecoveryError(f"the lost rank {self.slot} left no RNG streams of step {step} (it was lost after its "
+                            f"all-reduce, and the step draws from the RNG)")
 
     def _keep_rng(self) -> None:
         state = capture_rng()
@@ -334,6 +369,8 @@ class InJobRecovery:
                               recover_s=round(time.time() - plan.detected_at, 4))
         self.recoveries.append(event)
         if dist.get_rank() == 0:
+            assert self._store is not None
+            self._store.set(keys.recovered_key(plan.generation), "1")  # the launch may start the next spare
             log.warning("recovered from the loss of rank %d (%s) in %.2f s: %d ranks, continuing after step %d",
                         event.rank, event.cause, event.recover_s, event.world_size, event.step)
             if self.run_dir is not None:
@@ -349,6 +386,17 @@ class InJobRecovery:
                     self._break_group()
         except (dist.DistError, RuntimeError, OSError):
             return  # the launch is gone: nothing to tell
+
+
+def same_rng(a: Any, b: Any) -> bool:
+    """Two ``capture_rng`` states are equal."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_rng(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_rng(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
 
 
 def socket_fds() -> set[int]:

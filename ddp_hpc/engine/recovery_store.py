@@ -14,6 +14,9 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
   a launch recovers only when every live rank did.
 - ``rng/<slot>/<step % 2>``: the rank's RNG streams after its last two steps, for its
   replacement.
+- ``recovered/<generation>``: that group completed its first step (set by its rank 0).
+- ``spare/<id>``: the slot a warm spare takes (``--warm-spare``), set by the launch when
+  it chooses the spare to replace a lost rank.
 
 A *slot* is a rank's place in the launch (its first ``RANK``); its rank in a group after a
 shrink may differ.
@@ -48,6 +51,14 @@ def alive_key(slot: int) -> str:
 
 def ready_key(slot: int) -> str:
     return f"{PREFIX}ready/{slot}"
+
+
+def recovered_key(generation: int) -> str:
+    return f"{PREFIX}recovered/{generation}"
+
+
+def spare_key(spare: str) -> str:
+    return f"{PREFIX}spare/{spare}"
 
 
 def rng_key(slot: int, step: int) -> str:
@@ -113,6 +124,13 @@ class LaunchStore:
 
     def ready(self, slot: int) -> bool:
         return bool(self.store.check([ready_key(slot)]))
+
+    def assign(self, spare: str, slot: int) -> None:
+        """The warm spare ``spare`` takes the place of the rank in ``slot`` (after ``publish``)."""
+        self.store.set(spare_key(spare), str(slot))
+
+    def recovered(self, generation: int) -> bool:
+        return bool(self.store.check([recovered_key(generation)]))
 
     def forget(self, slot: int) -> None:
         """The rank in ``slot`` is gone: its replacement is ready once it says so itself."""

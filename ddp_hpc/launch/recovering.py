@@ -9,6 +9,12 @@ store outlives any rank. When a rank ends with a failure, or its heartbeat stand
 lost rank's place (or, with ``shrink``, lets the survivors go on alone). Otherwise the
 supervisor ends the attempt and the restart policy decides, as without recovery.
 
+With ``warm_spare`` one more process of the command runs beside the ranks: it imports torch,
+runs the script up to ``InJobRecovery`` and waits there (``RECOVERY_SPARE_VAR``). A lost
+rank's place goes to it, so the replacement starts neither Python nor torch. A spare starts
+once every rank is ready, and the next once the new group completed its first step: its
+start-up takes CPU that the ranks' start or a recovery would wait for.
+
 torch is imported only here, inside functions (the launch side never imports it at start-up).
 """
 
@@ -23,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.supervisor import LocalRanks, start_all
 
@@ -37,18 +43,22 @@ WATCH_S = 0.25
 class RecoveryLimits:
     """``max_recoveries`` in one attempt; ``wait_s``: how long ranks wait for the next
     group; ``shrink``: go on without the lost rank instead of replacing it; ``hang_s``: a
-    rank whose heartbeat stands still this long is frozen, and is ended and recovered."""
+    rank whose heartbeat stands still this long is frozen, and is ended and recovered;
+    ``warm_spare``: keep a spare process waiting to replace a lost rank."""
 
     max_recoveries: int
     wait_s: float = 120.0
     shrink: bool = False
     hang_s: float = 10.0
+    warm_spare: bool = False
 
     def __post_init__(self) -> None:
         if self.max_recoveries < 0:
             raise UserError(f"--recover {self.max_recoveries} must be >= 0")
         if self.wait_s <= 0 or self.hang_s <= 0:
             raise UserError("--recovery-wait and --hang-timeout must be > 0 seconds")
+        if self.warm_spare and self.shrink:
+            raise UserError("--warm-spare replaces a lost rank, --shrink goes on without it: give one of them")
 
 
 def describe_cause(status: int) -> str:
@@ -76,10 +86,13 @@ class Recoverer:
         self._causes: dict[int, str] = {}
         self._beats: dict[int, tuple[int, float]] = {}
         self._next_watch = 0.0
+        self._spare: subprocess.Popen | None = None
+        self._spares = 0
 
     def start(self, attempt: int) -> list[subprocess.Popen]:
         from ddp_hpc.engine.recovery_store import LaunchStore
 
+        self.close()
         self._store = LaunchStore()
         self._run_id, self._attempt = uuid.uuid4().hex[:12], attempt
         self.generation, self.used = 0, 0
@@ -87,6 +100,22 @@ class Recoverer:
         self._causes.clear()
         self._beats.clear()
         return start_all([(self.ranks.command, self._environment(slot)) for slot in range(self.ranks.nproc)])
+
+    def close(self) -> None:
+        """The attempt ended: so does the spare (it waits in the store, idle)."""
+        if self._spare is not None and self._spare.poll() is None:
+            self._spare.kill()
+            self._spare.wait()
+        self._spare = None
+
+    def _start_spare(self) -> None:
+        if not self.limits.warm_spare:
+            return
+        self._spares += 1
+        # Some rank's torchrun variables (`ddp-hpc run` needs them): InJobRecovery sets RANK once it has a slot.
+        env = {**self._environment(0), RECOVERY_SPARE_VAR: str(self._spares)}
+        env.pop(RECOVERY_GENERATION_VAR, None)
+        self._spare = start_all([(self.ranks.command, env)])[0]
 
     def _environment(self, slot: int) -> dict[str, str]:
         env = self.ranks.environment(slot, self._attempt, self._store.store.port, self._run_id)
@@ -127,6 +156,11 @@ class Recoverer:
         if self.limits.shrink:
             log.warning("rank %d lost (%s): the %d others go on without it (recovery %d of %d)", slot, cause,
                         len(self.members), self.used, self.limits.max_recoveries)
+        elif self._spare is not None and self._spare.poll() is None:
+            self._store.assign(str(self._spares), slot)
+            children[slot], self._spare = self._spare, None
+            log.warning("rank %d lost (%s): the warm spare (pid %d) takes its place, the others stay up "
+                        "(recovery %d of %d)", slot, cause, children[slot].pid, self.used, self.limits.max_recoveries)
         else:
             children[slot] = start_all([(self.ranks.command, self._environment(slot))])[0]
             log.warning("rank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
@@ -139,6 +173,10 @@ class Recoverer:
         if now < self._next_watch:
             return
         self._next_watch = now + WATCH_S
+        if self.limits.warm_spare and (self._spare is None or self._spare.poll() is not None) \
+                and all(self._store.ready(s) for s in self.members) \
+                and (self.generation == 0 or self._store.recovered(self.generation)):
+            self._start_spare()
         for slot in self.members:
             child = children[slot]
             if child.returncode is not None or not self._store.ready(slot):

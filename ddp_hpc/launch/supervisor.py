@@ -108,6 +108,9 @@ class InJob(Protocol):
     def watch(self, children: list[subprocess.Popen]) -> None:
         """Called on every look at the children: may kill a frozen one."""
 
+    def close(self) -> None:
+        """The attempt ended: end what it started beside the children (a warm spare)."""
+
 
 class Supervisor:
     """Attempts of a launch under one ``RestartPolicy``; ``run()`` returns the launch's status."""
@@ -140,6 +143,9 @@ class Supervisor:
             except BaseException:  # e.g. a replacement that could not start: no rank outlives its supervisor
                 self._end_running(signal.SIGTERM)
                 raise
+            finally:
+                if self.in_job is not None:
+                    self.in_job.close()
             decision = self.policy.decide(status, attempt, stop_requested=self.stop_signal is not None)
             if not decision.restart:
                 return decision.status
