@@ -12,9 +12,10 @@ Each arm runs the same loop (``bench/goodput_loop.py``: the same steps, a checkp
 - ``requeue``: ``ddp-hpc launch --max-restarts 0`` in a loop (the launch ends; a new one
   resumes from the checkpoint, as a requeued job does, without the scheduler's queue wait).
 
-Faults come at a fixed rate: the k-th is due ``k * interval_s`` after the arm's start, and
-is sent once every rank has completed a step since the previous one (a fault lands in
-training, not in a recovery). Which rank, and whether it is killed (SIGKILL) or frozen
+Faults come at a fixed rate: the k-th is due ``k * interval_s`` after training started
+(every rank completed a step; the start-up before it counts in the wall time all the
+same), and is sent once every rank has completed a step since the previous fault (a fault
+lands in training, not in a recovery). Which rank, and whether it is killed (SIGKILL) or frozen
 (SIGSTOP, found by ``--hang-timeout``), come from one seeded schedule, the same for every
 arm. The arms alternate round by round (a, b, c, a, b, c, ...). ``bench/goodput.py``
 computes the figures from the ranks' logs.
@@ -192,6 +193,7 @@ def run_arm(arm: str, plan: GoodputPlan, run_dir: Path, progress) -> ArmLogs:
     started = launches[0].started
     stop_at = started + plan.duration_s
     faults: list[Fault] = []
+    training: float | None = None
     while time.time() < stop_at:
         time.sleep(0.1)
         follower.poll()
@@ -202,7 +204,10 @@ def run_arm(arm: str, plan: GoodputPlan, run_dir: Path, progress) -> ArmLogs:
             launches.append(Launch(_launch_argv(arm, plan, run_dir), _environment(len(launches)), output))
             progress(f"{arm}: launch {len(launches) - 1} started (requeue)")
             continue
-        due = started + (len(faults) + 1) * plan.interval_s
+        if training is None:
+            training = time.time() if follower.training_since(0.0, plan.world_size) else None
+            continue
+        due = training + (len(faults) + 1) * plan.interval_s
         if time.time() < due or len(faults) >= len(schedule):
             continue
         live = follower.training_since(faults[-1].at if faults else 0.0, plan.world_size)
