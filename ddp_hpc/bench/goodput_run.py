@@ -272,6 +272,25 @@ def format_table(section: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(section: dict[str, Any]) -> str:
+    """The same figures as markdown tables (docs/performance.md)."""
+    out = ["| arm | goodput | faults | median kill -> next step (s) | median kill -> progress (s) | "
+           "steps counted / completed | wall (s) |", "|---|---|---|---|---|---|---|"]
+    for run in section["runs"]:
+        r = run["result"]
+        out.append(f"| {run['arm']} | **{r['goodput']:.3f}** | {len(r['faults'])} | "
+                   f"**{_fmt(r['median_kill_to_next_step_s'])}** | {_fmt(r['median_kill_to_progress_s'])} | "
+                   f"{r['counted_steps']} / {r['completed_steps']} | {r['wall_s']:.0f} |")
+    out += ["", "| arm | # | rank | detect | re-form | transfer | redo (steps) | kill -> next step | "
+                "kill -> progress |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in section["runs"]:
+        for index, f in enumerate(run["result"]["faults"]):
+            out.append(f"| {run['arm']} | {index + 1} | {f['slot']} | {_fmt(f['detect_s'])} | {_fmt(f['reform_s'])} | "
+                       f"{_fmt(f['transfer_s'])} | {_fmt(f['redo_s'])} ({f['steps_redone']}) | "
+                       f"{_fmt(f['kill_to_next_step_s'])} | {_fmt(f['kill_to_progress_s'])}{_note(run['arm'], f)} |")
+    return "\n".join(out) + "\n"
+
+
 def _note(arm: str, fault: dict[str, Any]) -> str:
     if fault["kill_to_next_step_s"] is None:
         return "  [no step completed after it before the next fault or the stop]"
@@ -335,8 +354,10 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
                        "own duration, checkpoint saves excluded) over the arm's wall time; per fault: detect, "
                        "re-form, transfer, redo measured from the ranks' logs and the launch (bench/goodput.py)"}
     merge_into(output, {"goodput": section})
+    tables = workdir / f"{stamp}.md"
+    tables.write_text(format_markdown(section))
     print(format_table(section))
-    print(f"\nresults: {output} (logs in {workdir})")
+    print(f"\nresults: {output}, tables in {tables} (the ranks' logs beside it)")
     return section
 
 
