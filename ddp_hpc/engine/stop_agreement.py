@@ -80,6 +80,12 @@ class StopAgreement:
                      policy.describe_margin())
 
     @property
+    def reason(self) -> str:
+        """Why the ranks stopped, as the stop lines say it: "ahead of the job deadline" (rank
+        0 predicted the deadline) or "on request" (a signal or ``request()`` on any rank)."""
+        return "ahead of the job deadline" if self._by_deadline else "on request"
+
+    @property
     def exit_status(self) -> ExitStatus:
         """75 (EX_TEMPFAIL: requeue me, as rendered scripts and submitit read it) after a stop, else 0."""
         return ExitStatus.REQUEUE if self.stopped else ExitStatus.OK
@@ -176,7 +182,6 @@ class StopAgreement:
         if self.checkpointer is not None:
             self.checkpointer.save_step(wait=True)  # no rank exits before the checkpoint is whole on disk
         if self.group.is_rank_zero and not quiet:
-            log.warning("stopped %s at step %d%s: rerun or requeue to resume",
-                        "ahead of the job deadline" if self._by_deadline else "on request", self._step(),
+            log.warning("stopped %s at step %d%s: rerun or requeue to resume", self.reason, self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")
         return True

@@ -189,8 +189,8 @@ class Trainer:
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
                 if self.ctx.is_rank_zero:
-                    log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
-                                "the job to resume", self.progress.epoch + 1, self.progress.global_step)
+                    log.warning("stopped %s at epoch %d, step %d: checkpoint saved; rerun or requeue the job "
+                                "to resume", self.stop.reason, self.progress.epoch + 1, self.progress.global_step)
                 self.callbacks.on_stopped(self)
                 if self.ctx.is_rank_zero:
                     self.run.mark_preempted()
