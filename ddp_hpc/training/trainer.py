@@ -191,9 +191,7 @@ class Trainer:
                 if self.ctx.is_rank_zero:
                     log.warning("stopped %s at epoch %d, step %d: checkpoint saved; rerun or requeue the job "
                                 "to resume", self.stop.reason, self.progress.epoch + 1, self.progress.global_step)
-                self.callbacks.on_stopped(self)
-                if self.ctx.is_rank_zero:
-                    self.run.mark_preempted()
+                self.callbacks.on_stopped(self)  # rank 0's stop marker for a batch script: StopAgreement's
                 return self._summary(RunStatus.PREEMPTED, None, write=False)
             test_metrics = self.loop.test()
         summary = self._summary(RunStatus(status), test_metrics)
