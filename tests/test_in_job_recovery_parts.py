@@ -103,7 +103,7 @@ def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is
 
     ranks = LocalRanks(2, [sys.executable, "-c", STOPPABLE_RANK], base_env={**os.environ,
                                                                             "TEST_FOLDER": str(tmp_path)})
-    recoverer = Recoverer(ranks, RecoveryLimits(1))
+    recoverer = Recoverer(ranks, RecoveryLimits(1, hang_s=600))  # no heartbeats here: none is frozen
     supervisor = Supervisor(recoverer.start, RestartPolicy(0), end_grace_s=5, in_job=recoverer)
     statuses: list[int] = []
     runner = threading.Thread(target=lambda: statuses.append(supervisor.run()), daemon=True)
