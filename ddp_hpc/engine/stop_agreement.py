@@ -168,6 +168,12 @@ class StopAgreement:
         (without it, from the end of the first step on)."""
         self.measured.start(self.clock())
 
+    def continue_at(self, step: int) -> None:
+        """In-job recovery: the ranks (a replacement among them) go on after ``step``; the
+        steps are counted from there and the recovery's seconds measured as no step's."""
+        self._steps = step
+        self.start()
+
     def _measure_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.last_save_s != self._last_save_s:
             self._last_save_s = self.checkpointer.last_save_s
