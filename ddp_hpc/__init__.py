@@ -10,6 +10,8 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ddp_hpc import _moved
+
 __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
@@ -19,7 +21,7 @@ _EXPORTS = {
     "process_group": "ddp_hpc.api",
     "command_environment": "ddp_hpc.api",
     "DistEnv": "ddp_hpc.environment.base",
-    "DistContext": "ddp_hpc.distributed",
+    "DistContext": "ddp_hpc.startup.distributed",
     # Training a Job with the Trainer
     "Config": "ddp_hpc.config",
     "load_config": "ddp_hpc.config",
@@ -39,9 +41,9 @@ _EXPORTS = {
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
-    "SubmitRequest": "ddp_hpc.launch.request",
-    "submit": "ddp_hpc.schedulers",
-    "wait": "ddp_hpc.schedulers",
+    "SubmitRequest": "ddp_hpc.specs.request",
+    "submit": "ddp_hpc.schedulers.runner",
+    "wait": "ddp_hpc.schedulers.runner",
     "UserError": "ddp_hpc.errors",
 }
 
@@ -67,10 +69,14 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
+# The module paths of before issue 30's layout still import, with a DeprecationWarning.
+_moved.install()
+
+
 if TYPE_CHECKING:
     from ddp_hpc.api import command_environment, process_group, resolve_env
     from ddp_hpc.config import Config, load_config
-    from ddp_hpc.distributed import DistContext
+    from ddp_hpc.startup.distributed import DistContext
     from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import InJobRecovery
@@ -79,9 +85,9 @@ if TYPE_CHECKING:
     from ddp_hpc.engine.stop_agreement import StopAgreement
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
-    from ddp_hpc.launch.request import SubmitRequest
+    from ddp_hpc.specs.request import SubmitRequest
     from ddp_hpc.stop import record_stop_signals
-    from ddp_hpc.schedulers import submit, wait
+    from ddp_hpc.schedulers.runner import submit, wait
     from ddp_hpc.summary import RunSummary
     from ddp_hpc.training.run_on_rank import TrainOptions, train
     from ddp_hpc.training.job import Datasets, Job, StepOutput

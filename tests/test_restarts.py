@@ -48,9 +48,7 @@ def kill_once(tmp_path) -> str:
             f"params: {{rank: 1, step: 12, marker: '{marker}'}}}}]")
 
 
-# The Trainer under mpich; every launcher's restart of a loop of one's own is
-# tests/test_launch_contract.py's (the same supervisor and policy).
-@pytest.mark.parametrize("launcher", ["mpich"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich"])
 def test_launch_restarts_once_after_a_killed_rank(launcher, reference, tmp_path, request):
     if launcher == "mpich":
         request.getfixturevalue("mpich")
@@ -167,7 +165,7 @@ def test_submitits_checkpoint_hook_returns_as_soon_as_the_command_has_stopped(tm
     import threading
     import time
 
-    from ddp_hpc.launch.request import CommandPayload
+    from ddp_hpc.specs.request import CommandPayload
     from ddp_hpc.schedulers.slurm import in_job
 
     monkeypatch.setattr(in_job, "COMMAND_STOP_WAIT_S", 20)
@@ -208,7 +206,7 @@ def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(
     """Exit 75 is the command's own checkpointed stop (StopAgreement at the job's deadline):
     the task requeues the job and neither submits it again nor leaves its node out, even with
     restarts left."""
-    from ddp_hpc.launch.request import CommandPayload
+    from ddp_hpc.specs.request import CommandPayload
     from ddp_hpc.schedulers.slurm import in_job
 
     requeued, restarted = [], []

@@ -18,7 +18,7 @@ from conftest import REPO, clean_env, ddp_hpc_command, run
 from ddp_hpc.cli import _Parser
 from ddp_hpc.config import load_config
 from ddp_hpc.contract import ExitStatus
-from ddp_hpc.distributed import process_group
+from ddp_hpc.startup.distributed import process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.stop import StopSignal, job_deadline, parse_stop_signal, stop_signal_arg

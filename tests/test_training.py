@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 from conftest import REPO, assert_same_training_state, clean_env, load_last_checkpoint
 from ddp_hpc.config import load_config
 from ddp_hpc.summary import RunSummary
-from ddp_hpc.distributed import process_group
+from ddp_hpc.startup.distributed import process_group
 from ddp_hpc.training import Datasets, Job, StepOutput
 from ddp_hpc.engine.checkpoint_files import load_checkpoint
 from ddp_hpc.engine.sampler import ResumableSampler

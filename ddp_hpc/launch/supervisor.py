@@ -32,7 +32,7 @@ from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.restart import RestartPolicy
-from ddp_hpc.torchrun_env import torchrun_variables
+from ddp_hpc.run.torchrun_env import torchrun_variables
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_hpc.config import Config
-from ddp_hpc.distributed import DistContext
+from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.background_writer import WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat
 from ddp_hpc.engine.liveness import Straggler
