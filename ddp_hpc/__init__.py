@@ -7,10 +7,10 @@ cheap: torch is loaded on first use). docs/api.md describes each with an example
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
-
-from ddp_hpc import _moved
 
 __version__ = "0.1.0"
 
@@ -69,8 +69,47 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-# The module paths of before issue 30's layout still import, with a DeprecationWarning.
-_moved.install()
+#: Old module path -> the module that holds its code now (issue 30's layout). Still imported,
+#: with a DeprecationWarning, by ``_OldPaths``; no file is left at an old path, so git follows
+#: each moved file through history and merges.
+_MOVED = {
+    "ddp_hpc.torchrun_env": "ddp_hpc.run.torchrun_env",
+    "ddp_hpc.python_command": "ddp_hpc.run.python_command",
+    "ddp_hpc.distributed": "ddp_hpc.startup.distributed",
+    "ddp_hpc.rendezvous": "ddp_hpc.startup.rendezvous",
+    "ddp_hpc.fail_fast": "ddp_hpc.startup.fail_fast",
+    "ddp_hpc.links": "ddp_hpc.startup.links",
+    "ddp_hpc.doctor": "ddp_hpc.startup.doctor",
+    "ddp_hpc.launch.request": "ddp_hpc.specs.request",
+    "ddp_hpc.launch.profiles": "ddp_hpc.specs.profiles",
+    "ddp_hpc.launch.sweep": "ddp_hpc.specs.sweep",
+}
+
+
+class _OldPaths:
+    """The import finder and loader of the paths in ``_MOVED``; last on ``sys.meta_path``, so
+    asked only after no file was found. The module it makes takes every name from the new one."""
+
+    @classmethod
+    def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(fullname, cls) if fullname in _MOVED else None
+
+    @staticmethod
+    def create_module(spec: Any) -> None:
+        return None
+
+    @staticmethod
+    def exec_module(module: Any) -> None:
+        new = importlib.import_module(_MOVED[module.__name__])
+        # warnings skips the import machinery's frames: this names the line that imported the old path.
+        warnings.warn(f"{module.__name__} is deprecated: import {new.__name__} instead", DeprecationWarning,
+                      stacklevel=2)
+        module.__doc__ = f"Deprecated: moved to {new.__name__}."
+        module.__getattr__ = lambda name: getattr(new, name)
+
+
+if _OldPaths not in sys.meta_path:
+    sys.meta_path.append(_OldPaths)
 
 
 if TYPE_CHECKING:

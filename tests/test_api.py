@@ -76,9 +76,7 @@ def test_submit_request_build_and_dry_run_from_python(tmp_path):
 
 
 def test_old_module_paths_still_answer_with_a_warning_naming_the_new_one_and_nothing_inside_uses_them():
-    from ddp_hpc._moved import MOVED
-
-    for old, new in MOVED.items():
+    for old, new in ddp_hpc._MOVED.items():
         sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: import {new} instead"):
             shim = importlib.import_module(old)
