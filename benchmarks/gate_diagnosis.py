@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ddp_hpc.bench.store_calls import CountingStore
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
-from ddp_hpc.rendezvous import JOINED_KEY, absent_ranks
+from ddp_hpc.startup.rendezvous import JOINED_KEY, absent_ranks
 
 
 def measure(store: dist.Store, size: int, absent: list[int]) -> str:

@@ -7,6 +7,8 @@ cheap: torch is loaded on first use). docs/api.md describes each with an example
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ _EXPORTS = {
     "process_group": "ddp_hpc.api",
     "command_environment": "ddp_hpc.api",
     "DistEnv": "ddp_hpc.environment.base",
-    "DistContext": "ddp_hpc.distributed",
+    "DistContext": "ddp_hpc.startup.distributed",
     # Training a Job with the Trainer
     "Config": "ddp_hpc.config",
     "load_config": "ddp_hpc.config",
@@ -39,9 +41,9 @@ _EXPORTS = {
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler
-    "SubmitRequest": "ddp_hpc.launch.request",
-    "submit": "ddp_hpc.schedulers",
-    "wait": "ddp_hpc.schedulers",
+    "SubmitRequest": "ddp_hpc.specs.request",
+    "submit": "ddp_hpc.schedulers.runner",
+    "wait": "ddp_hpc.schedulers.runner",
     "UserError": "ddp_hpc.errors",
 }
 
@@ -67,10 +69,53 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
+#: Old module path -> the module that holds its code now (issue 30's layout). Still imported,
+#: with a DeprecationWarning, by ``_OldPaths``; no file is left at an old path, so git follows
+#: each moved file through history and merges.
+_MOVED = {
+    "ddp_hpc.torchrun_env": "ddp_hpc.run.torchrun_env",
+    "ddp_hpc.python_command": "ddp_hpc.run.python_command",
+    "ddp_hpc.distributed": "ddp_hpc.startup.distributed",
+    "ddp_hpc.rendezvous": "ddp_hpc.startup.rendezvous",
+    "ddp_hpc.fail_fast": "ddp_hpc.startup.fail_fast",
+    "ddp_hpc.links": "ddp_hpc.startup.links",
+    "ddp_hpc.doctor": "ddp_hpc.startup.doctor",
+    "ddp_hpc.launch.request": "ddp_hpc.specs.request",
+    "ddp_hpc.launch.profiles": "ddp_hpc.specs.profiles",
+    "ddp_hpc.launch.sweep": "ddp_hpc.specs.sweep",
+}
+
+
+class _OldPaths:
+    """The import finder and loader of the paths in ``_MOVED``; last on ``sys.meta_path``, so
+    asked only after no file was found. The module it makes takes every name from the new one."""
+
+    @classmethod
+    def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(fullname, cls) if fullname in _MOVED else None
+
+    @staticmethod
+    def create_module(spec: Any) -> None:
+        return None
+
+    @staticmethod
+    def exec_module(module: Any) -> None:
+        new = importlib.import_module(_MOVED[module.__name__])
+        # warnings skips the import machinery's frames: this names the line that imported the old path.
+        warnings.warn(f"{module.__name__} is deprecated: import {new.__name__} instead", DeprecationWarning,
+                      stacklevel=2)
+        module.__doc__ = f"Deprecated: moved to {new.__name__}."
+        module.__getattr__ = lambda name: getattr(new, name)
+
+
+if _OldPaths not in sys.meta_path:
+    sys.meta_path.append(_OldPaths)
+
+
 if TYPE_CHECKING:
     from ddp_hpc.api import command_environment, process_group, resolve_env
     from ddp_hpc.config import Config, load_config
-    from ddp_hpc.distributed import DistContext
+    from ddp_hpc.startup.distributed import DistContext
     from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
     from ddp_hpc.engine.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import InJobRecovery
@@ -79,9 +124,9 @@ if TYPE_CHECKING:
     from ddp_hpc.engine.stop_agreement import StopAgreement
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
-    from ddp_hpc.launch.request import SubmitRequest
+    from ddp_hpc.specs.request import SubmitRequest
     from ddp_hpc.stop import record_stop_signals
-    from ddp_hpc.schedulers import submit, wait
+    from ddp_hpc.schedulers.runner import submit, wait
     from ddp_hpc.summary import RunSummary
     from ddp_hpc.training.run_on_rank import TrainOptions, train
     from ddp_hpc.training.job import Datasets, Job, StepOutput

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from ddp_hpc.distributed import DistContext, DistributedOptions
-from ddp_hpc.distributed import process_group as _process_group
+from ddp_hpc.startup.distributed import DistContext, DistributedOptions
+from ddp_hpc.startup.distributed import process_group as _process_group
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment import resolve_env as _resolve_env
-from ddp_hpc.torchrun_env import command_environment  # noqa: F401  (public: ddp_hpc.command_environment)
+from ddp_hpc.run.torchrun_env import command_environment  # noqa: F401  (public: ddp_hpc.command_environment)
 
 
 def resolve_env(environ: Mapping[str, str] | None = None, *, host_suffix: str | None = None) -> DistEnv:

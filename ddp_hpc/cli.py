@@ -90,8 +90,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from ddp_hpc.distributed import DistributedOptions, process_group
-    from ddp_hpc.doctor import run_doctor
+    from ddp_hpc.startup.distributed import DistributedOptions, process_group
+    from ddp_hpc.startup.doctor import run_doctor
 
     console = ConsoleFilter.from_environment(args.console_ranks, os.environ)
     options = DistributedOptions(device=args.device, backend=args.backend,
@@ -102,7 +102,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         if ctx.is_rank_zero:
             print(report, flush=True)
         if args.links and healthy:
-            from ddp_hpc.links import format_links, measure_links
+            from ddp_hpc.startup.links import format_links, measure_links
 
             hosts = ctx.all_gather_object(socket.gethostname())
             plan, verdict, elapsed = measure_links(ctx, hosts, message_bytes=int(args.link_mib * 2**20),
@@ -141,8 +141,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> NoReturn:
-    from ddp_hpc.torchrun_env import command_environment
-    from ddp_hpc.python_command import runner_argv
+    from ddp_hpc.run.torchrun_env import command_environment
+    from ddp_hpc.run.python_command import runner_argv
 
     launch = command_environment(args.command, device=args.device, backend=args.backend,
                                  host_suffix=args.host_suffix)
@@ -416,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_cmd_run)
 
-    from ddp_hpc.schedulers import backends, commands, families, run_opts
+    from ddp_hpc.schedulers import commands
+    from ddp_hpc.schedulers.registry import backends, families, run_opts
 
     for verb, func, help_text in (
             ("render", commands.cmd_render, "write the batch script for a scheduler (nothing is submitted)"),
@@ -620,7 +621,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _with_rank(args: argparse.Namespace, message: str) -> str:
     """Commands that run on every rank say which rank and host an error comes from."""
-    from ddp_hpc.fail_fast import with_rank
+    from ddp_hpc.startup.fail_fast import with_rank
 
     return with_rank(message) if getattr(args, "exit_without_teardown", False) else message
 
@@ -637,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
-        from ddp_hpc.fail_fast import end_job
+        from ddp_hpc.startup.fail_fast import end_job
 
         end_job(code)  # where the launcher would let the other ranks wait (MPICH's Hydra, plain srun)
         os._exit(code)

@@ -150,8 +150,8 @@ CSV_METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
 #: Each rank's log file (``rank-00003.log``), appended by every attempt.
 RANK_LOG_DIR = "logs"
-#: Written by rank 0 when the ranks stopped on request after a checkpoint: a batch script
-#: whose ranks' REQUEUE reached it as SIGTERM (``srun --kill-on-bad-exit``) reads it.
+#: Written by rank 0 (``StopAgreement``) when the ranks stopped after a checkpoint: a batch
+#: script whose ranks' REQUEUE reached it as SIGTERM (``srun --kill-on-bad-exit``) reads it.
 PREEMPTED_MARKER = "preempted"
 #: The newest submission of the run, and every one of them (one JSON line each).
 SUBMISSION_FILE = "submission.json"

@@ -1,36 +1,45 @@
-"""examples/plain_ddp.py with in-job recovery: a lost or frozen rank is replaced while the
-others stay up, and training goes on from the survivors' memory (no checkpoint, no restart).
+"""examples/resumable_loop.py's parts with in-job recovery: a lost or frozen rank is replaced
+while the others stay up, and training goes on from the survivors' memory (no checkpoint
+read, no restart); the checkpoints and the agreed stop go on as before.
 
     ddp-hpc launch --nproc 4 --recover 2 -- python examples/recovering_loop.py
     ddp-hpc launch --nproc 4 --recover 1 --shrink -- python examples/recovering_loop.py
 
 Kill one rank (``kill -9``) or freeze it (``kill -STOP``) while it trains: the launch starts
 a replacement, every rank continues at the step that failed. Under any other launcher it
-trains as plain DDP and a failure ends the job (the launcher's restart takes over).
+trains as plain DDP and a failure ends the job (the launcher's restart resumes from the
+newest checkpoint). SIGUSR2/SIGTERM stop every rank at the same step with a checkpoint (exit 75).
 
-Settings (environment): RUN_DIR (default runs/recovering_loop; recoveries are recorded in
-its record/), EPOCHS (default 3), STEP_DELAY_S (a pause after each step, to watch it).
+Settings (environment): RUN_DIR (default runs/recovering_loop: checkpoints every 5 steps,
+recoveries in its record/), EPOCHS (default 3), STEP_DELAY_S (a pause after each step, to
+watch it), STOP_AT_STEP (the rank in slot 3 requests a stop after that step, as a signal would).
 At the end each rank writes RUN_DIR/final/rank-<N>.pt (weights, optimizer state, RNG
-streams, step) and RUN_DIR/samples/rank-<N>.txt (a line a step: pid, group generation, step, sample ids).
+streams, step, the checkpoint it resumed from) and RUN_DIR/samples/rank-<N>.txt (a line a
+step: pid, group generation, step, sample ids).
 """
 
-import os
-import time
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-from sklearn.datasets import load_digits
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
 import ddp_hpc
-from ddp_hpc.engine.rng import capture_rng, seed_everything
+
+ddp_hpc.record_stop_signals()  # before the heavy imports: a stop that comes early is kept
+
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ddp_hpc.engine.rng import capture_rng, seed_everything  # noqa: E402
 
 
 def main() -> None:
     run_dir = Path(os.environ.get("RUN_DIR", "runs/recovering_loop"))
     epochs, delay = int(os.environ.get("EPOCHS", "3")), float(os.environ.get("STEP_DELAY_S", "0"))
+    stop_at = int(os.environ.get("STOP_AT_STEP", "0"))
     recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir)  # in place of dist.init_process_group
     slot = recovery.slot  # this rank's place in the launch (its rank may change after a shrink)
 
@@ -43,6 +52,12 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     sampler = ddp_hpc.ResumableSampler(train_set, shuffle=True, seed=0, batch_size=32)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, generator=torch.Generator())
+    checkpointer = ddp_hpc.Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
+                                        every_n_steps=5)
+    stop = ddp_hpc.StopAgreement(checkpointer)
+    stop.handle_signals()
+    if not recovery.joining:  # a replacement takes its state from the survivors
+        checkpointer.restore()
     (run_dir / "samples").mkdir(parents=True, exist_ok=True)
     samples = (run_dir / "samples" / f"rank-{slot}.txt").open("a")
 
@@ -54,18 +69,27 @@ def main() -> None:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(ddp_model(x), y).backward()  # dropout draws from the RNG
                 optimizer.step()
-                recovery.step_done()
+                recovery.step_done()  # in place of checkpointer.step_done(): counts, saves every 5 steps
                 samples.write(f"{os.getpid()} {recovery.generation} {recovery.step} {' '.join(map(str, ids.tolist()))}\n")
                 samples.flush()
+                if slot == 3 and recovery.step == stop_at:
+                    stop.request()
+                if stop.now():
+                    return
                 time.sleep(delay)
 
-    recovery.run(train, model=model, optimizer=optimizer, sampler=sampler)
+    recovery.run(train, model=model, optimizer=optimizer, sampler=sampler, checkpointer=checkpointer,
+                 stop=stop)
+    checkpointer.save(wait=True)
     (run_dir / "final").mkdir(exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": capture_rng(),
                 "step": recovery.step, "world_size": dist.get_world_size(), "pid": os.getpid(),
-                "recoveries": len(recovery.recoveries)}, run_dir / "final" / f"rank-{slot}.pt")
+                "recoveries": len(recovery.recoveries),
+                "resumed": str(checkpointer.resumed.path) if checkpointer.resumed else None},
+               run_dir / "final" / f"rank-{slot}.pt")
     print(f"rank {slot}: step {recovery.step}, {len(recovery.recoveries)} recoveries\n", end="", flush=True)
     recovery.close()
+    sys.exit(stop.exit_status)
 
 
 if __name__ == "__main__":

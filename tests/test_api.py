@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import subprocess
@@ -72,3 +73,16 @@ def test_submit_request_build_and_dry_run_from_python(tmp_path):
     with pytest.warns(DeprecationWarning, match="ddp_hpc.JobRequest is now ddp_hpc.SubmitRequest"):
         assert ddp_hpc.JobRequest is ddp_hpc.SubmitRequest
     assert "JobRequest" not in ddp_hpc.__all__
+
+
+def test_old_module_paths_still_answer_with_a_warning_naming_the_new_one_and_nothing_inside_uses_them():
+    for old, new in ddp_hpc._MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: import {new} instead"):
+            shim = importlib.import_module(old)
+        public = [n for n in vars(importlib.import_module(new)) if not n.startswith("__")]
+        assert public and all(getattr(shim, n) is getattr(importlib.import_module(new), n) for n in public)
+    # The package, the CLI and the scheduler side import only the new paths (without torch: cheap).
+    probe = ("import ddp_hpc, ddp_hpc.cli, ddp_hpc.schedulers, ddp_hpc.schedulers.commands, ddp_hpc.launch.hosts, "
+             "ddp_hpc.launch.local, ddp_hpc.launch.recovering")
+    subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", probe], check=True)

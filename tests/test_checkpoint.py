@@ -357,7 +357,7 @@ PRESPLIT_CONFIG = ["job.name=synthetic", "job.params.samples=40", "job.params.va
 
 def _fit_synthetic(tmp_path: Path, name: str, overrides: list[str], callbacks=(), before_fit=None):
     from ddp_hpc.config import load_config
-    from ddp_hpc.distributed import process_group
+    from ddp_hpc.startup.distributed import process_group
     from ddp_hpc.training.run_folder import RunFolder
     from ddp_hpc.training.job import create_job
     from ddp_hpc.training.trainer import Trainer

@@ -14,7 +14,7 @@ from conftest import FAST_WAIT, REPO, clean_env, ddp_hpc_command, run
 from ddp_hpc.device import DeviceChoice
 from ddp_hpc.environment import DistEnv, resolve_env
 from ddp_hpc.errors import UserError
-from ddp_hpc.torchrun_env import omp_threads, worker_environment
+from ddp_hpc.run.torchrun_env import omp_threads, worker_environment
 
 PLAIN = str(REPO / "examples" / "plain_ddp.py")
 WITH_API = str(REPO / "examples" / "with_api.py")

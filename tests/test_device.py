@@ -155,7 +155,7 @@ def test_a_host_without_gpu_device_files_is_answered_without_torch_and_as_torch_
                     == select_device(device, backend, host=TorchHost(), env={}))
     for device, backend in (("cuda", "auto"), ("xpu", "auto"), ("auto", "nccl"), ("cpu", "ccl")):
         assert isinstance(probe_host(device, backend), TorchHost), (device, backend)
-    probe = ("import sys; from ddp_hpc.torchrun_env import command_environment; "
+    probe = ("import sys; from ddp_hpc.run.torchrun_env import command_environment; "
              "launch = command_environment(['true'], environ={'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', "
              "'LOCAL_WORLD_SIZE': '1', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': '29500'}); "
              "print('torch' in sys.modules, launch.exported.get('DDP_HPC_DEVICE'))")

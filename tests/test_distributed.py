@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.distributed import DistributedOptions, bind_listener, end_process_group, process_group
+from ddp_hpc.startup.distributed import DistributedOptions, bind_listener, end_process_group, process_group
 from ddp_hpc.environment.ports import free_port
-from ddp_hpc.doctor import RankReport, check_all_reduce, check_parameter_sync, find_problems, format_table
+from ddp_hpc.startup.doctor import RankReport, check_all_reduce, check_parameter_sync, find_problems, format_table
 from ddp_hpc.errors import UserError
 
 

@@ -59,6 +59,20 @@ def test_a_stop_names_what_caused_it_the_deadline_or_a_request(caplog):
                      "stopped on request at step 1: rerun or requeue to resume"], stops
 
 
+def test_rank_0_leaves_the_stop_marker_a_batch_script_reads(tmp_path, monkeypatch):
+    """Under srun --kill-on-bad-exit or torchrun, a loop's 75 reaches the rendered script as
+    another status; $DDP_HPC_RUN_FOLDER/preempted (newer than the attempt) tells it the ranks
+    stopped, so it requeues instead of restarting (docs/run.md). The Trainer's stop and a
+    loop of one's own both go through StopAgreement.now()."""
+    monkeypatch.setenv("DDP_HPC_RUN_FOLDER", str(tmp_path / "run"))
+    stop = ddp_hpc.StopAgreement(deadline=None)
+    assert not stop.now() and not (tmp_path / "run" / "preempted").exists()  # no stop: no marker
+    stop.request()
+    assert stop.now() and (tmp_path / "run" / "preempted").is_file()
+    monkeypatch.delenv("DDP_HPC_RUN_FOLDER")
+    assert ddp_hpc.StopAgreement(deadline=None).marker is None  # outside a rendered script: none
+
+
 class _ThreadRank:
     """One of two ranks played by threads of this process: ``all_reduce`` meets the other's values."""
 

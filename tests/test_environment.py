@@ -189,8 +189,8 @@ def test_the_job_is_named_once_by_the_launcher_class(capsys):
     from ddp_hpc.device import DeviceChoice
     from ddp_hpc.environment import derive_port, detect_launcher
     from ddp_hpc.schedulers.commands import cmd_port
-    from ddp_hpc.rendezvous import job_identity
-    from ddp_hpc.torchrun_env import worker_environment
+    from ddp_hpc.startup.rendezvous import job_identity
+    from ddp_hpc.run.torchrun_env import worker_environment
 
     env = {**rec.OPENMPI_IN_SBATCH_RANK1, "SLURM_JOB_ID": "41", "PBS_JOBID": "41.pbs", "MASTER_ADDR": "n1"}
     launcher = detect_launcher(env)

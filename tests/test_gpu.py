@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO, assert_same_training_state, ddp_hpc_command, run
 from ddp_hpc.config import load_config
-from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.startup.distributed import DistributedOptions, process_group
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.training import Callback
 from ddp_hpc.engine.checkpoint_files import load_checkpoint

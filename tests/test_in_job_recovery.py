@@ -1,5 +1,6 @@
-"""In-job recovery (issue 31): 4 ranks of examples/recovering_loop.py under
-``ddp-hpc launch --recover``; one rank is killed or frozen mid-epoch."""
+"""In-job recovery (issue 31): 4 ranks of examples/recovering_loop.py (a Checkpointer every
+5 steps and a StopAgreement beside InJobRecovery) under ``ddp-hpc launch --recover``; one
+rank is killed or frozen mid-epoch."""
 
 import json
 import os
@@ -24,9 +25,10 @@ SETTINGS = {"EPOCHS": "1", "STEP_DELAY_S": "0.3"}
 LAUNCH_TIMEOUT_S = 500
 
 
-def launch(run_dir: Path, *flags: str) -> subprocess.Popen:
+def launch(run_dir: Path, *flags: str, settings: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([*ddp_hpc_command(), "launch", "--nproc", str(RANKS), *flags, "--", "python", EXAMPLE],
-                            env=clean_env({**SETTINGS, "RUN_DIR": str(run_dir)}), cwd=REPO,
+                            env=clean_env({**SETTINGS, **(settings or {}), "RUN_DIR": str(run_dir)}),
+                            cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its ranks too can be ended at once
 
@@ -41,14 +43,14 @@ def steps(run_dir: Path, slot: int) -> list[tuple[int, int, int, list[int]]]:
     return rows
 
 
-def finish(process: subprocess.Popen) -> str:
+def finish(process: subprocess.Popen, status: int = 0) -> str:
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # the launch and every rank, a frozen one included
         output, _ = process.communicate()
         pytest.fail(f"the launch did not end in {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-4000:]
+    assert process.returncode == status, output[-4000:]
     return output
 
 
@@ -58,19 +60,30 @@ def final(run_dir: Path, slot: int) -> dict:
     return torch.load(run_dir / "final" / f"rank-{slot}.pt", weights_only=True)
 
 
-def lose_a_rank(run_dir: Path, signum: int, *flags: str) -> tuple[dict[int, int], float, str]:
-    """Launch, let rank 2 complete 3 steps, send it ``signum``; the pids before, the
-    moment of the signal and the launch's output."""
-    process = launch(run_dir, "--recover", "1", *flags)
+def lose_a_rank(run_dir: Path, signum: int, *flags: str, lost: int = LOST, status: int = 0,
+                settings: dict[str, str] | None = None) -> tuple[dict[int, int], float, str]:
+    """Launch, let rank ``lost`` complete 3 steps, send it ``signum``; the pids before, the
+    moment of the signal and the launch's output (which ends with ``status``)."""
+    process = launch(run_dir, "--recover", "1", *flags, settings=settings)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while len(steps(run_dir, LOST)) < 3:
+    while len(steps(run_dir, lost)) < 3:
         assert process.poll() is None, process.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, "rank 2 never completed 3 steps"
+        assert time.monotonic() < deadline, f"rank {lost} never completed 3 steps"
         time.sleep(0.1)
     pids = {slot: steps(run_dir, slot)[-1][0] for slot in range(RANKS)}
     sent_at = time.time()
-    os.kill(pids[LOST], signum)
-    return pids, sent_at, finish(process)
+    os.kill(pids[lost], signum)
+    return pids, sent_at, finish(process, status)
+
+
+def checkpoint(run_dir: Path, step: int) -> dict:
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)
+
+
+def rank_parts(run_dir: Path, step: int) -> list[str]:
+    return sorted(path.name for path in (run_dir / "checkpoints" / f"step-{step:08d}.ranks").iterdir())
 
 
 def kill_to_next_step(record: dict, sent_at: float) -> float:
@@ -85,11 +98,11 @@ def recovery_record(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
-    """The same launch, nothing lost."""
+    """The same launch, nothing lost: each rank's final state, and the checkpoint of step 10."""
     run_dir = tmp_path_factory.mktemp("reference")
     finish(launch(run_dir, "--recover", "1"))
     assert not (run_dir / "record").exists()
-    return [final(run_dir, slot) for slot in range(RANKS)]
+    return [final(run_dir, slot) for slot in range(RANKS)] + [checkpoint(run_dir, 10)]
 
 
 def assert_same_values(expected, actual, where: str) -> None:
@@ -116,11 +129,19 @@ def assert_recovered_in_place(run_dir: Path, pids: dict[int, int], reference: li
         assert state["step"] == reference[slot]["step"]
         assert_same_model_and_optimizer(reference[slot], state)
         assert_same_values(reference[slot]["rng"], state["rng"], f"rank {slot}'s RNG")
+        assert state["resumed"] is None  # nothing came from disk: no rank restored a checkpoint
     record = recovery_record(run_dir)
     assert record["rank"] == LOST and record["replaced"] and record["world_size"] == RANKS
     assert sent_at < record["detected_at"] and 0 < record["recover_s"] < time.time() - sent_at
-    # Nothing came from disk: the example keeps no checkpoint, and only its final states were written.
-    assert sorted(path.name for path in run_dir.rglob("*.pt")) == [f"rank-{slot}.pt" for slot in range(RANKS)]
+    # The checkpoints after the recovery: at the cadence's steps, the state the run without a loss had there.
+    assert record["step"] < 10
+    assert sorted(path.name for path in (run_dir / "checkpoints").glob("step-*.pt")) == [
+        "step-00000005.pt", "step-00000010.pt", "step-00000012.pt"]
+    expected, written = reference[RANKS], checkpoint(run_dir, 10)
+    assert (written["step"], written["world_size"]) == (10, RANKS)
+    assert_same_model_and_optimizer(expected, written)
+    assert written["sampler"] == expected["sampler"] and written["progress"] == expected["progress"]
+    assert rank_parts(run_dir, 10) == [f"rank-{rank:05d}.pt" for rank in range(RANKS)]
     return record
 
 
@@ -144,19 +165,42 @@ def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm
                    f"s from the stop to the next completed step ({record['recover_s']:.1f} s after the launch ended it)")
 
 
-def test_shrinking_goes_on_with_3_ranks_and_trains_every_sample_of_the_epoch_once(tmp_path):
-    pids, _, _ = lose_a_rank(tmp_path, signal.SIGKILL, "--shrink")
+def test_shrinking_goes_on_with_3_ranks_renumbered_checkpoints_stops_and_trains_every_sample_once(tmp_path):
+    """Rank 0 is lost: slots 1-3 go on as ranks 0-2, the new rank 0 writes the checkpoint of
+    step 10, where a stop requested by one rank (slot 3) stops all three; the checkpoint's
+    sampler deals the rest of the epoch out so that every sample is trained exactly once."""
+    import torch.utils.data
+
+    from ddp_hpc import ResumableSampler
+
+    lost = 0
+    pids, _, output = lose_a_rank(tmp_path, signal.SIGKILL, "--shrink", lost=lost, status=75,
+                                  settings={"STOP_AT_STEP": "10"})
     record = recovery_record(tmp_path)
-    assert record["rank"] == LOST and not record["replaced"] and record["world_size"] == RANKS - 1
+    assert record["rank"] == lost and not record["replaced"] and record["world_size"] == RANKS - 1
+    assert record["step"] < 10
     trained: dict[tuple[int, int], list[int]] = {}
     for slot in range(RANKS):
         for pid, _, step, ids in steps(tmp_path, slot):
             assert pid == pids[slot]
-            if slot == LOST and step > record["step"]:
+            if slot == lost and step > record["step"]:
                 continue  # its steps past the one every rank went on from were redone by the others
             trained[slot, step] = ids  # a step redone after the recovery counts once, as redone
-    assert not (tmp_path / "final" / f"rank-{LOST}.pt").exists()
-    assert {final(tmp_path, slot)["world_size"] for slot in range(RANKS) if slot != LOST} == {RANKS - 1}
-    counts = Counter(sample for ids in trained.values() for sample in ids)
+    assert not (tmp_path / "final" / f"rank-{lost}.pt").exists()
+    survivors = [final(tmp_path, slot) for slot in range(RANKS) if slot != lost]
+    assert {(state["world_size"], state["step"]) for state in survivors} == {(RANKS - 1, 10)}
+    assert "stopped on request at step 10 with a checkpoint" in output
+    # The stop's checkpoint: by the new rank 0 (slot 1), of 3 ranks, each rank's part under its new rank.
+    saved = checkpoint(tmp_path, 10)
+    assert (saved["step"], saved["world_size"]) == (10, RANKS - 1)
+    assert rank_parts(tmp_path, 10) == [f"rank-{rank:05d}.pt" for rank in range(RANKS - 1)]
+    assert max(step for _, step in trained) == 10
+    rest = []  # what a resume on 3 ranks trains of the epoch
+    for rank in range(RANKS - 1):
+        sampler = ResumableSampler(torch.utils.data.TensorDataset(torch.arange(1500)), num_replicas=RANKS - 1,
+                                   rank=rank, batch_size=32)
+        sampler.load_state_dict(saved["sampler"])
+        rest.extend(sampler)
+    counts = Counter([sample for ids in trained.values() for sample in ids] + rest)
     assert sorted(counts) == list(range(1500))
     assert set(counts.values()) == {1}

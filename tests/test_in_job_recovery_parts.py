@@ -98,3 +98,117 @@ def test_a_replacement_takes_the_lost_ranks_streams_of_the_step_before_only_wher
     assert not survivor._drew_nothing(7)  # torch.rand above drew between its copies
     survivor._rng = {6: after, 7: capture_rng()}
     assert survivor._drew_nothing(7) and not survivor._drew_nothing(8)
+
+
+#: A rank that stops (75) on SIGUSR2. A replacement installs its handler only once told to
+#: (a file), as one still importing torch has none yet: a SIGUSR2 before it would end it.
+STOPPABLE_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(os.environ["TEST_FOLDER"])
+if os.environ.get("DDP_HPC_RECOVERY_GENERATION"):
+    while not (folder / "go").exists():
+        time.sleep(0.02)
+signal.signal(signal.SIGUSR2, lambda *_: sys.exit(75))
+(folder / f"armed-{os.getpid()}").write_text("")
+time.sleep(60)
+sys.exit(1)
+"""
+
+
+def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is_up(tmp_path):
+    """The launch's logic in this process (ranks are small Python processes, no torch): rank 1
+    is killed, its replacement started; a stop then goes to rank 0 at once and to the
+    replacement only once it has started InJobRecovery (its ready key), so nothing ends
+    it and the launch ends with 75 (stopped on request)."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from ddp_hpc.engine.recovery_store import ready_key
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+    from ddp_hpc.launch.restart import RestartPolicy
+    from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
+
+    def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    def armed(child) -> bool:
+        return (tmp_path / f"armed-{child.pid}").exists()
+
+    ranks = LocalRanks(2, [sys.executable, "-c", STOPPABLE_RANK], base_env={**os.environ,
+                                                                            "TEST_FOLDER": str(tmp_path)})
+    recoverer = Recoverer(ranks, RecoveryLimits(1, hang_s=600))  # no heartbeats here: none is frozen
+    supervisor = Supervisor(recoverer.start, RestartPolicy(0), end_grace_s=5, in_job=recoverer)
+    statuses: list[int] = []
+    runner = threading.Thread(target=lambda: statuses.append(supervisor.run()), daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: len(supervisor._children) == 2 and all(map(armed, supervisor._children)), "ranks up")
+        first = list(supervisor._children)
+        for slot in range(2):  # as InJobRecovery says it runs
+            recoverer._store.store.set(ready_key(slot), "1")
+        first[1].kill()
+        wait_for(lambda: supervisor._children[1] is not first[1], "no replacement started")
+        replacement = supervisor._children[1]
+
+        supervisor.request_stop(signal.SIGUSR2)
+        wait_for(lambda: first[0].poll() is not None, "rank 0 did not get the stop")
+        assert first[0].returncode == 75
+        time.sleep(0.5)
+        assert replacement.poll() is None, "the stop reached the replacement before it could take it"
+
+        (tmp_path / "go").write_text("")
+        wait_for(lambda: armed(replacement), "the replacement never installed its handler")
+        recoverer._store.store.set(ready_key(1), "1")
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+        assert replacement.returncode == 75 and statuses == [75]
+    finally:
+        for child in supervisor._children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+class NotPlain:
+    """An object that torch.load(weights_only=True) refuses to build."""
+
+
+def test_the_state_travels_as_bytes_read_back_weights_only():
+    """What a survivor sends (torch.save into a uint8 tensor) comes back equal on the
+    receiver, read with weights_only=True: an object that is not tensors and plain data is
+    refused in one line instead of being unpickled."""
+    import torch
+
+    from ddp_hpc import ResumableSampler
+    from ddp_hpc.engine.recovery import RecoveryError, state_from_tensor, state_to_tensor
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    sampler = ResumableSampler(torch.utils.data.TensorDataset(torch.arange(10)), num_replicas=2, rank=0,
+                               batch_size=2)
+    sampler.advance()
+    state = {"step": 3, "objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                    "sampler": sampler.state_dict()},
+             "checkpointer": {"step": 3, "saved_step": None, "saved_path": None, "extras": {"best": 0.5}}}
+    payload = state_to_tensor(state)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    received = state_from_tensor(payload.clone())
+    assert received["step"] == 3 and received["checkpointer"] == state["checkpointer"]
+    assert received["objects"]["sampler"] == sampler.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(received["objects"]["model"][key], value)
+    assert torch.equal(received["objects"]["optimizer"]["state"][0]["exp_avg"],
+                       optimizer.state_dict()["state"][0]["exp_avg"])
+
+    with pytest.raises(RecoveryError, match=r"NotPlain.*weights_only=True") as refused:
+        state_from_tensor(state_to_tensor({**state, "extras": NotPlain()}))
+    assert "\n" not in str(refused.value)

@@ -1,9 +1,9 @@
-"""``doctor --links`` arithmetic (ddp_hpc.links): which pairs are measured, what is slow and
+"""``doctor --links`` arithmetic (ddp_hpc.startup.links): which pairs are measured, what is slow and
 which host is named. The measurement across real hosts: tests/test_multihost.py."""
 
 from __future__ import annotations
 
-from ddp_hpc.links import (ALL_PAIRS_MAX_HOSTS, LinkResult, format_links, host_leaders, judge_links,
+from ddp_hpc.startup.links import (ALL_PAIRS_MAX_HOSTS, LinkResult, format_links, host_leaders, judge_links,
                            plan_links)
 
 

@@ -20,7 +20,7 @@ from ddp_hpc.environment.netcheck import (GLOO_IFNAME_VAR, NetworkPlan, check_ne
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 from ddp_hpc.engine.liveness import Heartbeat, describe_ranks, read_counters
-from ddp_hpc.rendezvous import KEYS_PER_REQUEST
+from ddp_hpc.startup.rendezvous import KEYS_PER_REQUEST
 
 NAMES = {"h1": ["198.18.14.11"], "h2": ["198.18.14.12"], "h1-hsn": ["198.18.15.11"],
          "h2-hsn": ["198.18.15.12"], "localhost": ["127.0.0.1"]}

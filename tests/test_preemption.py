@@ -202,6 +202,7 @@ def _stop_requeue_and_resume(tmp_path: Path, runs: Path, job_id: str, submit: su
     # event resolution: in a 1-minute job any time): the deadline the script exported stopped them.
     stopped = re.search(r"job deadline in -?[\d.]+ s\b.*: checkpointing and stopping at step (\d+)", first)
     assert stopped and "received SIGUSR2:" not in first, first[-3000:]
+    assert "stopped ahead of the job deadline at epoch" in first, first[-3000:]
     by = "deadline"
     step = int(stopped.group(1))
     checkpointed = (runs / "deadline" / "checkpoints" / f"step-{step:08d}.pt").stat().st_mtime

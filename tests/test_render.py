@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from conftest import REPO
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.profiles import load_profile
-from ddp_hpc.launch.request import CommandPayload, SubmitRequest, TrainPayload, parse_walltime
+from ddp_hpc.specs.profiles import load_profile
+from ddp_hpc.specs.request import CommandPayload, SubmitRequest, TrainPayload, parse_walltime
 from ddp_hpc.schedulers import dry_run
 from ddp_hpc.schedulers.pbs.render import render_pbs
 from ddp_hpc.schedulers.slurm.render import render_sbatch
@@ -176,7 +176,7 @@ def test_a_bad_training_config_fails_at_render_time():
 @settings(max_examples=200, deadline=None)
 @given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40))
 def test_shell_quote_round_trips_on_one_line(value):
-    from ddp_hpc.launch.request import shell_quote
+    from ddp_hpc.specs.request import shell_quote
 
     quoted = shell_quote(value)
     assert "\n" not in quoted and "\r" not in quoted
@@ -256,7 +256,7 @@ def test_hostile_strings_reach_the_ranks_verbatim_and_run_nothing(tmp_path, stub
 
 
 def test_a_sweep_is_one_array_job_with_an_element_per_combination():
-    from ddp_hpc.launch.sweep import Sweep
+    from ddp_hpc.specs.sweep import Sweep
 
     sweep = Sweep.parse(["training.lr=0.001,0.003", "training.batch_size=32,64"], limit=2)
     req = request("slurm-cpu", nodes=1, sweep=sweep)
@@ -275,7 +275,7 @@ def test_a_sweep_is_one_array_job_with_an_element_per_combination():
 
 
 def test_command_sweep_elements_get_their_index_and_values_as_variables(tmp_path, stub_bin):
-    from ddp_hpc.launch.sweep import Sweep
+    from ddp_hpc.specs.sweep import Sweep
 
     req = SubmitRequest(payload=CommandPayload(("sh", "-c", "true"), run_dir=str(tmp_path / "runs")),
                      profile=load_profile("slurm-cpu"), nodes=1, sweep=Sweep.parse(["lr=0.1,0.2"]))
@@ -294,7 +294,7 @@ def test_command_sweep_elements_get_their_index_and_values_as_variables(tmp_path
 ])
 def test_bad_sweeps_are_refused_before_anything_is_rendered(specs, message):
     from ddp_hpc.errors import UserError
-    from ddp_hpc.launch.sweep import Sweep
+    from ddp_hpc.specs.sweep import Sweep
 
     with pytest.raises(UserError, match=re.escape(message)):
         request("slurm-cpu", nodes=1, sweep=Sweep.parse(specs))

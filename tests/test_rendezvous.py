@@ -11,14 +11,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ddp_hpc import fail_fast
+from ddp_hpc.startup import fail_fast
 from ddp_hpc.bench.store_calls import CountingStore
 from ddp_hpc.contract import ExitStatus
-from ddp_hpc.distributed import DistributedOptions, create_store, process_group
+from ddp_hpc.startup.distributed import DistributedOptions, create_store, process_group
 from ddp_hpc.environment import resolve_env
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.rendezvous import (JOINED_KEY, MARKER_KEY, Absent, RendezvousError, _missing_ranks, absent_ranks,
+from ddp_hpc.startup.rendezvous import (JOINED_KEY, MARKER_KEY, Absent, RendezvousError, _missing_ranks, absent_ranks,
                                 parse_timeout, rank_ranges)
 from launch_records import MPICH_RANK1, OPENMPI_RANK1, SRUN_RANK3, TORCHRUN_RANK1
 
@@ -156,7 +156,7 @@ def test_ranks_that_all_arrive_meet():
 def test_rank_0_serves_its_bound_socket_with_the_store_server_that_torch_version_can_take(monkeypatch, version,
                                                                                           libuv):
     """Before torch 2.8 the libuv server refuses the socket rank 0 binds, so the legacy one serves it."""
-    monkeypatch.setattr("ddp_hpc.distributed.installed", lambda: version)
+    monkeypatch.setattr("ddp_hpc.startup.distributed.installed", lambda: version)
     env = rank_env(0, 1, free_port(), "20")
     store = create_store(resolve_env(env), timedelta(seconds=20), env, 20)
     assert store.libuvBackend is libuv
@@ -232,7 +232,7 @@ def test_error_lines_name_the_rank_and_host_once():
 def test_rank_0_warns_when_ulimit_cannot_hold_two_store_connections_a_rank(monkeypatch):
     import resource
 
-    from ddp_hpc.distributed import descriptor_shortfall
+    from ddp_hpc.startup.distributed import descriptor_shortfall
 
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
     assert descriptor_shortfall(300) is None  # 2 * 300 + 256 = 856 fit

@@ -165,7 +165,7 @@ def test_submitits_checkpoint_hook_returns_as_soon_as_the_command_has_stopped(tm
     import threading
     import time
 
-    from ddp_hpc.launch.request import CommandPayload
+    from ddp_hpc.specs.request import CommandPayload
     from ddp_hpc.schedulers.slurm import in_job
 
     monkeypatch.setattr(in_job, "COMMAND_STOP_WAIT_S", 20)
@@ -206,7 +206,7 @@ def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(
     """Exit 75 is the command's own checkpointed stop (StopAgreement at the job's deadline):
     the task requeues the job and neither submits it again nor leaves its node out, even with
     restarts left."""
-    from ddp_hpc.launch.request import CommandPayload
+    from ddp_hpc.specs.request import CommandPayload
     from ddp_hpc.schedulers.slurm import in_job
 
     requeued, restarted = [], []

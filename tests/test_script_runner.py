@@ -1,4 +1,4 @@
-"""``ddp-hpc run -- python ...`` runs the script through ddp_hpc/script_runner.py: the
+"""``ddp-hpc run -- python ...`` runs the script through ddp_hpc/run/script_runner.py: the
 script sees what the interpreter alone would give it, and a process group it leaves to
 interpreter exit is ended in order afterwards (issue 18: a finished script ends with 0)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, ddp_hpc_command, run
 from ddp_hpc.environment.ports import free_port
-from ddp_hpc.python_command import RUNNER, PythonCommand, parse_python_command, runner_argv
+from ddp_hpc.run.python_command import RUNNER, PythonCommand, parse_python_command, runner_argv
 
 SCRIPTS = REPO / "tests" / "scripts"
 PROBE = "../scripts/runner_probe.py"  # relative and not normalized, as users may type it

@@ -50,9 +50,17 @@ def test_a_packed_venv_runs_from_anywhere_and_is_packed_again_only_when_changed(
     assert os.readlink(copy.path / "lib64") == "lib"
     assert not list((tmp_path / "node-local").glob(".*"))  # no temporary left behind
 
-    (prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" /
-     "new.py").write_text("")
+    site = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    (prefix / site / "new.py").write_text("")
     assert pack_environment(prefix, archive).written
+
+    # A requeued job (same id, so the same node-local folder) replaces the copy it finds with
+    # a fresh one (docs/staging.md): what the old copy held alone is gone, the new module is there.
+    (copy.path / site / "left-by-the-first-attempt.py").write_text("")
+    again = stage_on_node(archive, tmp_path / "node-local", tmp_path / "rdzv", NodeSlot(0, 1, "n1"))
+    assert again.path == copy.path and (again.path / site / "new.py").is_file()
+    assert not (again.path / site / "left-by-the-first-attempt.py").exists()
+    assert not list((tmp_path / "node-local").glob(".*"))
 
 
 def test_five_nodes_get_one_copy_each_over_a_binary_tree(tmp_path):

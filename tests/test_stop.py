@@ -18,7 +18,7 @@ from conftest import REPO, clean_env, ddp_hpc_command, run
 from ddp_hpc.cli import _Parser
 from ddp_hpc.config import load_config
 from ddp_hpc.contract import ExitStatus
-from ddp_hpc.distributed import process_group
+from ddp_hpc.startup.distributed import process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.stop import StopSignal, job_deadline, parse_stop_signal, stop_signal_arg
@@ -169,7 +169,7 @@ def _in_process(tmp_path: Path, overrides: list[str], callbacks, job=None) -> di
         return _trainer(tmp_path, overrides, callbacks, job, ctx).fit()
 
 
-def test_deadline_stop_checkpoints_at_the_last_check_that_leaves_time(tmp_path):
+def test_deadline_stop_checkpoints_at_the_last_check_that_leaves_time(tmp_path, caplog):
     # 60 samples, batch 4: 15 steps per epoch, each 1 s on the fake clock (so is an epoch end).
     clock = FakeClock(start=0.0)
     policy = DeadlinePolicy(deadline=50.0, check_every_n_steps=4, margin_s=3.0)
@@ -190,6 +190,9 @@ def test_deadline_stop_checkpoints_at_the_last_check_that_leaves_time(tmp_path):
         "stopped too early"
     progress = load_checkpoint(tmp_path / "r" / "checkpoints" / "last.pt")["progress"]
     assert progress["global_step"] == step
+    # The Trainer's stop line names the deadline, not a request (issue 32).
+    assert re.search(rf"stopped ahead of the job deadline at epoch \d+, step {step}: checkpoint saved", caplog.text)
+    assert "stopped on request" not in caplog.text
 
 
 class RecordSaves(Callback):

@@ -92,7 +92,7 @@ def test_a_torch_below_the_minimum_is_refused_in_one_line_naming_both_versions(v
 
 
 def test_process_group_refuses_a_torch_below_the_minimum_before_anything_starts(monkeypatch):
-    from ddp_hpc import distributed
+    from ddp_hpc.startup import distributed
     from ddp_hpc.errors import UserError
 
     monkeypatch.setattr(distributed, "installed", lambda: "2.4.1+cu121")

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, clean_env, ddp_hpc_command, require_module
 from ddp_hpc.config import load_config
 from ddp_hpc.config_loader import ConfigError
-from ddp_hpc.distributed import process_group
+from ddp_hpc.startup.distributed import process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.tracking import registry
 from ddp_hpc.tracking.csv_tracker import read_points

@@ -1,0 +1,5 @@
+"""``ddp-hpc bench``: ``runner.py`` (the plan, torchrun launches, the table, JSON, plot),
+``worker.py`` (one process per rank: the Trainer, a hand-written loop, bare start-up,
+all_reduce), ``scale.py`` and ``scale_client.py`` (``--scale``: a simulated world of many
+ranks through the real handshake), ``checkpoint_formats.py``, ``results_file.py`` (the
+``--output`` file, checked before any work). docs/performance.md has the figures."""

@@ -206,7 +206,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
             interval_s: float = DEFAULT_INTERVAL_S, with_bytes: bool = True) -> ScaleRow:
     import torch.distributed as dist
 
-    from ddp_hpc.distributed import create_store
+    from ddp_hpc.startup.distributed import create_store
     from ddp_hpc.engine.liveness import Heartbeat
 
     port = free_port()
@@ -278,7 +278,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
 def _gate_diagnosis(store: Any, world_size: int, absent: list[int]) -> tuple[float, bool]:
     """The join gate's timeout diagnosis at ``world_size``, timed, with ``absent`` taken out of
     the joined keys (they joined to let the run go on): (seconds, whether it named them)."""
-    from ddp_hpc.rendezvous import JOINED_KEY, absent_ranks, rank_ranges
+    from ddp_hpc.startup.rendezvous import JOINED_KEY, absent_ranks, rank_ranges
 
     for rank in absent:
         store.delete_key(f"{JOINED_KEY}/{rank}")

@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ddp_hpc.distributed import create_store
+from ddp_hpc.startup.distributed import create_store
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.engine.liveness import Heartbeat
 

@@ -169,7 +169,7 @@ def _handwritten_fit(args: argparse.Namespace, phases: dict[str, float], tag: st
 
 
 def _ddp_hpc_group():
-    from ddp_hpc.distributed import DistributedOptions, process_group
+    from ddp_hpc.startup.distributed import DistributedOptions, process_group
 
     return process_group(DistributedOptions(backend="gloo", device="cpu"))
 
@@ -234,7 +234,7 @@ def run_stall(args: argparse.Namespace) -> tuple[dict, int]:
     import torch
 
     from ddp_hpc.config import load_config
-    from ddp_hpc.distributed import DistributedOptions, process_group
+    from ddp_hpc.startup.distributed import DistributedOptions, process_group
     from ddp_hpc.training.job import create_job
     from ddp_hpc.training.run_folder import RunFolder
     from ddp_hpc.training.trainer import Trainer

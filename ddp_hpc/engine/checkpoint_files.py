@@ -173,12 +173,18 @@ def _not_a_torch_file(path: Path) -> str | None:
     return None
 
 
+def unsupported_global(exc: pickle.UnpicklingError) -> str | None:
+    """The class a weights-only load refused, from torch's long message (None: another error)."""
+    found = _UNSUPPORTED_GLOBAL.search(str(exc))
+    return found.group(1) if found else None
+
+
 def _why_unreadable(path: Path, exc: BaseException) -> str:
     """Why torch could not read ``path``, in the user's words (torch's own text names its internals)."""
     if isinstance(exc, pickle.UnpicklingError):
-        found = _UNSUPPORTED_GLOBAL.search(str(exc))
+        found = unsupported_global(exc)
         if found:
-            return (f"holds objects other than tensors and plain data ({found.group(1)}) and is refused: "
+            return (f"holds objects other than tensors and plain data ({found}) and is refused: "
                     "checkpoints are read weights-only, never running code from a file")
         return "is unreadable (truncated or corrupt: its contents are not what torch.save writes)"
     try:  # torch's errors on a damaged archive (a RuntimeError, an OSError of a seek past the end) say little

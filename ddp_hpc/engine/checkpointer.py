@@ -426,6 +426,23 @@ class Checkpointer:
         """Where training stands: the step, and the sampler's place in the epoch if there is one."""
         return {**(self._sampler.progress() if self._sampler is not None else {}), "global_step": self.step}
 
+    def bookkeeping(self) -> dict[str, Any]:
+        """Where this Checkpointer stands, as plain data (in-job recovery hands it to a
+        replacement with ``continue_from``): the step, the step saved last and its path, the extras."""
+        return {"step": self.step, "saved_step": self._saved_step,
+                "saved_path": str(self._saved_path) if self._saved_path is not None else None,
+                "extras": dict(self.extras)}
+
+    def continue_from(self, bookkeeping: Mapping[str, Any]) -> None:
+        """Stand where ``bookkeeping`` (another rank's) says, with the objects loaded as they
+        were there: every rank then saves at the same steps (a save is a collective)."""
+        self.step = int(bookkeeping["step"])
+        self._saved_step = bookkeeping["saved_step"]
+        self._saved_path = Path(bookkeeping["saved_path"]) if bookkeeping["saved_path"] is not None else None
+        self.extras.clear()
+        self.extras.update(bookkeeping["extras"])
+        self._epoch_ends, self._owed = False, None  # the step is done again, and says so again
+
     def save(self, *, wait: bool = False, best: bool = False) -> Path:
         """Save now (unless this step is saved already). In the background, training waits
         only for the previous write and a copy to host memory; ``wait``: return once the

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddp_hpc.engine.collectives import CollectivePosition, out_of_step
-from ddp_hpc.rendezvous import store_batches
+from ddp_hpc.startup.rendezvous import store_batches
 
 log = logging.getLogger(__name__)
 

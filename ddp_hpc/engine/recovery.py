@@ -13,29 +13,34 @@ ended by the launch, which closes it):
 3. they form the new group on the store under a fresh prefix (the generation), as torchft
    does for each quorum (``torchft/process_group.py``, ``configure``);
 4. the lowest rank at the lowest step every member completed sends model, optimizer,
-   sampler position and step (``broadcast_object_list``); ranks one step ahead (they
-   finished the failed step's all-reduce before the peer's loss reached them) go back to
-   it, and every rank takes its RNG streams as they were after that step (its own copy; a
-   replacement reads the lost rank's from the store, where each rank leaves them every
-   step);
-5. DDP is wrapped anew on the new group and the training function is called again: it
-   continues from the sampler's position, redoing the step that failed.
+   sampler position and step, and the objects and bookkeeping of the loop's
+   ``Checkpointer`` (``torch.save`` into bytes, broadcast as one uint8 tensor, read with
+   ``torch.load(weights_only=True)``: only tensors and plain data travel); ranks one step
+   ahead (they finished the failed step's all-reduce before the peer's loss reached them)
+   go back to it, and every rank takes its RNG streams as they were after that step (its
+   own copy; a replacement reads the lost rank's from the store, where each rank leaves
+   them every step);
+5. the loop's ``Checkpointer`` and ``StopAgreement`` are pointed at the new group (its
+   rank 0 writes the checkpoints), DDP is wrapped anew on it and the training function is
+   called again: it continues from the sampler's position, redoing the step that failed.
 
 No checkpoint is read and no completed step is lost. Unlike torchft (a quorum and a commit
 vote every step), nothing is added to a step but an RNG copy to the store: the launch that
 started the ranks sees which one ended, so no per-step agreement is needed.
 
-Limits: DDP only (FSDP2's shards exist once; refused). The state travels pickled in one
-broadcast (fine for models of a few GB on one host; larger ones would broadcast tensor by
-tensor). Without a launch that recovers (``ddp-hpc launch --recover``), a failure ends the
-rank as before and the launcher restarts in place.
+Limits: DDP only (FSDP2's shards exist once; refused). The state travels in one
+broadcast, serialized whole on the sender (fine for models of a few GB on one host;
+larger ones would broadcast tensor by tensor). Without a launch that recovers (``ddp-hpc
+launch --recover``), a failure ends the rank as before and the launcher restarts in place.
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
@@ -53,13 +58,16 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_hpc.contract import (RECORD_DIR, RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
                               RECOVERY_WAIT_VAR, atomic_write)
 from ddp_hpc.engine import recovery_store as keys
+from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.rng import capture_rng, restore_rng
+from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -132,6 +140,8 @@ class InJobRecovery:
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._sampler: Any = None
+        self._checkpointer: Checkpointer | None = None
+        self._stop_agreement: StopAgreement | None = None
         self._rng: dict[int, dict[str, Any]] = {}
         self._pending: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -160,20 +170,41 @@ class InJobRecovery:
 
     # ----- the user's loop --------------------------------------------------------------
 
+    @property
+    def joining(self) -> bool:
+        """This process replaces a lost rank: its state comes from the survivors in ``run``
+        (restore no checkpoint before it)."""
+        return self.enabled and self.generation > 0
+
     def run(self, train: Callable[[nn.Module], T], *, model: nn.Module, optimizer: torch.optim.Optimizer,
-            sampler: Any = None) -> T:
+            sampler: Any = None, checkpointer: Checkpointer | None = None,
+            stop: StopAgreement | None = None) -> T:
         """``train(ddp_model)`` until it returns, recovering from lost ranks in between.
 
         ``model`` is the module itself (not wrapped: each group gets its own DDP);
         ``sampler`` a ``ResumableSampler`` whose position ``train`` starts from. ``train``
         calls ``step_done()`` after each optimizer step and is called again after a
         recovery, so it must continue from the sampler's position rather than from scratch.
+
+        ``checkpointer``: the loop's ``Checkpointer`` (holding the bare ``model``): its
+        objects (an LR scheduler, say) and step travel with the state, it follows each new
+        group, and ``step_done`` counts and saves through it (call it in place of
+        ``checkpointer.step_done``). ``stop``: the loop's ``StopAgreement``, which follows
+        each new group too (a stop requested on any rank still stops every rank).
         """
         refuse_sharded(model)
         if isinstance(model, DistributedDataParallel):
             raise UserError("InJobRecovery.run takes the model itself: it wraps it in DDP for each group")
+        if checkpointer is not None and any(isinstance(obj, DistributedDataParallel)
+                                            for obj in checkpointer.objects.values()):
+            raise UserError("InJobRecovery.run: give the Checkpointer the model itself, not its DDP wrapper "
+                            "(each group gets a wrapper of its own)")
         self._model, self._optimizer, self._sampler = model, optimizer, sampler
-        if self.enabled and self.generation:
+        self._checkpointer, self._stop_agreement = checkpointer, stop
+        if checkpointer is not None:
+            self.step = checkpointer.step  # a restored checkpoint's step
+        self._follow_group()
+        if self.joining:
             self._transfer(self._plan(self.generation), joining=True)
         else:
             self._keep_rng()
@@ -194,15 +225,22 @@ class InJobRecovery:
             gc.collect()
             self._recover()
 
-    def step_done(self) -> None:
-        """One optimizer step is complete on this rank: counts it, advances the sampler and
-        leaves this rank's RNG streams where a replacement finds them."""
+    def step_done(self, batches: int = 1, *, epoch_ends: bool = False) -> None:
+        """One optimizer step is complete on this rank: counts it, advances the sampler (or,
+        with a ``checkpointer``, its ``step_done``: the count, its samplers, then its cadence's
+        save) and leaves this rank's RNG streams where a replacement finds them.
+        ``epoch_ends`` as in ``Checkpointer.step_done``."""
         self.step += 1
-        if self._sampler is not None:
-            self._sampler.advance()
+        checkpointer = self._checkpointer
+        if checkpointer is not None:
+            checkpointer.step_done(batches, epoch_ends=epoch_ends, save=False)
+        if self._sampler is not None and not self._advanced_by_checkpointer(self._sampler):
+            self._sampler.advance(batches)
         self._keep_rng()
         if self._pending is not None:
             self._finish_recovery()
+        if checkpointer is not None:  # a collective: a peer lost in it is recovered from this step on
+            checkpointer.save_due()
 
     def close(self) -> None:
         """Stops the heartbeat (the launch no longer watches this rank) and ends the process group."""
@@ -296,6 +334,7 @@ class InJobRecovery:
         """Agree on the step to continue from, send the state from the lowest rank there,
         and take this rank's RNG streams as they were after that step."""
         formed = time.time()
+        self._follow_group()
         mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
         steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(steps, mine)
@@ -306,29 +345,51 @@ class InJobRecovery:
         # rank's streams after it are those after the step before.
         drew_nothing = torch.tensor([1 if joining or self._drew_nothing(step) else 0], dtype=torch.int64)
         dist.all_reduce(drew_nothing, op=dist.ReduceOp.MIN)
-        payload: list[Any] = [self._state() if dist.get_rank() == source else None]
-        dist.broadcast_object_list(payload, src=source)
-        self._load(payload[0])
+        self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source))
         restore_rng(self._rng_after(step, joining, bool(drew_nothing.item())))
         self.step = step
         self._rng = {step: capture_rng()}
+        if self._stop_agreement is not None:
+            self._stop_agreement.continue_at(step)
         self._pending = {"plan": plan, "group_s": formed - plan.detected_at,
                          "transfer_s": time.time() - plan.detected_at}
 
-    def _state(self) -> dict[str, Any]:
+    def _follow_group(self) -> None:
+        """The loop's Checkpointer and StopAgreement act on the group formed last."""
+        view = ProcessGroupView.current()
+        if self._checkpointer is not None:
+            self._checkpointer.group = view
+        if self._stop_agreement is not None:
+            self._stop_agreement.group = view
+
+    def _advanced_by_checkpointer(self, obj: Any) -> bool:
+        held = self._checkpointer.objects.values() if self._checkpointer is not None else ()
+        return any(one is obj for one in held)
+
+    def _objects(self) -> dict[str, Any]:
+        """What travels: model, optimizer, sampler and the Checkpointer's other objects."""
         assert self._model is not None and self._optimizer is not None
-        state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "step": self.step}
-        if self._sampler is not None:
-            state["sampler"] = self._sampler.state_dict()
+        objects = {"model": self._model, "optimizer": self._optimizer, "sampler": self._sampler}
+        if self._checkpointer is not None:
+            for name, obj in self._checkpointer.objects.items():
+                if not any(obj is known for known in objects.values()):
+                    objects[f"checkpointer/{name}"] = obj
+        return {name: obj for name, obj in objects.items() if obj is not None}
+
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.step,
+                                 "objects": {name: obj.state_dict() for name, obj in self._objects().items()}}
+        if self._checkpointer is not None:
+            state["checkpointer"] = self._checkpointer.bookkeeping()
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
-        assert self._model is not None and self._optimizer is not None
-        self._model.load_state_dict(state["model"])
-        self._optimizer.load_state_dict(state["optimizer"])
-        if self._sampler is not None and "sampler" in state:
-            self._sampler.num_replicas, self._sampler.rank = dist.get_world_size(), dist.get_rank()
-            self._sampler.load_state_dict(state["sampler"])
+        for name, obj in self._objects().items():
+            if isinstance(obj, ResumableSampler):  # dealt out over the new group
+                obj.num_replicas, obj.rank = dist.get_world_size(), dist.get_rank()
+            obj.load_state_dict(state["objects"][name])
+        if self._checkpointer is not None:
+            self._checkpointer.continue_from(state["checkpointer"])
 
     def _drew_nothing(self, step: int) -> bool:
         """This rank's streams after ``step`` are the same as after the step before."""
@@ -397,6 +458,41 @@ def same_rng(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     return bool(a == b)
+
+
+def broadcast_state(state: dict[str, Any] | None, source: int) -> dict[str, Any]:
+    """``state`` of rank ``source`` on every rank: ``torch.save`` into bytes on the source,
+    broadcast as a uint8 tensor (its size first), ``torch.load(weights_only=True)`` on the
+    others (as every checkpoint is read: tensors and plain data only, no code runs)."""
+    if dist.get_rank() == source:
+        assert state is not None
+        payload = state_to_tensor(state)
+        dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src=source)
+        dist.broadcast(payload, src=source)
+        return state
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=source)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(payload, src=source)
+    return state_from_tensor(payload)
+
+
+def state_to_tensor(state: dict[str, Any]) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def state_from_tensor(payload: torch.Tensor) -> dict[str, Any]:
+    from ddp_hpc.engine.checkpoint_files import unsupported_global
+
+    try:
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = unsupported_global(exc) or "unreadable"
+        raise RecoveryError(f"the state from the survivors holds an object other than tensors and plain data "
+                            f"({found}): it is read with torch.load(weights_only=True), as checkpoints are; give "
+                            "the sampler, the Checkpointer's objects and extras plain state") from None
 
 
 def socket_fds() -> set[int]:

@@ -15,6 +15,10 @@ checkpoint plus ``margin_s`` (measured as training goes: ``ddp_hpc.engine.deadli
 ``auto``: the slowest step plus the slowest checkpoint, at least 10 s). This is the one
 deadline stop: the Trainer's is this one too. The library installs no signal handler
 unless ``handle_signals`` is called.
+
+After a stop, rank 0 leaves the marker ``$DDP_HPC_RUN_FOLDER/preempted`` where a rendered
+batch script set that variable: under ``srun --kill-on-bad-exit`` or torchrun the ranks'
+75 reaches the script as another status, and the marker tells it the ranks stopped.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Literal
 
 from ddp_hpc.engine.checkpointer import Checkpointer
-from ddp_hpc.contract import DEADLINE_VAR, ExitStatus
+from ddp_hpc.contract import DEADLINE_VAR, PREEMPTED_MARKER, RUN_FOLDER_VAR, ExitStatus, atomic_write
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now, time_needed
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.stop import ALWAYS_STOP, StopSignalsOutsideTraining, job_deadline
@@ -42,7 +47,8 @@ class StopAgreement:
 
     def __init__(self, checkpointer: Checkpointer | None = None, *, check_every_n_steps: int = 1,
                  deadline: float | None | Literal["env"] = "env", margin_s: float | Literal["auto"] = "auto",
-                 group: Collectives | None = None, clock: Callable[[], float] = time.time) -> None:
+                 group: Collectives | None = None, clock: Callable[[], float] = time.time,
+                 marker: str | os.PathLike[str] | None | Literal["env"] = "env") -> None:
         if check_every_n_steps < 1:
             raise ValueError(f"StopAgreement: check_every_n_steps={check_every_n_steps} must be >= 1")
         if margin_s != "auto" and (isinstance(margin_s, bool) or not isinstance(margin_s, (int, float))
@@ -54,6 +60,12 @@ class StopAgreement:
         self.clock = clock
         deadline = job_deadline(os.environ) if deadline == "env" else deadline
         self.policy = DeadlinePolicy(deadline, check_every_n_steps, margin_s) if deadline is not None else None
+        if marker == "env":
+            folder = os.environ.get(RUN_FOLDER_VAR)
+            marker = Path(folder) / PREEMPTED_MARKER if folder else None
+        #: Written by rank 0 after a stop (``$DDP_HPC_RUN_FOLDER/preempted`` by default), for a
+        #: batch script that sees the ranks' 75 as another status.
+        self.marker = Path(marker) if marker is not None else None
         self.measured = StepClock(self.policy.window if self.policy else 20)
         #: Set by a signal handler (or by hand) on any rank: stop at the next agreed step.
         self.requested = False
@@ -78,6 +90,12 @@ class StopAgreement:
             log.info("job deadline in %.0f s (%s): will checkpoint and stop ahead of it (%s)", policy.deadline - now,
                      time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(policy.deadline)),
                      policy.describe_margin())
+
+    @property
+    def reason(self) -> str:
+        """Why the ranks stopped, as the stop lines say it: "ahead of the job deadline" (rank
+        0 predicted the deadline) or "on request" (a signal or ``request()`` on any rank)."""
+        return "ahead of the job deadline" if self._by_deadline else "on request"
 
     @property
     def exit_status(self) -> ExitStatus:
@@ -150,6 +168,12 @@ class StopAgreement:
         (without it, from the end of the first step on)."""
         self.measured.start(self.clock())
 
+    def continue_at(self, step: int) -> None:
+        """In-job recovery: the ranks (a replacement among them) go on after ``step``; the
+        steps are counted from there and the recovery's seconds measured as no step's."""
+        self._steps = step
+        self.start()
+
     def _measure_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.last_save_s != self._last_save_s:
             self._last_save_s = self.checkpointer.last_save_s
@@ -175,8 +199,10 @@ class StopAgreement:
             return False
         if self.checkpointer is not None:
             self.checkpointer.save_step(wait=True)  # no rank exits before the checkpoint is whole on disk
+        if self.group.is_rank_zero and self.marker is not None:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.marker, b"", durable=False)
         if self.group.is_rank_zero and not quiet:
-            log.warning("stopped %s at step %d%s: rerun or requeue to resume",
-                        "ahead of the job deadline" if self._by_deadline else "on request", self._step(),
+            log.warning("stopped %s at step %d%s: rerun or requeue to resume", self.reason, self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")
         return True

@@ -89,7 +89,7 @@ def check_network(dist_env: DistEnv, backend: str, *, host_suffix: str | None,
                   resolve: Resolver = resolve_addresses,
                   interfaces: Mapping[str, Sequence[str]] | None = None) -> NetworkPlan:
     """Refuse names that cannot work across machines; pick gloo's interface for a host
-    suffix. (Reaching the store is the rendezvous handshake's job: ``ddp_hpc/rendezvous.py``.)
+    suffix. (Reaching the store is the rendezvous handshake's job: ``ddp_hpc/startup/rendezvous.py``.)
 
     Only multi-node jobs are checked, and loopback names only when some name of the job
     (rank 0's, the first hosts of the node list) is on another machine. Raises

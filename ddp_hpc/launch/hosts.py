@@ -20,7 +20,7 @@ from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, RESTART_COUNT_VAR, RUN_F
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.launch.request import shell_quote
+from ddp_hpc.specs.request import shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
     hostfile_leave_out,

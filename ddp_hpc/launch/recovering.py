@@ -15,6 +15,10 @@ rank's place goes to it, so the replacement starts neither Python nor torch. A s
 once every rank is ready, and the next once the new group completed its first step: its
 start-up takes CPU that the ranks' start or a recovery would wait for.
 
+A stop signal (SIGUSR2, SIGTERM) that reaches the launch while a replacement starts goes
+to the others at once and is held for the replacement until it has started
+``InJobRecovery`` (a signal it cannot handle yet would end it, and the stop with it).
+
 torch is imported only here, inside functions (the launch side never imports it at start-up).
 """
 
@@ -88,6 +92,9 @@ class Recoverer:
         self._next_watch = 0.0
         self._spare: subprocess.Popen | None = None
         self._spares = 0
+        #: Replacements that have not started InJobRecovery yet, and the stop signal held for them.
+        self._starting: set[int] = set()
+        self._held: dict[int, int] = {}
 
     def start(self, attempt: int) -> list[subprocess.Popen]:
         from ddp_hpc.engine.recovery_store import LaunchStore
@@ -99,6 +106,8 @@ class Recoverer:
         self.members = {slot: slot for slot in range(self.ranks.nproc)}
         self._causes.clear()
         self._beats.clear()
+        self._starting.clear()
+        self._held.clear()
         return start_all([(self.ranks.command, self._environment(slot)) for slot in range(self.ranks.nproc)])
 
     def close(self) -> None:
@@ -162,10 +171,32 @@ class Recoverer:
             log.warning("rank %d lost (%s): the warm spare (pid %d) takes its place, the others stay up "
                         "(recovery %d of %d)", slot, cause, children[slot].pid, self.used, self.limits.max_recoveries)
         else:
+            self._starting.add(slot)  # before it starts: a stop that comes meanwhile is held for it
             children[slot] = start_all([(self.ranks.command, self._environment(slot))])[0]
             log.warning("rank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
                         slot, cause, children[slot].pid, self.used, self.limits.max_recoveries)
         return True
+
+    def forward(self, signum: int, children: list[subprocess.Popen]) -> None:
+        """The stop goes to every running rank; to a replacement that has not started
+        ``InJobRecovery`` yet once it has (``deliver``)."""
+        for slot, child in enumerate(children):
+            if slot in self._starting and not self._store.ready(slot):
+                self._held[slot] = signum
+            elif child.returncode is None:
+                send(child, signum)
+        self.deliver(children)
+
+    def deliver(self, children: list[subprocess.Popen]) -> None:
+        for slot in sorted(self._held):
+            child = children[slot]
+            if child.returncode is not None:
+                del self._held[slot]
+            elif self._store.ready(slot):
+                log.warning("passing %s on to rank %d's replacement (pid %d), up now", signal.Signals(
+                    self._held[slot]).name, slot, child.pid)
+                send(child, self._held.pop(slot))
+                self._starting.discard(slot)
 
     def watch(self, children: list[subprocess.Popen]) -> None:
         """Kill a rank whose heartbeat stood still for ``hang_s`` (it is then recovered as a lost rank)."""
@@ -181,6 +212,7 @@ class Recoverer:
             child = children[slot]
             if child.returncode is not None or not self._store.ready(slot):
                 continue
+            self._starting.discard(slot)
             beats = self._store.beats(slot)
             last = self._beats.get(slot)
             if last is None or last[0] != beats:
@@ -191,3 +223,10 @@ class Recoverer:
                           self.limits.hang_s)
                 child.kill()
                 self._beats.pop(slot, None)
+
+
+def send(child: subprocess.Popen, signum: int) -> None:
+    try:
+        child.send_signal(signum)
+    except ProcessLookupError:
+        pass

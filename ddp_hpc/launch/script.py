@@ -20,7 +20,7 @@ from ddp_hpc.contract import (
 )
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.launch.restart import RestartPolicy
-from ddp_hpc.launch.request import SubmitRequest, TrainPayload, export_lines, shell_quote
+from ddp_hpc.specs.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 from ddp_hpc.staging.fanout import NODE_NAME_SHELL
 
 

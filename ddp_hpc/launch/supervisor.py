@@ -32,7 +32,7 @@ from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.restart import RestartPolicy
-from ddp_hpc.torchrun_env import torchrun_variables
+from ddp_hpc.run.torchrun_env import torchrun_variables
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,13 @@ class InJob(Protocol):
     def close(self) -> None:
         """The attempt ended: end what it started beside the children (a warm spare)."""
 
+    def forward(self, signum: int, children: list[subprocess.Popen]) -> None:
+        """Pass a stop signal on to the running children; one for a replacement still
+        starting is held until it can take it (``deliver``)."""
+
+    def deliver(self, children: list[subprocess.Popen]) -> None:
+        """Called on every look at the children, a stop included: passes held signals on."""
+
 
 class Supervisor:
     """Attempts of a launch under one ``RestartPolicy``; ``run()`` returns the launch's status."""
@@ -125,7 +132,7 @@ class Supervisor:
         """A stop signal reached the launch (the CLI's handler calls this): the ranks get it,
         checkpoint at an agreed step and exit 75; nothing is restarted after it."""
         self.stop_signal = signum
-        self._signal_running(signum)
+        self._forward_stop(signum)
 
     def run(self) -> int:
         attempt = 0
@@ -134,7 +141,7 @@ class Supervisor:
                 return ExitStatus.REQUEUE
             self._children = list(self._start(attempt))
             if self.stop_signal is not None:  # came while they were being started
-                self._signal_running(self.stop_signal)
+                self._forward_stop(self.stop_signal)
             try:
                 status = self._wait_for_attempt()
             except KeyboardInterrupt:
@@ -160,8 +167,10 @@ class Supervisor:
         first_failure: int | None = None
         kill_at: float | None = None
         while len(statuses) < len(self._children):
-            if self.in_job is not None and first_failure is None and self.stop_signal is None:
-                self.in_job.watch(self._children)
+            if self.in_job is not None and first_failure is None:
+                if self.stop_signal is None:
+                    self.in_job.watch(self._children)
+                self.in_job.deliver(self._children)
             for index, child in enumerate(self._children):
                 if index in statuses or child.poll() is None:
                     continue
@@ -187,6 +196,12 @@ class Supervisor:
         if first_failure is not None:
             return first_failure
         return ExitStatus.REQUEUE if ExitStatus.REQUEUE in statuses.values() else ExitStatus.OK
+
+    def _forward_stop(self, signum: int) -> None:
+        if self.in_job is not None:
+            self.in_job.forward(signum, self._children)
+        else:
+            self._signal_running(signum)
 
     def _signal_running(self, signum: int) -> None:
         for child in self._children:

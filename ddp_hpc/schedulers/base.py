@@ -2,7 +2,7 @@
 
 As in torchx (``schedule(submit_dryrun(app, cfg))``), what ``--dry-run`` prints is the very
 ``DryRun`` that ``submit`` executes. A backend is one module with one ``Scheduler``
-subclass in its family's package, listed in ``REGISTRY`` (``schedulers/__init__.py``);
+subclass in its family's package, listed in ``REGISTRY`` (``schedulers/registry.py``);
 nothing else branches on a scheduler's name.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, ClassVar
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, atomic_write, exit_file_name
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.request import SubmitRequest, quote_command
+from ddp_hpc.specs.request import SubmitRequest, quote_command
 
 
 class JobState(str, Enum):
@@ -313,7 +313,7 @@ class Scheduler(ABC):
                     command_line: Sequence[str]) -> Submission:
         """Record what was submitted: a job, a chain's links (``job_ids``), or an array job
         (``element_id`` names its elements)."""
-        from ddp_hpc.launch.request import CommandPayload
+        from ddp_hpc.specs.request import CommandPayload
 
         request = dry_run.request
         elements = tuple(

@@ -15,17 +15,17 @@ from pathlib import Path
 
 from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, SWEEP_INDEX_VAR, SWEEP_VAR_PREFIX
 from ddp_hpc.errors import UserError
-from ddp_hpc import schedulers
+from ddp_hpc.schedulers import base, registry, runner
 from ddp_hpc.launch.left_out import left_out_line
-from ddp_hpc.launch.profiles import load_profile
-from ddp_hpc.launch.request import (
+from ddp_hpc.specs.profiles import load_profile
+from ddp_hpc.specs.request import (
     CommandPayload,
     SubmitRequest,
     TrainPayload,
     current_python_env,
     parse_env_assignments,
 )
-from ddp_hpc.launch.sweep import Sweep
+from ddp_hpc.specs.sweep import Sweep
 from ddp_hpc.stop import StopSignal, stop_signal_arg
 
 
@@ -41,7 +41,7 @@ class JobFailed(UserError):
 def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("config", nargs="?", help="training config (YAML); or give a command after '--'")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the job")
-    default = schedulers.default_profile(family)
+    default = registry.default_profile(family)
     parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: {default})")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--ranks-per-node", "--tasks-per-node", dest="ranks_per_node", type=int,
@@ -62,7 +62,7 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
                              "(they resume from the newest checkpoint; default: the config's "
                              "distributed.max_restarts, else 0); submitit: the job is submitted again "
                              "without the node where a rank failed")
-    for opt in schedulers.run_opts(family, "job"):  # what the family's backends declare
+    for opt in registry.run_opts(family, "job"):  # what the family's backends declare
         opt.add_to(parser)
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="run every combination of these values as one array job (repeatable; command jobs "
@@ -104,7 +104,7 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
         max_restarts = payload.config.distributed.max_restarts if isinstance(payload, TrainPayload) else 0
     # What the family's backends declared (--spare-nodes), into the request fields they name.
     declared = {opt.request_field: getattr(args, opt.dest) for group in ("job", "backend")
-                for opt in schedulers.run_opts(args.scheduler, group) if opt.request_field}
+                for opt in registry.run_opts(args.scheduler, group) if opt.request_field}
     return SubmitRequest(
         payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
@@ -116,21 +116,21 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
 
 
 def _scheduler(args: argparse.Namespace) -> str:
-    return schedulers.backend_for(args.scheduler, vars(args)).name
+    return registry.backend_for(args.scheduler, vars(args)).name
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     request = submit_request(args)
-    plan = schedulers.dry_run(request, schedulers.scheduler_for(args.scheduler, batch_script=True).name)
+    plan = runner.dry_run(request, registry.scheduler_for(args.scheduler, batch_script=True).name)
     if args.output:
-        schedulers.base.write_script(plan.script, Path(args.output))
+        base.write_script(plan.script, Path(args.output))
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(plan.script)
     return 0
 
 
-def print_result(result: schedulers.JobResult) -> None:
+def print_result(result: runner.JobResult) -> None:
     status = result.status
     code = "unknown" if status.exit_code is None else str(status.exit_code)
     print(f"job {result.submission.job_id}: {status.state.value} (exit status {code}; {status.source or 'no source'}"
@@ -142,7 +142,7 @@ def print_result(result: schedulers.JobResult) -> None:
         print(result.summary.to_json(), end="")
 
 
-def sweep_table(result: schedulers.JobResult) -> str:
+def sweep_table(result: runner.JobResult) -> str:
     """One row per sweep element: index, overrides, state, exit status, final metrics."""
     rows = [("element", "overrides", "state", "exit", "result")]
     for element in result.elements:
@@ -164,17 +164,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
     scheduler = _scheduler(args)
     script_path = Path(args.output).resolve() if args.output else None
     if args.dry_run:
-        sys.stdout.write(schedulers.dry_run(request, scheduler, script_path=script_path).describe())
+        sys.stdout.write(runner.dry_run(request, scheduler, script_path=script_path).describe())
         return 0
-    submission = schedulers.submit(request, scheduler, script_path=script_path)
+    submission = runner.submit(request, scheduler, script_path=script_path)
     print(f"submitted job {submission.job_id} ({submission.location}; run folder {submission.run_folder})",
           flush=True)
     if not args.wait:
         return 0
-    return _report_end(schedulers.wait(submission, poll_s=args.poll))
+    return _report_end(runner.wait(submission, poll_s=args.poll))
 
 
-def _report_end(result: schedulers.JobResult) -> int:
+def _report_end(result: runner.JobResult) -> int:
     print_result(result)
     if result.succeeded:
         if result.submission.kind == "command":
@@ -189,17 +189,17 @@ def _report_end(result: schedulers.JobResult) -> int:
                     result.exit_code)
 
 
-def _find_submission(target: str) -> schedulers.Submission:
+def _find_submission(target: str) -> base.Submission:
     """A run folder, a submission record, or a job id recorded under ./runs."""
     path = Path(target)
     if path.exists():
-        return schedulers.read_submission(path)
+        return runner.read_submission(path)
     for record in sorted(Path.cwd().glob(f"*/*/{SUBMISSION_FILE}")) + sorted(
             Path.cwd().glob(f"*/*/{SUBMISSIONS_LOG}")):
         lines = record.read_text().splitlines() if record.suffix == ".jsonl" else [record.read_text()]
         for text in lines:
             try:
-                submission = schedulers.Submission.from_json(text)
+                submission = base.Submission.from_json(text)
             except (ValueError, TypeError):
                 continue
             if submission.job_id == target or submission.job_id.split(".")[0] == target:
@@ -210,9 +210,9 @@ def _find_submission(target: str) -> schedulers.Submission:
 
 def cmd_status(args: argparse.Namespace) -> int:
     submission = _find_submission(args.target)
-    scheduler = schedulers.get_scheduler(submission.scheduler)
+    scheduler = registry.get_scheduler(submission.scheduler)
     status = scheduler.status(submission)
-    result = schedulers.job_result(scheduler, submission, status) if status.state.is_terminal else None
+    result = runner.job_result(scheduler, submission, status) if status.state.is_terminal else None
     age = time.time() - submission.submitted_at
     print(f"job {submission.job_id} ({submission.scheduler}, {submission.world_size} ranks, submitted "
           f"{age / 60:.1f} min ago): {status.state.value}" +
@@ -231,16 +231,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     submission = _find_submission(args.target)
-    schedulers.get_scheduler(submission.scheduler).cancel(submission)
+    registry.get_scheduler(submission.scheduler).cancel(submission)
     print(f"cancel requested for job {submission.job_id} ({submission.scheduler})")
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     submission = _find_submission(args.target)
-    scheduler = schedulers.get_scheduler(submission.scheduler)
+    scheduler = registry.get_scheduler(submission.scheduler)
     if not args.follow:
-        print(schedulers.log_tail(scheduler, submission, args.lines))
+        print(runner.log_tail(scheduler, submission, args.lines))
         return 0
     offsets: dict[Path, int] = {}
     while True:  # like tail -f, over every log file of the job, until the job ends

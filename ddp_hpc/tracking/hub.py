@@ -33,7 +33,7 @@ from ddp_hpc.tracking.record import (MAX_GATHERED_RANKS, build_record, rank_fact
 
 if TYPE_CHECKING:
     from ddp_hpc.config import Config
-    from ddp_hpc.distributed import DistContext
+    from ddp_hpc.startup.distributed import DistContext
 
 log = logging.getLogger(__name__)
 

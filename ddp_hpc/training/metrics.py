@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddp_hpc.distributed import DistContext
+from ddp_hpc.startup.distributed import DistContext
 
 
 class MetricSums:

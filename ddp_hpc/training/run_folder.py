@@ -15,7 +15,6 @@ from ddp_hpc.contract import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     METRICS_FILE,
-    PREEMPTED_MARKER,
     RECORD_DIR,
     STRAGGLERS_FILE,
     SUMMARY_FILE,
@@ -69,16 +68,6 @@ class RunFolder:
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_file, "a") as handle:
             handle.write(json.dumps(row, sort_keys=True) + "\n")
-
-    @property
-    def preempted_marker(self) -> Path:
-        """Written when the ranks stopped on request after a checkpoint. A batch script reads
-        it: under ``srun --kill-on-bad-exit`` the ranks' ``ExitStatus.REQUEUE`` reaches it as
-        ``ExitStatus.SIGTERM``."""
-        return self.path / PREEMPTED_MARKER
-
-    def mark_preempted(self) -> None:
-        atomic_write(self.preempted_marker, b"")
 
     @property
     def stragglers_file(self) -> Path:

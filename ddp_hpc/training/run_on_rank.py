@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.contract import CURVES_FILE
-from ddp_hpc.distributed import DistributedOptions, process_group
+from ddp_hpc.startup.distributed import DistributedOptions, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from ddp_hpc.config import Config
 from ddp_hpc.config import checkpoint_format as checkpoint_format_name
-from ddp_hpc.distributed import DistContext
+from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat, Checkpointer, ShardedFormat, make_format

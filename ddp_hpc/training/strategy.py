@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_hpc.config import Config, FsdpConfig
 from ddp_hpc.config_loader import ConfigError
-from ddp_hpc.distributed import DistContext
+from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.errors import UserError
 from ddp_hpc.torch_support import fsdp2_refusal, installed
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_hpc.config import Config
-from ddp_hpc.distributed import DistContext
+from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.background_writer import WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat
 from ddp_hpc.engine.liveness import Straggler
@@ -189,11 +189,9 @@ class Trainer:
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
                 if self.ctx.is_rank_zero:
-                    log.warning("stopped on request at epoch %d, step %d: checkpoint saved; rerun or requeue "
-                                "the job to resume", self.progress.epoch + 1, self.progress.global_step)
-                self.callbacks.on_stopped(self)
-                if self.ctx.is_rank_zero:
-                    self.run.mark_preempted()
+                    log.warning("stopped %s at epoch %d, step %d: checkpoint saved; rerun or requeue the job "
+                                "to resume", self.stop.reason, self.progress.epoch + 1, self.progress.global_step)
+                self.callbacks.on_stopped(self)  # rank 0's stop marker for a batch script: StopAgreement's
                 return self._summary(RunStatus.PREEMPTED, None, write=False)
             test_metrics = self.loop.test()
         summary = self._summary(RunStatus(status), test_metrics)

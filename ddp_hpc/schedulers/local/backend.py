@@ -3,7 +3,7 @@ this machine, in the background: no scheduler, and the same script pieces as the
 (run folder, the stop signal, restarts, the exit file that ``status`` reads).
 
 A whole scheduler family: this package (the ``Scheduler`` subclass below, exported by its
-``__init__.py``) plus one line in ``REGISTRY`` (``ddp_hpc/schedulers/__init__.py``).
+``__init__.py``) plus one line in ``REGISTRY`` (``ddp_hpc/schedulers/registry.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.request import SubmitRequest
+from ddp_hpc.specs.request import SubmitRequest
 from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
 from ddp_hpc.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.launch.request import SubmitRequest, job_name_directive
+from ddp_hpc.specs.request import SubmitRequest, job_name_directive
 from ddp_hpc.schedulers.base import DryRun, JobStatus, RunOpt, ScriptScheduler, run_tool
 from ddp_hpc.schedulers.pbs.render import render_pbs
 from ddp_hpc.schedulers.pbs.state import pbs_status

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
+from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
     deadline_line,

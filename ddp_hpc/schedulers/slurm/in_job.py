@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from ddp_hpc.contract import (RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE,
                               ExitStatus, atomic_write, exit_file_name)
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
-from ddp_hpc.launch.request import CommandPayload, TrainPayload
+from ddp_hpc.specs.request import CommandPayload, TrainPayload
 from ddp_hpc.launch.restart import RestartPolicy
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
@@ -101,7 +101,7 @@ class SubmititCommandTask:
         self._child: subprocess.Popen | None = None
 
     def __call__(self) -> int:
-        from ddp_hpc.torchrun_env import command_environment
+        from ddp_hpc.run.torchrun_env import command_environment
 
         os.chdir(self.workdir)
         launch = command_environment(self.payload.argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddp_hpc.contract import DEADLINE_VAR
-from ddp_hpc.launch.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
+from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
     LeaveOut,
     ShellArray,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.launch.request import SubmitRequest, job_name_directive
+from ddp_hpc.specs.request import SubmitRequest, job_name_directive
 from ddp_hpc.schedulers.base import DryRun, RunOpt, ScriptScheduler
 from ddp_hpc.schedulers.slurm.job_key import element_key
 from ddp_hpc.schedulers.slurm.render import LOG_DIR, render_sbatch

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.request import CommandPayload, SubmitRequest, TrainPayload, export_lines, parse_walltime
+from ddp_hpc.specs.request import CommandPayload, SubmitRequest, TrainPayload, export_lines, parse_walltime
 from ddp_hpc.schedulers.base import DryRun, Scheduler, Submission, run_tool
 from ddp_hpc.schedulers.slurm.in_job import RestartPlan, SubmititCommandTask, SubmititTrainTask, submitit_logs
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.distributed import DistContext
+from ddp_hpc.startup.distributed import DistContext
 
 
 @dataclass(frozen=True)

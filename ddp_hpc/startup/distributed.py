@@ -29,7 +29,7 @@ from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
 from ddp_hpc.environment.hosts import job_hosts
 from ddp_hpc.environment.netcheck import check_network, gloo_interface
 from ddp_hpc.errors import UserError
-from ddp_hpc.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
+from ddp_hpc.startup.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
 from ddp_hpc.torch_support import installed, libuv_takes_listen_fd, unsupported
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def descriptor_shortfall(world_size: int) -> str | None:
 def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, str],
                  rendezvous_timeout_s: float | None = None) -> dist.Store:
     """The rendezvous store: rank 0 serves it on the master address, the others connect;
-    connect and handshake (``ddp_hpc.rendezvous``) end within ``rendezvous_timeout_s``.
+    connect and handshake (``ddp_hpc.startup.rendezvous``) end within ``rendezvous_timeout_s``.
 
     Under torchrun the agent already serves it (TORCHELASTIC_USE_AGENT_STORE): every rank
     is a client then, under a prefix per restart as torch's own env:// rendezvous uses,
@@ -305,7 +305,7 @@ def end_process_group() -> None:
     called without an active exception", ~1 run in 4 with gloo): ``gc.collect()`` first
     finalizes it while the group lives. After a failure a peer may still be inside a
     collective with this rank, and destroying can then wait for it: ``ddp-hpc run`` ends
-    the group this way only after a script that finished (ddp_hpc/script_runner.py).
+    the group this way only after a script that finished (ddp_hpc/run/script_runner.py).
     """
     if not dist.is_available() or not dist.is_initialized():
         return

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from ddp_hpc.distributed import DistContext
+    from ddp_hpc.startup.distributed import DistContext
 
 ALL_PAIRS_MAX_HOSTS = 8
 LATENCY_ROUNDS = 20

@@ -20,8 +20,8 @@ from pathlib import Path
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, HOST_SUFFIX_VAR
 from ddp_hpc.config_loader import ConfigError
-from ddp_hpc.launch.profiles import ClusterProfile, check_single_line
-from ddp_hpc.launch.sweep import Sweep, SweepElement
+from ddp_hpc.specs.profiles import ClusterProfile, check_single_line
+from ddp_hpc.specs.sweep import Sweep, SweepElement
 from ddp_hpc.stop import StopSignal
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class SubmitRequest:
               command: Sequence[str] | None = None, run_dir: str = "runs", **options) -> SubmitRequest:
         """A request from plain values: a cluster profile's name (or YAML path) and either a
         config (with overrides) or a command; ``options`` are the other fields."""
-        from ddp_hpc.launch.profiles import load_profile
+        from ddp_hpc.specs.profiles import load_profile
 
         if (config is None) == (command is None):
             raise ConfigError("give a config or a command, not both")

@@ -17,7 +17,7 @@ stdout and stderr are flushed, and the interpreter exits with the script's statu
 finalizing as usual (open files flushed, ``__del__`` run). A group left to the
 interpreter's finalization instead can abort it now and then, when gloo's threads free
 work that holds Python objects ("terminate called without an active exception", exit
-134). ddp_hpc.distributed's ``end_process_group`` is the same teardown for code that
+134). ddp_hpc.startup.distributed's ``end_process_group`` is the same teardown for code that
 imports ddp_hpc.
 
 A script that ends with an uncaught exception (KeyboardInterrupt included) is left to the
@@ -174,7 +174,7 @@ def _group_initialized() -> bool:
 
 
 def end_process_group() -> None:
-    """As ddp_hpc.distributed.end_process_group: collect first, so that a
+    """As ddp_hpc.startup.distributed.end_process_group: collect first, so that a
     DistributedDataParallel in a reference cycle is finalized while the group lives."""
     import gc
 
