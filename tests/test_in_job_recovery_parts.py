@@ -100,13 +100,13 @@ def test_a_replacement_takes_the_lost_ranks_streams_of_the_step_before_only_wher
     assert survivor._drew_nothing(7) and not survivor._drew_nothing(8)
 
 
-#: A rank that stops (75) on SIGUSR2. A replacement installs its handler only once told to
-#: (a file), as one still importing torch has none yet: a SIGUSR2 before it would end it.
+#: A rank that stops (75) on SIGUSR2. A replacement (or a warm spare) installs its handler only
+#: once told to (a file), as one still importing torch has none yet: a SIGUSR2 before it would end it.
 STOPPABLE_RANK = """
 import os, signal, sys, time
 from pathlib import Path
 folder = Path(os.environ["TEST_FOLDER"])
-if os.environ.get("DDP_HPC_RECOVERY_GENERATION"):
+if os.environ.get("DDP_HPC_RECOVERY_GENERATION") or os.environ.get("DDP_HPC_RECOVERY_SPARE"):
     while not (folder / "go").exists():
         time.sleep(0.02)
 signal.signal(signal.SIGUSR2, lambda *_: sys.exit(75))
@@ -116,11 +116,12 @@ sys.exit(1)
 """
 
 
-def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is_up(tmp_path):
+@pytest.mark.parametrize("warm_spare", [False, True], ids=["new-process", "warm-spare"])
+def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is_up(tmp_path, warm_spare):
     """The launch's logic in this process (ranks are small Python processes, no torch): rank 1
-    is killed, its replacement started; a stop then goes to rank 0 at once and to the
-    replacement only once it has started InJobRecovery (its ready key), so nothing ends
-    it and the launch ends with 75 (stopped on request)."""
+    is killed, its replacement started (or the warm spare given its place); a stop then goes
+    to rank 0 at once and to the replacement only once it has started InJobRecovery (its
+    ready key), so nothing ends it and the launch ends with 75 (stopped on request)."""
     import os
     import signal
     import sys
@@ -143,7 +144,7 @@ def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is
 
     ranks = LocalRanks(2, [sys.executable, "-c", STOPPABLE_RANK], base_env={**os.environ,
                                                                             "TEST_FOLDER": str(tmp_path)})
-    recoverer = Recoverer(ranks, RecoveryLimits(1, hang_s=600))  # no heartbeats here: none is frozen
+    recoverer = Recoverer(ranks, RecoveryLimits(1, hang_s=600, warm_spare=warm_spare))  # none is frozen here
     supervisor = Supervisor(recoverer.start, RestartPolicy(0), end_grace_s=5, in_job=recoverer)
     statuses: list[int] = []
     runner = threading.Thread(target=lambda: statuses.append(supervisor.run()), daemon=True)
@@ -153,9 +154,14 @@ def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is
         first = list(supervisor._children)
         for slot in range(2):  # as InJobRecovery says it runs
             recoverer._store.store.set(ready_key(slot), "1")
+        if warm_spare:
+            wait_for(lambda: recoverer._spare is not None, "no spare started")
+            spare = recoverer._spare
         first[1].kill()
         wait_for(lambda: supervisor._children[1] is not first[1], "no replacement started")
         replacement = supervisor._children[1]
+        if warm_spare:
+            assert replacement is spare
 
         supervisor.request_stop(signal.SIGUSR2)
         wait_for(lambda: first[0].poll() is not None, "rank 0 did not get the stop")

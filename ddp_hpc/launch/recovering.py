@@ -166,6 +166,7 @@ class Recoverer:
             log.warning("rank %d lost (%s): the %d others go on without it (recovery %d of %d)", slot, cause,
                         len(self.members), self.used, self.limits.max_recoveries)
         elif self._spare is not None and self._spare.poll() is None:
+            self._starting.add(slot)  # it is ready once it joined the new group: a stop is held till then
             self._store.assign(str(self._spares), slot)
             children[slot], self._spare = self._spare, None
             log.warning("rank %d lost (%s): the warm spare (pid %d) takes its place, the others stay up "
