@@ -84,12 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(1000 + recovery.slot)
     sampler = ResumableSampler(train_set, shuffle=True, seed=0, batch_size=args.batch)
     loader = DataLoader(train_set, batch_size=args.batch, sampler=sampler, generator=torch.Generator())
-    # The sampler advances in recovery.step_done; the Checkpointer only saves (save_due).
+    # recovery.step_done is the Checkpointer's step_done too; a save's start marks the step's end.
+    save_started: list[float] = []
     checkpointer = Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
-                                every_n_steps=args.checkpoint_every, keep_last=2)
-    if recovery.generation == 0:  # a replacement takes the state from a survivor, not from disk
+                                every_n_steps=args.checkpoint_every, keep_last=2,
+                                on_saving=lambda: save_started.append(time.time()))
+    if not recovery.joining:  # a replacement takes the state from a survivor, not from disk
         checkpointer.restore(quiet=True)
-        recovery.step = checkpointer.step
         log.write("restored", checkpointer.step, time.time())
 
     def train(ddp_model: nn.Module) -> None:
@@ -101,20 +102,19 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(ddp_model(x), y).backward()
                 optimizer.step()
-                recovery.step_done()
-                ended = time.time()
+                save_started.clear()
+                recovery.step_done()  # counts, moves the sampler on, saves at the cadence
+                ended = save_started[0] if save_started else time.time()  # the save excluded
                 log.write("step", recovery.generation, recovery.step, previous, ended)
                 dog.beat()
-                checkpointer.step = recovery.step
-                checkpointer.save_due()
                 previous = time.time()
 
     if recovery.enabled:
         dog = _NoWatchdog()
-        recovery.run(train, model=model, optimizer=optimizer, sampler=sampler)
+        recovery.run(train, model=model, optimizer=optimizer, sampler=sampler, checkpointer=checkpointer)
     else:
         with watchdog(limit_s=args.hang_timeout) as dog:
-            recovery.run(train, model=model, optimizer=optimizer, sampler=sampler)
+            recovery.run(train, model=model, optimizer=optimizer, sampler=sampler, checkpointer=checkpointer)
 
 
 class _NoWatchdog:
