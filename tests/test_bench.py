@@ -15,6 +15,9 @@ from conftest import REQUIRE_ALL, ddp_hpc_command, run
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+# 14 launches, 3-4 minutes of CI's 2 cores (251 s in the 2026-11-25 run, the suite's longest
+# test): an acceptance test (docs/test-world.md); the bench's output handling stays in CI below.
+@pytest.mark.acceptance
 @pytest.mark.timeout(1200)  # about 3 minutes on a quiet 2-core machine, 9 on a loaded one
 def test_quick_bench_writes_json_table_and_plot(tmp_path):
     output, plot = tmp_path / "bench.json", tmp_path / "scaling.png"

@@ -75,7 +75,7 @@ class Plan:
 # Compute-bound: a small MLP on large batches (~4.5 MFLOP per gradient byte).
 # Communication-bound: a wide MLP on tiny batches (the gradient all-reduce dominates).
 # Stall: an MLP whose parameters and Adam moments make a ~400 MB checkpoint (40 MB quick).
-# --quick is a smoke run of every part (CI runs it): one timed epoch of 4 and 8 steps at 2
+# --quick is a smoke run of every part (an acceptance test runs it): one timed epoch of 4 and 8 steps at 2
 # ranks; the loops' launches were most of its time.
 QUICK = Plan(rounds=2, epochs=1,
              compute_bound=ModelSize("compute-bound", 128, 256, 3, 1024, 8192),
