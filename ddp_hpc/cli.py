@@ -21,6 +21,8 @@ from ddp_hpc.contract import (
     DEVICE_VAR,
     HOST_SUFFIX_VAR,
     STAGE_ROOT_VAR,
+    RECOVERY_STORE_VAR,
+    RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
     STAGE_TIME_IMPORT_VAR,
     ExitStatus,
@@ -291,22 +293,35 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
     fan_out.set_defaults(func=_cmd_stage_fan_out)
 
 
-def _in_job_recovery(args: argparse.Namespace, starter: object) -> Any:
-    """``--recover N``: a ``Recoverer`` where this launch can keep the survivors up (its own
-    ranks on this machine), else one line saying that a failure restarts in place."""
-    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
-    from ddp_hpc.launch.supervisor import LocalRanks
+def _recovery_limits(args: argparse.Namespace) -> Any:
+    from ddp_hpc.launch.recovering import RecoveryLimits
+
+    return RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout,
+                          warm_spare=args.warm_spare)
+
+
+def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
+    """``--recover N``: a ``Recoverer`` around this launch's own ranks (the default
+    launcher), or, under mpiexec, ``NodeSupervisors``: one mpiexec task per node, each a
+    node supervisor (launch/node.py) with its ranks."""
+    from ddp_hpc.launch.local import attempt_starter
+    from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+    from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command
+    from ddp_hpc.launch.recovering import Recoverer
+    from ddp_hpc.launch.supervisor import LocalRanks, start_all
 
     if not args.recover:
         return None
-    limits = RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout,
-                            warm_spare=args.warm_spare)
-    if not isinstance(starter, LocalRanks):
-        logging.getLogger("ddp_hpc").warning(
-            "in-job recovery is off under --launcher %s (mpiexec ends every rank when one fails): a failure "
-            "restarts in place (--max-restarts)", args.launcher)
-        return None
-    return Recoverer(starter, limits)
+    limits = _recovery_limits(args)
+    starter = attempt_starter(launch)
+    if isinstance(starter, LocalRanks):
+        return Recoverer(starter, limits)
+    argv = build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=1,
+                                   command=node_supervisor_command(launch.nproc, limits, launch.command),
+                                   forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR), oversubscribe=True,
+                                   allow_root=os.geteuid() == 0))
+    return NodeSupervisors(lambda attempt, extra: start_all(
+        [(argv, {**os.environ, RESTART_COUNT_VAR: str(attempt), **extra})]), argv=argv)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -314,6 +329,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
 
+    if args.node_supervisor:
+        return _run_node_supervisor(args)
     if args.hostfile:
         if args.recover:
             logging.getLogger("ddp_hpc").warning(
@@ -329,12 +346,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         raise UserError("--stop-signal and --requeue go with --launcher srun")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
+    in_job = _in_job_recovery(args, launch)
     if args.dry_run:
-        print(describe(launch), end="")
+        print(in_job.describe() if hasattr(in_job, "describe") else describe(launch), end="")
         return 0
     sys.stdout.flush()
     starter = attempt_starter(launch)
-    in_job = _in_job_recovery(args, starter)
     supervisor = Supervisor(in_job.start if in_job else starter.start, RestartPolicy(launch.max_restarts),
                             in_job=in_job)
     # A stop signal (preemption, the time limit) reaches the ranks through the
@@ -342,6 +359,38 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     for signum in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
+    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+    return supervisor.run()
+
+
+def _run_node_supervisor(args: argparse.Namespace) -> int:
+    """``--node-supervisor``: this node's ranks of a launch whose recovery store is at
+    ``$DDP_HPC_RECOVERY_STORE``, recovered in place; no restarts of its own (the outer
+    launch's): exits 0, 75 after a stop, else the ranks' failure."""
+    from ddp_hpc.launch.local import rank_command
+    from ddp_hpc.launch.node import node_place, rank_base_environment
+    from ddp_hpc.launch.recovering import Recoverer
+    from ddp_hpc.launch.restart import RestartPolicy
+    from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
+
+    address = os.environ.get(RECOVERY_STORE_VAR, "").strip()
+    if not address:
+        raise UserError(f"--node-supervisor runs under `ddp-hpc launch --recover N --launcher mpich|openmpi|srun`, "
+                        f"which serves the recovery store: ${RECOVERY_STORE_VAR} is not set")
+    if not args.command:
+        raise UserError("no command to launch: give it after '--'")
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc} must be >= 1")
+    node_rank, nodes = node_place(os.environ)
+    ranks = LocalRanks(args.nproc, rank_command(args.command), base_env=rank_base_environment(os.environ),
+                       node_rank=node_rank, num_nodes=nodes, master_addr=address.rpartition(":")[0])
+    recoverer = Recoverer(ranks, _recovery_limits(args), store_address=address)
+    attempt = int(os.environ.get(RESTART_COUNT_VAR, "0") or 0)
+    sys.stdout.flush()
+    supervisor = Supervisor(lambda _: recoverer.start(attempt), RestartPolicy(0), in_job=recoverer)
+    recoverer.on_stop = supervisor.request_stop  # a stop the outer launch asked for through the store
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     return supervisor.run()
 
@@ -594,9 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="relaunch all ranks after a failure, at most N times; they resume from the newest "
                              "checkpoint. A stop (exit 75) is never restarted: the launch exits 75")
     launch.add_argument("--recover", type=int, default=0, metavar="N",
-                        help="in-job recovery (DDP loops that use InJobRecovery; --launcher torchrun): replace a "
-                             "lost or frozen rank while the others stay up, at most N times; state comes from the "
-                             "survivors' memory, no restart. Beyond N: --max-restarts")
+                        help="in-job recovery (DDP loops that use InJobRecovery): replace a lost or frozen rank "
+                             "while the others stay up, at most N times; state comes from the survivors' memory, no "
+                             "restart. Beyond N: --max-restarts. Under --launcher torchrun this launch watches the "
+                             "ranks; under mpich, openmpi and srun the launcher starts one node supervisor per node "
+                             "(--node-supervisor) that does. Not with --hostfile (restarts in place)")
     launch.add_argument("--recovery-wait", type=_positive_float, default=120.0, metavar="S",
                         help="with --recover: seconds the ranks wait for the new group (default: 120)")
     launch.add_argument("--shrink", action="store_true",
@@ -607,6 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--hang-timeout", type=_positive_float, default=10.0, metavar="S",
                         help="with --recover: a rank whose heartbeat stands still S seconds is frozen: it is "
                              "killed and recovered (default: 10)")
+    launch.add_argument("--node-supervisor", action="store_true",
+                        help="run as one node's supervisor of a `launch --recover` under mpiexec or srun, which "
+                             "starts it once per node (mpiexec -ppn 1, srun --ntasks-per-node=1) with the recovery "
+                             f"store's address in ${RECOVERY_STORE_VAR}: starts --nproc ranks of this node (its place "
+                             "from the launcher's variables) and replaces a lost one; no restarts of its own")
     launch.add_argument("--hostfile", metavar="FILE",
                         help="start the ranks on these hosts (one name per line) with mpiexec (--launcher openmpi "
                              "or mpich): --nproc ranks on each of the first --nodes; the rest are spares a restart "

@@ -17,6 +17,11 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
 - ``recovered/<generation>``: that group completed its first step (set by its rank 0).
 - ``spare/<id>``: the slot a warm spare takes (``--warm-spare``), set by the launch when
   it chooses the spare to replace a lost rank.
+- ``generations``: a counter each plan's generation is drawn from (``store.add``), so that
+  node supervisors (``ddp-hpc launch --node-supervisor``) that lose ranks at the same time
+  never publish two plans of one generation.
+- ``stop``: the stop signal the outer launch asks every node supervisor to pass on to its
+  ranks (a launcher such as MPICH's Hydra does not pass SIGUSR2 on to its tasks).
 
 A *slot* is a rank's place in the launch (its first ``RANK``); its rank in a group after a
 shrink may differ.
@@ -35,6 +40,10 @@ import torch.distributed as dist
 
 PREFIX = "ddp_hpc/recovery/"
 LATEST_KEY = PREFIX + "latest"
+GENERATIONS_KEY = PREFIX + "generations"
+STOP_KEY = PREFIX + "stop"
+#: How long a node supervisor waits for the launch's store to answer.
+CONNECT_TIMEOUT_S = 60.0
 
 
 def plan_key(generation: int) -> str:
@@ -108,16 +117,42 @@ def rng_from_bytes(data: bytes) -> tuple[int, dict[str, Any]]:
 
 
 class LaunchStore:
-    """The launch's side: serves the store on a free port of this host and reads and
-    writes the keys above."""
+    """The launch's side: serves the store on a free port of this host (``host``: the
+    address the others reach it at), or, given ``address``, is a node supervisor's client
+    of the store the outer launch serves; reads and writes the keys above."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.address = f"{host}:{self.store.port}"
+    def __init__(self, host: str = "127.0.0.1", address: str | None = None) -> None:
+        if address is None:
+            self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self.address = f"{host}:{self.store.port}"
+        else:
+            self.store, self.address = connect(address, CONNECT_TIMEOUT_S), address
+
+    def next_generation(self) -> int:
+        """The generation of the next plan: one counter for every node supervisor."""
+        return int(self.store.add(GENERATIONS_KEY, 1))
+
+    def generations(self) -> int:
+        """Plans published so far (recoveries, on every node)."""
+        return int(self.store.add(GENERATIONS_KEY, 0))
 
     def publish(self, plan: Plan) -> None:
+        """The plan, then ``latest`` raised to its generation (never lowered: a node
+        supervisor that drew an older generation may publish after a newer one)."""
         self.store.set(plan_key(plan.generation), plan.to_json())
-        self.store.set(LATEST_KEY, str(plan.generation))
+        while True:
+            current = self.store.get(LATEST_KEY).decode() if self.store.check([LATEST_KEY]) else ""
+            if current and int(current) >= plan.generation:
+                return
+            if self.store.compare_set(LATEST_KEY, current, str(plan.generation)).decode() == str(plan.generation):
+                return
+
+    def request_stop(self, signum: int) -> None:
+        """Every node supervisor passes ``signum`` on to its ranks (``stop_requested``)."""
+        self.store.set(STOP_KEY, str(signum))
+
+    def stop_requested(self) -> int | None:
+        return int(self.store.get(STOP_KEY)) if self.store.check([STOP_KEY]) else None
 
     def beats(self, slot: int) -> int:
         return int(self.store.add(alive_key(slot), 0))

@@ -19,17 +19,26 @@ A stop signal (SIGUSR2, SIGTERM) that reaches the launch while a replacement sta
 to the others at once and is held for the replacement until it has started
 ``InJobRecovery`` (a signal it cannot handle yet would end it, and the stop with it).
 
+Under a launcher that ends every task when one fails (mpiexec, srun), the same ``Recoverer``
+runs in each node's supervisor (``launch/node.py``, ``ddp-hpc launch --node-supervisor``):
+``store_address`` is then the outer launch's store (a client, not a server), the ranks are
+``ranks.nproc`` of ``ranks.world_size`` from ``ranks.node_rank * ranks.nproc`` on (a *slot*
+is a rank's place in the whole launch; the children are this node's, in slot order), and
+a stop the outer launch asks for through the store reaches ``on_stop``.
+
 torch is imported only here, inside functions (the launch side never imports it at start-up).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import signal
 import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +87,14 @@ class Recoverer:
     """Starts ``ranks`` (``start``, the supervisor's ``StartAttempt``) and recovers a lost
     one in place (``on_failure``, ``watch``)."""
 
-    def __init__(self, ranks: LocalRanks, limits: RecoveryLimits) -> None:
-        self.ranks, self.limits = ranks, limits
+    def __init__(self, ranks: LocalRanks, limits: RecoveryLimits, store_address: str | None = None) -> None:
+        if limits.shrink and ranks.num_nodes > 1:
+            raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
+        self.ranks, self.limits, self.store_address = ranks, limits, store_address
+        #: The first slot of this node's ranks.
+        self.offset = ranks.node_rank * ranks.nproc
+        #: Called with the stop signal the outer launch asked for through the store (a node supervisor's).
+        self.on_stop: Callable[[int], None] | None = None
         self.used = 0
         self._store: Any = None
         self._run_id = ""
@@ -100,15 +115,24 @@ class Recoverer:
         from ddp_hpc.engine.recovery_store import LaunchStore
 
         self.close()
-        self._store = LaunchStore()
-        self._run_id, self._attempt = uuid.uuid4().hex[:12], attempt
+        if self.store_address is None:
+            self._store = LaunchStore()
+            self._run_id = uuid.uuid4().hex[:12]
+        else:  # one run id for every node's ranks
+            self._store = LaunchStore(address=self.store_address)
+            self._run_id = hashlib.sha256(self.store_address.encode()).hexdigest()[:12]
+        self._attempt = attempt
         self.generation, self.used = 0, 0
-        self.members = {slot: slot for slot in range(self.ranks.nproc)}
+        self.members = {slot: slot for slot in range(self.ranks.world_size)}
         self._causes.clear()
         self._beats.clear()
         self._starting.clear()
         self._held.clear()
-        return start_all([(self.ranks.command, self._environment(slot)) for slot in range(self.ranks.nproc)])
+        return start_all([(self.ranks.command, self._environment(index)) for index in range(self.ranks.nproc)])
+
+    def _slot(self, index: int) -> int:
+        """The slot of this node's child ``index``."""
+        return self.offset + index
 
     def close(self) -> None:
         """The attempt ended: so does the spare (it waits in the store, idle)."""
@@ -122,12 +146,17 @@ class Recoverer:
             return
         self._spares += 1
         # Some rank's torchrun variables (`ddp-hpc run` needs them): InJobRecovery sets RANK once it has a slot.
-        env = {**self._environment(0), RECOVERY_SPARE_VAR: str(self._spares)}
+        env = {**self._environment(0), RECOVERY_SPARE_VAR: self._spare_id()}
         env.pop(RECOVERY_GENERATION_VAR, None)
         self._spare = start_all([(self.ranks.command, env)])[0]
 
-    def _environment(self, slot: int) -> dict[str, str]:
-        env = self.ranks.environment(slot, self._attempt, self._store.store.port, self._run_id)
+    def _spare_id(self) -> str:
+        """This node's newest spare, named apart from the other nodes' ones."""
+        return f"{self.ranks.node_rank}.{self._spares}" if self.ranks.num_nodes > 1 else str(self._spares)
+
+    def _environment(self, index: int) -> dict[str, str]:
+        port = int(self._store.address.rpartition(":")[2])
+        env = self.ranks.environment(index, self._attempt, port, self._run_id)
         env.update({RECOVERY_STORE_VAR: self._store.address, RECOVERY_WAIT_VAR: f"{self.limits.wait_s:g}",
                     # The launch serves the store: a script that calls init_process_group itself connects to it.
                     "TORCHELASTIC_USE_AGENT_STORE": "True"})
@@ -135,12 +164,14 @@ class Recoverer:
             env[RECOVERY_GENERATION_VAR] = str(self.generation)
         return env
 
-    def on_failure(self, slot: int, status: int, children: list[subprocess.Popen]) -> bool:
-        """Rank ``slot`` ended with ``status``: True when the job recovers in place (its
-        replacement is in ``children[slot]``, or the others go on without it)."""
+    def on_failure(self, index: int, status: int, children: list[subprocess.Popen]) -> bool:
+        """This node's rank ``index`` ended with ``status``: True when the job recovers in
+        place (its replacement is in ``children[index]``, or the others go on without it)."""
         from ddp_hpc.engine.recovery_store import Plan
 
-        cause = self._causes.pop(slot, describe_cause(status))
+        slot = self._slot(index)
+        cause = self._causes.pop(index, describe_cause(status))
+        self.used = self._store.generations()  # every node's recoveries of this attempt
         if self.used >= self.limits.max_recoveries:
             log.error("rank %d lost (%s) and no in-job recovery is left (--recover %d): restarting in place",
                       slot, cause, self.limits.max_recoveries)
@@ -153,51 +184,50 @@ class Recoverer:
         survivors = [s for s in sorted(self.members) if s != slot]
         if self.limits.shrink and not survivors:
             return False
-        self.used += 1
-        self.generation += 1
+        self.generation = self.used = self._store.next_generation()
         if self.limits.shrink:
             self.members = {s: rank for rank, s in enumerate(survivors)}
         plan = Plan(generation=self.generation, world_size=len(self.members), ranks=dict(self.members), lost=slot,
                     host=socket.gethostname(), cause=cause, detected_at=time.time(), replaced=not self.limits.shrink)
         self._store.forget(slot)
         self._store.publish(plan)
-        self._beats.pop(slot, None)
+        self._beats.pop(index, None)
         if self.limits.shrink:
             log.warning("rank %d lost (%s): the %d others go on without it (recovery %d of %d)", slot, cause,
                         len(self.members), self.used, self.limits.max_recoveries)
         elif self._spare is not None and self._spare.poll() is None:
-            self._starting.add(slot)  # it is ready once it joined the new group: a stop is held till then
-            self._store.assign(str(self._spares), slot)
-            children[slot], self._spare = self._spare, None
+            self._starting.add(index)  # it is ready once it joined the new group: a stop is held till then
+            self._store.assign(self._spare_id(), slot)
+            children[index], self._spare = self._spare, None
             log.warning("rank %d lost (%s): the warm spare (pid %d) takes its place, the others stay up "
-                        "(recovery %d of %d)", slot, cause, children[slot].pid, self.used, self.limits.max_recoveries)
+                        "(recovery %d of %d)", slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
         else:
-            self._starting.add(slot)  # before it starts: a stop that comes meanwhile is held for it
-            children[slot] = start_all([(self.ranks.command, self._environment(slot))])[0]
+            self._starting.add(index)  # before it starts: a stop that comes meanwhile is held for it
+            children[index] = start_all([(self.ranks.command, self._environment(index))])[0]
             log.warning("rank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
-                        slot, cause, children[slot].pid, self.used, self.limits.max_recoveries)
+                        slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
         return True
 
     def forward(self, signum: int, children: list[subprocess.Popen]) -> None:
         """The stop goes to every running rank; to a replacement that has not started
         ``InJobRecovery`` yet once it has (``deliver``)."""
-        for slot, child in enumerate(children):
-            if slot in self._starting and not self._store.ready(slot):
-                self._held[slot] = signum
+        for index, child in enumerate(children):
+            if index in self._starting and not self._store.ready(self._slot(index)):
+                self._held[index] = signum
             elif child.returncode is None:
                 send(child, signum)
         self.deliver(children)
 
     def deliver(self, children: list[subprocess.Popen]) -> None:
-        for slot in sorted(self._held):
-            child = children[slot]
+        for index in sorted(self._held):
+            child = children[index]
             if child.returncode is not None:
-                del self._held[slot]
-            elif self._store.ready(slot):
+                del self._held[index]
+            elif self._store.ready(self._slot(index)):
                 log.warning("passing %s on to rank %d's replacement (pid %d), up now", signal.Signals(
-                    self._held[slot]).name, slot, child.pid)
-                send(child, self._held.pop(slot))
-                self._starting.discard(slot)
+                    self._held[index]).name, self._slot(index), child.pid)
+                send(child, self._held.pop(index))
+                self._starting.discard(index)
 
     def watch(self, children: list[subprocess.Popen]) -> None:
         """Kill a rank whose heartbeat stood still for ``hang_s`` (it is then recovered as a lost rank)."""
@@ -205,25 +235,30 @@ class Recoverer:
         if now < self._next_watch:
             return
         self._next_watch = now + WATCH_S
+        if self.on_stop is not None:
+            signum = self._store.stop_requested()
+            if signum is not None:
+                self.on_stop(signum)
+                return
         if self.limits.warm_spare and (self._spare is None or self._spare.poll() is not None) \
                 and all(self._store.ready(s) for s in self.members) \
                 and (self.generation == 0 or self._store.recovered(self.generation)):
             self._start_spare()
-        for slot in self.members:
-            child = children[slot]
-            if child.returncode is not None or not self._store.ready(slot):
+        for index, child in enumerate(children):
+            slot = self._slot(index)
+            if slot not in self.members or child.returncode is not None or not self._store.ready(slot):
                 continue
-            self._starting.discard(slot)
+            self._starting.discard(index)
             beats = self._store.beats(slot)
-            last = self._beats.get(slot)
+            last = self._beats.get(index)
             if last is None or last[0] != beats:
-                self._beats[slot] = (beats, now)
+                self._beats[index] = (beats, now)
             elif now - last[1] >= self.limits.hang_s:
-                self._causes[slot] = f"frozen: no heartbeat for {self.limits.hang_s:g} s"
+                self._causes[index] = f"frozen: no heartbeat for {self.limits.hang_s:g} s"
                 log.error("rank %d (pid %d) sent no heartbeat for %g s: ending it", slot, child.pid,
                           self.limits.hang_s)
                 child.kill()
-                self._beats.pop(slot, None)
+                self._beats.pop(index, None)
 
 
 def send(child: subprocess.Popen, signum: int) -> None:

@@ -58,10 +58,21 @@ class LocalRanks:
     nproc: int
     command: Sequence[str]
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    #: A node supervisor's (``launch/node.py``): this node's place among ``num_nodes``, each
+    #: with ``nproc`` ranks, and where they meet.
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.num_nodes
 
     def environment(self, local_rank: int, attempt: int, port: int, run_id: str) -> dict[str, str]:
-        rank = DistEnv(rank=local_rank, world_size=self.nproc, local_rank=local_rank, local_world_size=self.nproc,
-                       node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=port, source="ddp-hpc launch")
+        rank = DistEnv(rank=self.node_rank * self.nproc + local_rank, world_size=self.world_size,
+                       local_rank=local_rank, local_world_size=self.nproc, node_rank=self.node_rank,
+                       num_nodes=self.num_nodes, master_addr=self.master_addr, master_port=port,
+                       source="ddp-hpc launch")
         env = {**self.base_env, **torchrun_variables(rank, run_id, attempt), RESTART_COUNT_VAR: str(attempt)}
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if self.nproc > 1 and not env.get("OMP_NUM_THREADS", "").strip():
