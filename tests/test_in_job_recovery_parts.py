@@ -29,30 +29,128 @@ def test_fsdp2_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
-def test_recover_under_mpiexec_says_in_one_line_that_a_failure_restarts_in_place(launcher, caplog):
+def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, caplog):
     from ddp_hpc.cli import _in_job_recovery
-    from ddp_hpc.launch.local import LocalLaunch, attempt_starter
+    from ddp_hpc.launch.local import LocalLaunch
+    from ddp_hpc.launch.node import NodeSupervisors
 
     args = argparse.Namespace(recover=1, recovery_wait=120.0, shrink=False, hang_timeout=10.0, launcher=launcher,
-                              warm_spare=False)
-    starter = attempt_starter(LocalLaunch(nproc=2, command=["true"], launcher=launcher))
+                              warm_spare=True)
     with caplog.at_level(logging.WARNING, logger="ddp_hpc"):
-        assert _in_job_recovery(args, starter) is None
-    [line] = [record.getMessage() for record in caplog.records]
-    assert f"in-job recovery is off under --launcher {launcher}" in line and "restarts in place" in line
+        supervisors = _in_job_recovery(args, LocalLaunch(nproc=4, command=["python", "train.py"], launcher=launcher))
+    assert isinstance(supervisors, NodeSupervisors) and not caplog.records
+    argv = list(supervisors.argv)
+    assert argv[argv.index("-n") + 1] == "1"  # one task: the node supervisor, which starts the 4 ranks
+    node = argv[argv.index("launch") + 1:]
+    assert node == ["--node-supervisor", "--nproc", "4", "--recover", "1", "--recovery-wait", "120",
+                    "--hang-timeout", "10", "--warm-spare", "--", "python", "train.py"]
 
 
 def test_recover_under_the_default_launcher_recovers(caplog):
     from ddp_hpc.cli import _in_job_recovery
-    from ddp_hpc.launch.local import LocalLaunch, attempt_starter
+    from ddp_hpc.launch.local import LocalLaunch
     from ddp_hpc.launch.recovering import Recoverer
 
     args = argparse.Namespace(recover=2, recovery_wait=60.0, shrink=True, hang_timeout=5.0, launcher="torchrun",
                               warm_spare=False)
-    recoverer = _in_job_recovery(args, attempt_starter(LocalLaunch(nproc=2, command=["true"])))
+    recoverer = _in_job_recovery(args, LocalLaunch(nproc=2, command=["true"]))
     assert isinstance(recoverer, Recoverer)
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
     assert not caplog.records
+
+
+#: A node supervisor's environment (recorded on this machine: Hydra 4.0, Open MPI 4.1, SLURM
+#: 22.05), node 1 of 2; its ranks must read their own places, not this.
+NODE_SUPERVISOR_TASKS = {
+    "mpich": {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "6", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1",
+              "MPIR_CVAR_CH3_INTERFACE_HOSTNAME": "n2"},
+    "openmpi": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "OMPI_COMM_WORLD_NODE_RANK": "0", "PMIX_RANK": "1",
+                "PMIX_NAMESPACE": "540737537", "OMPI_MCA_ess_base_vpid": "1", "OMPI_MCA_ess": "^singleton",
+                "OMPI_UNIVERSE_SIZE": "2"},
+    "slurm": {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_ID": "3",
+              "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+              "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(NODE_SUPERVISOR_TASKS))
+def test_a_node_supervisors_ranks_read_their_own_places_not_the_launchers_task_variables(launcher):
+    """The node supervisor is the launcher's task 1 of 2 (one per node); its 3 ranks are 3-5
+    of 6. They start without its task variables: only torchrun's (and env://'s) say who they
+    are, so nothing in them (an MPI library, a launcher check) takes itself for task 1."""
+    from ddp_hpc.contract import RECOVERY_STORE_VAR
+    from ddp_hpc.environment import resolve_env
+    from ddp_hpc.environment.launchers import LAUNCHERS
+    from ddp_hpc.launch.node import node_place, rank_base_environment
+    from ddp_hpc.launch.supervisor import LocalRanks
+
+    task = {"PATH": "/usr/bin", "HOME": "/root", RECOVERY_STORE_VAR: "n1:29400", **NODE_SUPERVISOR_TASKS[launcher]}
+    assert node_place(task) == (1, 2)
+    ranks = LocalRanks(3, ["python", "train.py"], base_env=rank_base_environment(task), node_rank=1, num_nodes=2,
+                       master_addr="n1")
+    for local_rank in range(3):
+        env = ranks.environment(local_rank, attempt=0, port=29400, run_id="abc")
+        assert [found.name for found in LAUNCHERS if found.detect(env)] == ["torchrun", "env", "single"]
+        assert env["PATH"] == "/usr/bin" and RECOVERY_STORE_VAR not in env  # Recoverer sets the store's itself
+        place = resolve_env(env)
+        assert (place.rank, place.world_size, place.local_rank, place.node_rank, place.num_nodes) == (
+            3 + local_rank, 6, local_rank, 1, 2)
+        assert (place.master_addr, place.master_port) == ("n1", 29400)
+
+
+def test_a_node_supervisor_started_more_than_once_per_node_is_refused_in_one_line():
+    from ddp_hpc.launch.node import node_place
+
+    with pytest.raises(UserError, match="runs once per node.*mpich started 2 on this one") as refused:
+        node_place({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert "\n" not in str(refused.value)
+
+
+def test_node_supervisors_draw_each_generation_once_from_the_store_and_latest_only_rises(tmp_path):
+    """Two node supervisors (2 nodes, 1 rank each) around one served store, as under mpiexec
+    -ppn 1: each replaces its own lost rank (slot 0 on node 0, slot 1 on node 1); the plans
+    get generations 1 and 2 from the store's counter, not 1 twice; a plan published late
+    never lowers ``latest``; --recover 2 counts both nodes' recoveries."""
+    import subprocess
+    import sys
+
+    from ddp_hpc.engine.recovery_store import LATEST_KEY, LaunchStore, Plan, plan_key, ready_key
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+    from ddp_hpc.launch.supervisor import LocalRanks
+
+    served = LaunchStore()
+    rank = [sys.executable, "-c", "import time; time.sleep(60)"]
+    nodes = [Recoverer(LocalRanks(1, rank, node_rank=node, num_nodes=2), RecoveryLimits(2, hang_s=600),
+                       store_address=served.address) for node in range(2)]
+    children = [node.start(0) for node in nodes]
+    try:
+        assert [child[0].args for child in children] == [rank, rank]
+        for slot in range(2):
+            served.store.set(ready_key(slot), "1")
+        for node, lost in ((0, 0), (1, 1)):
+            children[node][0].kill()
+            children[node][0].wait()
+            assert nodes[node].on_failure(0, 137, children[node])
+            served.store.set(ready_key(lost), "1")  # its replacement joined
+        assert served.store.check([plan_key(1), plan_key(2)]), "two node supervisors published one generation"
+        plans = [Plan.from_json(served.store.get(plan_key(generation))) for generation in (1, 2)]
+        assert [(plan.generation, plan.lost, plan.world_size, plan.ranks) for plan in plans] == [
+            (1, 0, 2, {0: 0, 1: 1}), (2, 1, 2, {0: 0, 1: 1})]
+        assert int(served.store.get(LATEST_KEY)) == 2
+        served.publish(plans[0])  # an older plan, published late
+        assert int(served.store.get(LATEST_KEY)) == 2
+        # The recoveries of both nodes count: a third loss, on either node, is beyond --recover 2.
+        children[0][0].kill()
+        children[0][0].wait()
+        assert not nodes[0].on_failure(0, 137, children[0])
+    finally:
+        for child in (one for node in children for one in node):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        for node in nodes:
+            node.close()
 
 
 def test_a_negative_recovery_count_is_refused():
