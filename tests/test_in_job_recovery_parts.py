@@ -316,3 +316,51 @@ def test_the_state_travels_as_bytes_read_back_weights_only():
     with pytest.raises(RecoveryError, match=r"NotPlain.*weights_only=True") as refused:
         state_from_tensor(state_to_tensor({**state, "extras": NotPlain()}))
     assert "\n" not in str(refused.value)
+
+
+#: A rank that stops (75) on SIGUSR2 and says where it runs and what its environment holds.
+RANK_THAT_STOPS = """
+import json, os, signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGUSR2, lambda *_: sys.exit(75))
+seen = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_FD")}
+Path(os.environ["TEST_FOLDER"], f"up-{os.getpid()}").write_text(json.dumps(seen))
+time.sleep(40)
+sys.exit(1)
+"""
+
+
+@pytest.mark.multiproc
+def test_under_mpich_a_stop_reaches_the_node_supervisors_ranks_through_the_store_and_the_launch_exits_75(
+        mpich, tmp_path):
+    """Hydra does not pass SIGUSR2 on (it dies of it): the launch asks the node supervisor for
+    the stop through the store, which passes it on to its ranks; their 75 comes back out
+    through the node supervisor and mpiexec. The ranks start without Hydra's PMI variables."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import clean_env, ddp_hpc_command
+
+    process = subprocess.Popen([*ddp_hpc_command(), "launch", "--launcher", "mpich", "--recover", "1", "--nproc", "2",
+                                "--", sys.executable, "-c", RANK_THAT_STOPS],
+                               env=clean_env({"TEST_FOLDER": str(tmp_path)}), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("up-*"))) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks never came up"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGUSR2)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            import os
+
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 75, output[-3000:]
+    seen = sorted((json.loads(path.read_text()) for path in tmp_path.glob("up-*")), key=lambda one: one["RANK"])
+    assert seen == [{"RANK": rank, "WORLD_SIZE": "2", "PMI_RANK": None, "PMI_FD": None} for rank in ("0", "1")]
