@@ -400,15 +400,14 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
     the requeue or the exit file, as a batch script's end (schedulers/slurm/step.py)."""
     from pathlib import Path
 
+    import subprocess
+
     from ddp_hpc.launch.local import rank_command
+    from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command, store_host
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
     from ddp_hpc.schedulers.slurm.step import FORWARDED_STOP, SrunLaunch, SrunSteps, allocated_nodes, end_of_job
 
-    if args.recover:
-        logging.getLogger("ddp_hpc").warning(
-            "in-job recovery is off under --launcher srun (srun ends every rank when one fails): a failure restarts "
-            "in place (--max-restarts)")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
     folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
@@ -416,15 +415,33 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
         raise UserError(f"--launcher srun needs --run-folder DIR (or ${RUN_FOLDER_VAR}): where the launch records its "
                         "exit status and the nodes it leaves out")
     allocated = allocated_nodes(os.environ)
-    launch = SrunLaunch(allocated if args.nodes is None else args.nodes, args.nproc,
-                        tuple(rank_command(args.command)) if args.command else (), Path(folder).resolve(), allocated)
+    nodes = allocated if args.nodes is None else args.nodes
+    limits = _recovery_limits(args) if args.recover else None
+    if limits is None:
+        launch = SrunLaunch(nodes, args.nproc, tuple(rank_command(args.command)) if args.command else (),
+                            Path(folder).resolve(), allocated)
+    else:  # in-job recovery: each step is one node supervisor per node, which starts --nproc ranks there
+        if limits.shrink and nodes > 1:
+            raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
+        launch = SrunLaunch(nodes, 1, tuple(node_supervisor_command(args.nproc, limits, args.command))
+                            if args.command else (), Path(folder).resolve(), allocated)
     if args.dry_run:
         print(shlex.join(launch.step_argv([])))
         return 0
     launch.run_folder.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     steps = SrunSteps(launch)
-    supervisor = Supervisor(steps.start, RestartPolicy(args.max_restarts), read_status=steps.read_status)
+    in_job = None
+    if limits is not None:
+        base_env = dict(steps.base_env)
+
+        def start_step(attempt: int, extra: Any) -> list[subprocess.Popen]:
+            steps.base_env = {**base_env, **extra}  # the attempt's store
+            return steps.start(attempt)
+
+        in_job = NodeSupervisors(start_step, host=store_host(os.environ, nodes), argv=launch.step_argv([]))
+    supervisor = Supervisor(in_job.start if in_job else steps.start, RestartPolicy(args.max_restarts),
+                            in_job=in_job, read_status=steps.read_status)
     stop = (args.stop_signal or StopSignal.default()).signal
     signal.signal(stop, lambda signum, frame: supervisor.request_stop(FORWARDED_STOP))
     # Any other end (scancel's SIGTERM, a closed terminal) is no stop: the step ends with the launch.

@@ -25,8 +25,14 @@ SETTINGS = {"EPOCHS": "1", "STEP_DELAY_S": "0.3"}
 LAUNCH_TIMEOUT_S = 500
 
 
+#: Under srun: the test cluster's 2 nodes with 2 ranks each, in an allocation of their own.
+SRUN = ("salloc", "--quiet", "--nodes", "2")
+
+
 def launch(run_dir: Path, *flags: str, settings: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([*ddp_hpc_command(), "launch", "--nproc", str(RANKS), *flags, "--", "python", EXAMPLE],
+    inside, nproc = (SRUN, RANKS // 2) if "srun" in flags else ((), RANKS)
+    return subprocess.Popen([*inside, *ddp_hpc_command(), "launch", "--nproc", str(nproc), *flags, "--", "python",
+                             EXAMPLE],
                             env=clean_env({**SETTINGS, **(settings or {}), "RUN_DIR": str(run_dir)}),
                             cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -145,18 +151,26 @@ def assert_recovered_in_place(run_dir: Path, pids: dict[int, int], reference: li
     return record
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpich", "openmpi"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich", "openmpi", "srun"])
 def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_identical(launcher, reference,
                                                                                          tmp_path, request):
-    """Under mpiexec the launcher's one task is a node supervisor (launch/node.py), the ranks its
-    children: mpiexec sees no failure, the survivors stay up. Compared with the same reference."""
-    if launcher != "torchrun":
+    """Under mpiexec and srun the launcher's task is a node supervisor per node (launch/node.py),
+    the ranks its children: the launcher sees no failure, the survivors stay up. Under srun 2
+    nodes x 2 ranks: the lost rank (2) is the second node's first. Compared with the same
+    reference (4 ranks under the default launcher)."""
+    flags: tuple[str, ...] = ()
+    if launcher in ("mpich", "openmpi"):
         request.getfixturevalue(launcher)  # skips where that MPI is not installed
-    flags = () if launcher == "torchrun" else ("--launcher", launcher)
+        flags = ("--launcher", launcher)
+    elif launcher == "srun":
+        request.getfixturevalue("slurm_cluster")
+        flags = ("--launcher", "srun", "--run-folder", str(tmp_path / "launch"))
     pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGKILL, *flags)
     record = assert_recovered_in_place(tmp_path, pids, reference, sent_at)
     assert record["cause"] == "exit 137 (SIGKILL)"
     assert "in-job recovery is off" not in output
+    if launcher == "srun":  # the replacement started on the lost rank's node, by its node supervisor
+        assert f"node 1 of 2: rank {LOST} lost (exit 137 (SIGKILL)): replacement started" in output
     FIGURES.append(f"in-job recovery ({launcher}), SIGKILL of 1 of 4 ranks: {kill_to_next_step(record, sent_at):.1f} "
                    f"s from the kill to the next completed step (group re-formed {record['group_s']:.1f} s, state "
                    f"received {record['transfer_s']:.1f} s after the launch saw it)")

@@ -130,6 +130,10 @@ class Recoverer:
         self._held.clear()
         return start_all([(self.ranks.command, self._environment(index)) for index in range(self.ranks.nproc)])
 
+    def _where(self) -> str:
+        """Which node supervisor speaks, where there are several."""
+        return f"node {self.ranks.node_rank} of {self.ranks.num_nodes}: " if self.ranks.num_nodes > 1 else ""
+
     def _slot(self, index: int) -> int:
         """The slot of this node's child ``index``."""
         return self.offset + index
@@ -199,13 +203,14 @@ class Recoverer:
             self._starting.add(index)  # it is ready once it joined the new group: a stop is held till then
             self._store.assign(self._spare_id(), slot)
             children[index], self._spare = self._spare, None
-            log.warning("rank %d lost (%s): the warm spare (pid %d) takes its place, the others stay up "
-                        "(recovery %d of %d)", slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
+            log.warning("%srank %d lost (%s): the warm spare (pid %d) takes its place, the others stay up "
+                        "(recovery %d of %d)", self._where(), slot, cause, children[index].pid, self.used,
+                        self.limits.max_recoveries)
         else:
             self._starting.add(index)  # before it starts: a stop that comes meanwhile is held for it
             children[index] = start_all([(self.ranks.command, self._environment(index))])[0]
-            log.warning("rank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
-                        slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
+            log.warning("%srank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
+                        self._where(), slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
         return True
 
     def forward(self, signum: int, children: list[subprocess.Popen]) -> None:
