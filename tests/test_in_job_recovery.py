@@ -26,7 +26,7 @@ LAUNCH_TIMEOUT_S = 500
 
 
 #: Under srun: the test cluster's 2 nodes with 2 ranks each, in an allocation of their own.
-SRUN = ("salloc", "--quiet", "--nodes", "2")
+SRUN = ("salloc", "--quiet", "--nodes", "2", "--ntasks-per-node", "2")
 
 
 def launch(run_dir: Path, *flags: str, settings: dict[str, str] | None = None) -> subprocess.Popen:

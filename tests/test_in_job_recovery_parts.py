@@ -364,3 +364,49 @@ def test_under_mpich_a_stop_reaches_the_node_supervisors_ranks_through_the_store
     assert process.returncode == 75, output[-3000:]
     seen = sorted((json.loads(path.read_text()) for path in tmp_path.glob("up-*")), key=lambda one: one["RANK"])
     assert seen == [{"RANK": rank, "WORLD_SIZE": "2", "PMI_RANK": None, "PMI_FD": None} for rank in ("0", "1")]
+
+
+def test_a_node_supervisor_watches_and_hands_a_spare_to_the_slots_of_its_own_node(tmp_path):
+    """Node 1 of 2 with 2 ranks each (slots 2 and 3): its warm spare is named apart from node
+    0's, takes the place of a lost slot 3, and its heartbeat watch reads slots 2 and 3 (a rank
+    whose slot's counter stands still is ended as frozen)."""
+    import sys
+    import time
+
+    from ddp_hpc.engine.recovery_store import LaunchStore, Plan, alive_key, plan_key, ready_key, spare_key
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+    from ddp_hpc.launch.supervisor import LocalRanks
+
+    served = LaunchStore()
+    rank = [sys.executable, "-c", "import time; time.sleep(60)"]
+    node = Recoverer(LocalRanks(2, rank, node_rank=1, num_nodes=2), RecoveryLimits(2, hang_s=0.5, warm_spare=True),
+                     store_address=served.address)
+    children = node.start(0)
+    try:
+        for slot in range(4):
+            served.store.set(ready_key(slot), "1")
+        node.watch(children)
+        spare = node._spare
+        assert spare is not None and spare.args == rank
+        children[1].kill()
+        children[1].wait()
+        assert node.on_failure(1, 137, children)
+        assert children[1] is spare and int(served.store.get(spare_key("1.1"))) == 3
+        assert Plan.from_json(served.store.get(plan_key(1))).lost == 3
+        served.store.set(ready_key(3), "1")  # the spare joined
+        # Slot 2's counter stands still, slot 3's moves: only node 1's first child (slot 2) is frozen.
+        deadline = time.monotonic() + 10
+        while children[0].poll() is None:
+            assert time.monotonic() < deadline, "the frozen rank in slot 2 was not ended"
+            served.store.add(alive_key(3), 1)
+            node._next_watch = 0.0
+            node.watch(children)
+            time.sleep(0.1)
+        assert children[1].poll() is None
+        assert node._causes == {0: "frozen: no heartbeat for 0.5 s"}
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        node.close()
