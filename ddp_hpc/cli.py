@@ -326,6 +326,7 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
+    from ddp_hpc.launch.node import NodeSupervisors
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
 
@@ -348,7 +349,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                          max_restarts=args.max_restarts)
     in_job = _in_job_recovery(args, launch)
     if args.dry_run:
-        print(in_job.describe() if hasattr(in_job, "describe") else describe(launch), end="")
+        print(in_job.describe() if isinstance(in_job, NodeSupervisors) else describe(launch), end="")
         return 0
     sys.stdout.flush()
     starter = attempt_starter(launch)

@@ -17,7 +17,6 @@ membership), without its restart of every worker on a failure.
 
 from __future__ import annotations
 
-import logging
 import shlex
 import socket
 import subprocess
@@ -28,8 +27,6 @@ from ddp_hpc.contract import HOST_SUFFIX_VAR, RECOVERY_STORE_VAR
 from ddp_hpc.environment import detect_launcher
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.recovering import RecoveryLimits
-
-log = logging.getLogger(__name__)
 
 #: The variables that make a process a launcher's task (environment/launchers.py reads
 #: them): the node supervisor has them, its ranks must not, or they would read the node
