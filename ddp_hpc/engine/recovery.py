@@ -178,7 +178,8 @@ class InJobRecovery:
 
     def run(self, train: Callable[[nn.Module], T], *, model: nn.Module, optimizer: torch.optim.Optimizer,
             sampler: Any = None, checkpointer: Checkpointer | None = None,
-            stop: StopAgreement | None = None) -> T:
+            stop: StopAgreement | None = None,
+            wrap: Callable[[nn.Module], DistributedDataParallel] | None = None) -> T:
         """``train(ddp_model)`` until it returns, recovering from lost ranks in between.
 
         ``model`` is the module itself (not wrapped: each group gets its own DDP);
@@ -191,6 +192,10 @@ class InJobRecovery:
         group, and ``step_done`` counts and saves through it (call it in place of
         ``checkpointer.step_done``). ``stop``: the loop's ``StopAgreement``, which follows
         each new group too (a stop requested on any rank still stops every rank).
+        ``wrap``: makes the DDP wrapper of ``model`` for each group (default:
+        ``DistributedDataParallel(model, **ddp_kwargs)``); one of the caller's own (device
+        ids, a communication hook) should keep ``find_unused_parameters=True`` for the
+        reason given in the class's ``__init__``.
         """
         refuse_sharded(model)
         if isinstance(model, DistributedDataParallel):
@@ -213,7 +218,7 @@ class InJobRecovery:
             try:
                 # Inside the try: DDP's constructor checks the parameters with a collective,
                 # which fails like any other when a peer is lost while the group is new.
-                wrapped = DistributedDataParallel(model, **self.ddp_kwargs)
+                wrapped = wrap(model) if wrap is not None else DistributedDataParallel(model, **self.ddp_kwargs)
                 return train(wrapped)
             except RuntimeError as exc:  # DistError is one
                 if not (self.enabled and is_collective_error(exc)):
@@ -225,11 +230,13 @@ class InJobRecovery:
             gc.collect()
             self._recover()
 
-    def step_done(self, batches: int = 1, *, epoch_ends: bool = False) -> None:
+    def step_done(self, batches: int = 1, *, epoch_ends: bool = False, save: bool = True) -> None:
         """One optimizer step is complete on this rank: counts it, advances the sampler (or,
         with a ``checkpointer``, its ``step_done``: the count, its samplers, then its cadence's
         save) and leaves this rank's RNG streams where a replacement finds them.
-        ``epoch_ends`` as in ``Checkpointer.step_done``."""
+        ``epoch_ends`` and ``save`` as in ``Checkpointer.step_done`` (``save=False``: the
+        caller calls ``checkpointer.save_due()`` itself, once the step's other bookkeeping,
+        its callbacks say, is done)."""
         self.step += 1
         checkpointer = self._checkpointer
         if checkpointer is not None:
@@ -239,7 +246,7 @@ class InJobRecovery:
         self._keep_rng()
         if self._pending is not None:
             self._finish_recovery()
-        if checkpointer is not None:  # a collective: a peer lost in it is recovered from this step on
+        if checkpointer is not None and save:  # a collective: a peer lost in it is recovered from this step on
             checkpointer.save_due()
 
     def close(self) -> None:
