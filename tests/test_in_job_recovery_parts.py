@@ -218,3 +218,51 @@ def test_the_state_travels_as_bytes_read_back_weights_only():
     with pytest.raises(RecoveryError, match=r"NotPlain.*weights_only=True") as refused:
         state_from_tensor(state_to_tensor({**state, "extras": NotPlain()}))
     assert "\n" not in str(refused.value)
+
+
+#: The Trainer, small: configs/synthetic.yaml with a few hundred samples.
+SMALL_TRAINER = ["job.params.samples=256", "job.params.val_samples=0", "job.params.input_dim=16",
+                 "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=1",
+                 "logging.progress=never", "logging.plot=false"]
+
+
+@pytest.mark.parametrize("override, why", [
+    ("training.strategy=fsdp2", "under fsdp2 each rank holds one shard of the model"),
+    ("training.zero_optimizer=true", "each rank holds one shard of the optimizer state"),
+])
+def test_the_trainer_refuses_in_job_recovery_where_a_survivor_lacks_a_lost_ranks_part(monkeypatch, tmp_path,
+                                                                                        override, why):
+    """Under `ddp-hpc launch --recover` (its store's address in the environment) the Trainer
+    refuses fsdp2 and ZeRO in one line, before it starts a group or makes its run folder."""
+    import ddp_hpc
+    from ddp_hpc.config_loader import ConfigError
+    from ddp_hpc.contract import RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+    from conftest import REPO
+
+    monkeypatch.setenv(RECOVERY_STORE_VAR, "127.0.0.1:1")  # nothing listens: a group would not form
+    monkeypatch.setenv(RECOVERY_WAIT_VAR, "1")
+    with pytest.raises(ConfigError, match=f"in-job recovery \\(--recover\\).*{why}") as refused:
+        ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}", override])
+    assert "\n" not in str(refused.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(monkeypatch, tmp_path):
+    """One rank under a recovering launch's store (served here): the Trainer's group is
+    InJobRecovery's and each step is counted through it (the rank's RNG streams after its
+    last step are in the store, for a replacement); at the end it leaves the store (its
+    ready key gone: the launch no longer watches it)."""
+    import ddp_hpc
+    from ddp_hpc.contract import RECOVERY_STORE_VAR
+    from ddp_hpc.engine import recovery_store as keys
+    from conftest import REPO
+
+    store = keys.LaunchStore()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.store.port),
+                        RECOVERY_STORE_VAR: store.address}.items():
+        monkeypatch.setenv(name, value)
+    summary = ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}"])
+    assert summary.status.value == "completed" and summary.global_step == 16
+    assert keys.rng_from_bytes(store.store.get(keys.rng_key(0, 16)))[0] == 16
+    assert not store.ready(0)

@@ -60,6 +60,9 @@ class TrainingLoop:
         self.preempted = False
         #: The engine's watchdog while training runs under ``distributed.watchdog_s`` (the Trainer's ``fit``).
         self.watchdog: Watchdog | None = None
+        #: Under in-job recovery: this rank's sums after the last two steps, by (epoch, step),
+        #: so that the epoch continued after a recovery (from either) keeps what it summed.
+        self._kept_sums: dict[tuple[int, int], MetricSums] = {}
 
     # ----- epochs -----------------------------------------------------------------------
 
@@ -131,7 +134,9 @@ class TrainingLoop:
         # Reseeded per epoch so a resumed epoch gives workers the same seeds as the original.
         self.loader.generator.manual_seed(self.training.seed * 1_000_003 + epoch)
         accum, total_batches = self.training.grad_accum_steps, self.plan.batches
-        sums = self.epoch_sums = MetricSums(self.device)
+        kept = self._kept_sums.get((epoch, state.progress.global_step)) if start_batch else None
+        sums = self.epoch_sums = kept.copy() if kept is not None else MetricSums(self.device)
+        recovery = trainer.recovery
         batch_index = start_batch
         forward_s = 0.0
         for batch in self._progress_bar(self.loader, epoch, start_batch, total_batches):
@@ -151,8 +156,13 @@ class TrainingLoop:
             if not closes_window:
                 continue
             self._optimizer_step()
-            checkpointer.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
+            if recovery is not None:  # counts through the Checkpointer too, and keeps this step's RNG streams
+                recovery.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
                                    save=False)
+                self._keep_sums(epoch, state.progress.global_step, sums)
+            else:
+                checkpointer.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
+                                       save=False)
             self.step_compute_s, forward_s = forward_s, 0.0
             step = state.progress.global_step
             self.beat("training")
@@ -165,6 +175,10 @@ class TrainingLoop:
             if self.reached_max_steps():
                 break
         return sums.reduce(self.ctx)
+
+    def _keep_sums(self, epoch: int, step: int, sums: MetricSums) -> None:
+        self._kept_sums = {key: kept for key, kept in self._kept_sums.items() if key == (epoch, step - 1)}
+        self._kept_sums[(epoch, step)] = sums.copy()
 
     @staticmethod
     def _per_sample(output: StepOutput) -> dict[str, torch.Tensor]:

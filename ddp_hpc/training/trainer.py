@@ -7,6 +7,11 @@ policy is the engine's), the loop (``loop.py``), and the callbacks (``callbacks.
 assembled by ``build_callbacks``), through which the periodic services (``services/``:
 tracking, early stopping, the background prestage, the weights check) and the user's own
 hooks run. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
+
+Under ``ddp-hpc launch --recover`` the group is kept by the engine's ``InJobRecovery``
+(the same part a loop of one's own uses): the loop is the function it runs, with the
+Checkpointer (whose objects are everything a checkpoint holds) and the StopAgreement handed
+to it, so a lost rank is replaced from the survivors' memory and the failed step redone.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.background_writer import WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat
 from ddp_hpc.engine.liveness import Straggler
+from ddp_hpc.engine.recovery import InJobRecovery
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.engine.watchdog import watchdog
@@ -44,7 +50,7 @@ from ddp_hpc.training.services.prestage import Prestage
 from ddp_hpc.training.services.tracking import TrackingService
 from ddp_hpc.training.services.weights_check import WeightsCheckCallback
 from ddp_hpc.training.state import Progress, TrainingState, parameter_checksum
-from ddp_hpc.training.strategy import state_bytes
+from ddp_hpc.training.strategy import state_bytes, wrap_ddp_for_recovery
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,8 @@ class Trainer:
         self.job, self.config, self.ctx, self.run = job, config, ctx, run
         self.training = config.training
         self.precision = resolve_precision(config.training.precision, ctx.device.device_type)
+        #: In-job recovery keeps the group (``ddp-hpc launch --recover``); None otherwise.
+        self.recovery = ctx.keeper if isinstance(ctx.keeper, InJobRecovery) else None
         self._setup_runtime()
         self.datasets = job.build_datasets()
         self._check_datasets(self.datasets)
@@ -83,7 +91,8 @@ class Trainer:
         self.callbacks = build_callbacks(config, ctx, run, self.early_stopping, callbacks)
         self.state = TrainingState(job, config, ctx, run, self.datasets.train, self.precision,
                                    checkpoint_format=checkpoint_format, kept=self.callbacks.stateful(),
-                                   on_written=self._checkpoint_written, on_saving=self._saving)
+                                   on_written=self._checkpoint_written, on_saving=self._saving,
+                                   recovery=self.recovery)
         margin = config.checkpoint.deadline_margin_s
         #: The stop every rank agrees on: a signal handler calls ``request_stop``; rank 0
         #: requests it ahead of ``deadline``.
@@ -119,6 +128,12 @@ class Trainer:
     @property
     def progress(self) -> Progress:
         return self.state.progress
+
+    @property
+    def joining(self) -> bool:
+        """This process replaces a lost rank: its state comes from the survivors once
+        training starts (nothing it holds before that counts)."""
+        return self.recovery is not None and self.recovery.joining
 
     @property
     def model(self) -> nn.Module:
@@ -185,7 +200,7 @@ class Trainer:
         self.callbacks.on_fit_start(self)
         self.stop.start()
         with self._watching(), self.callbacks.running(self), self.state.writes(self.loop.beat):
-            status = self.loop.run()
+            status = self._train()
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
                 if self.ctx.is_rank_zero:
@@ -198,6 +213,25 @@ class Trainer:
         self.callbacks.on_fit_end(self, summary)
         return summary
 
+    def _train(self) -> str:
+        """The loop; under in-job recovery, the function ``InJobRecovery.run`` calls (again
+        after each recovery, with the state as the survivors held it after the last step
+        every rank completed)."""
+        recovery = self.recovery
+        if recovery is None:
+            return self.loop.run()
+        return recovery.run(self._train_from_here, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+                            checkpointer=self.state.checkpointer, stop=self.stop,
+                            wrap=lambda model: wrap_ddp_for_recovery(model, self.config, self.ctx))
+
+    def _train_from_here(self, wrapped: nn.Module) -> str:
+        if torch.distributed.get_world_size() != self.ctx.world_size:
+            raise UserError(f"the Trainer does not yet go on with fewer ranks ({self.ctx.world_size} -> "
+                            f"{torch.distributed.get_world_size()}): launch with --recover without --shrink")
+        self.state.ddp_model = wrapped
+        self.state.optimizer.zero_grad(set_to_none=True)  # what the failed step accumulated
+        return self.loop.run()
+
     @contextmanager
     def _watching(self) -> Iterator[None]:
         """``distributed.watchdog_s``: the engine's watchdog around training, watched from
@@ -208,7 +242,10 @@ class Trainer:
             yield
             return
         ctx = self.ctx
-        store = (ctx.env.master_addr, ctx.env.master_port) if ctx.group_initialized and ctx.world_size > 1 else None
+        # Under in-job recovery no store serves the master address; the launch watches each
+        # rank's heartbeat itself (--hang-timeout).
+        store = ((ctx.env.master_addr, ctx.env.master_port)
+                 if ctx.group_initialized and ctx.world_size > 1 and self.recovery is None else None)
         with watchdog(limit_s, heartbeat_store=store, on_straggler=self._straggler if ctx.is_rank_zero else None,
                       limit_name="distributed.watchdog_s") as self.loop.watchdog:
             try:

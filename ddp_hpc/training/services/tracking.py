@@ -7,6 +7,7 @@ that a resumed run continues the same tracker runs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,8 @@ from ddp_hpc.training.callbacks import Callback
 
 if TYPE_CHECKING:
     from ddp_hpc.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class TrackingService(Callback):
@@ -33,6 +36,14 @@ class TrackingService(Callback):
         self.saved = value
 
     def on_fit_start(self, trainer: Trainer) -> None:
+        if trainer.joining:
+            # Starting gathers every rank's facts, and the survivors started long ago. A
+            # replacement of rank 0 trains on without trackers (docs/reliability.md).
+            if trainer.ctx.is_rank_zero:
+                log.warning("in-job recovery: this replacement of rank 0 does not continue the trackers "
+                            "(%s); metrics.jsonl and the summary go on", ", ".join(trainer.config.logging.trackers)
+                            or "none configured")
+            return
         state = trainer.state
         self._step = trainer.progress.global_step
         self.tracking.start(RunShape(trainer.ctx.world_size, trainer.effective_batch_size, trainer.training.epochs,
