@@ -42,6 +42,9 @@ RECOVERY_GENERATION_VAR = "DDP_HPC_RECOVERY_GENERATION"
 #: Set in a warm spare (``--warm-spare``): its id; it waits in ``InJobRecovery`` for the slot
 #: of a lost rank (torch imported, the script run up to there), then joins in its place.
 RECOVERY_SPARE_VAR = "DDP_HPC_RECOVERY_SPARE"
+#: Set to 1 under ``--shrink``: a lost rank is not replaced, the survivors go on renumbered
+#: (a loop that cannot continue on fewer ranks refuses at start-up).
+RECOVERY_SHRINK_VAR = "DDP_HPC_RECOVERY_SHRINK"
 #: The run folder (also read by ``ddp-hpc status``).
 RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 #: The job's end (walltime limit) in seconds since the epoch.

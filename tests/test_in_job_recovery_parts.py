@@ -52,6 +52,11 @@ def test_recover_under_the_default_launcher_recovers(caplog):
     recoverer = _in_job_recovery(args, attempt_starter(LocalLaunch(nproc=2, command=["true"])))
     assert isinstance(recoverer, Recoverer)
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
+    from ddp_hpc.contract import RECOVERY_SHRINK_VAR
+    from ddp_hpc.engine.recovery_store import LaunchStore
+
+    recoverer._store = LaunchStore()  # each rank hears of --shrink (the Trainer refuses it)
+    assert recoverer._environment(0)[RECOVERY_SHRINK_VAR] == "1"
     assert not caplog.records
 
 
@@ -227,22 +232,26 @@ SMALL_TRAINER = ["job.params.samples=256", "job.params.val_samples=0", "job.para
 
 
 @pytest.mark.parametrize("override, why", [
-    ("training.strategy=fsdp2", "under fsdp2 each rank holds one shard of the model"),
-    ("training.zero_optimizer=true", "each rank holds one shard of the optimizer state"),
+    ("training.strategy=fsdp2", "in-job recovery \\(--recover\\).*under fsdp2 each rank holds one shard of the model"),
+    ("training.zero_optimizer=true", "in-job recovery \\(--recover\\).*each rank holds one shard of the optimizer state"),
+    ("shrink", "the Trainer does not yet go on with fewer ranks under --recover --shrink"),
 ])
-def test_the_trainer_refuses_in_job_recovery_where_a_survivor_lacks_a_lost_ranks_part(monkeypatch, tmp_path,
-                                                                                        override, why):
+def test_the_trainer_refuses_in_job_recovery_where_it_cannot_go_on(monkeypatch, tmp_path, override, why):
     """Under `ddp-hpc launch --recover` (its store's address in the environment) the Trainer
-    refuses fsdp2 and ZeRO in one line, before it starts a group or makes its run folder."""
+    refuses, in one line, before it starts a group or makes its run folder: fsdp2 and ZeRO
+    (a survivor lacks the lost rank's shard) and --shrink (not re-planned for fewer ranks yet)."""
     import ddp_hpc
     from ddp_hpc.config_loader import ConfigError
-    from ddp_hpc.contract import RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+    from ddp_hpc.contract import RECOVERY_SHRINK_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
     from conftest import REPO
 
     monkeypatch.setenv(RECOVERY_STORE_VAR, "127.0.0.1:1")  # nothing listens: a group would not form
     monkeypatch.setenv(RECOVERY_WAIT_VAR, "1")
-    with pytest.raises(ConfigError, match=f"in-job recovery \\(--recover\\).*{why}") as refused:
-        ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}", override])
+    if override == "shrink":
+        monkeypatch.setenv(RECOVERY_SHRINK_VAR, "1")
+    overrides = [*SMALL_TRAINER, f"logging.run_dir={tmp_path}", *([override] if override != "shrink" else [])]
+    with pytest.raises(ConfigError, match=why) as refused:
+        ddp_hpc.train(REPO / "configs" / "synthetic.yaml", overrides)
     assert "\n" not in str(refused.value)
     assert not any(tmp_path.iterdir())
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.config_loader import ConfigError
-from ddp_hpc.contract import CURVES_FILE, RECOVERY_STORE_VAR
+from ddp_hpc.contract import CURVES_FILE, RECOVERY_SHRINK_VAR, RECOVERY_STORE_VAR
 from ddp_hpc.startup.distributed import DistributedOptions, GroupStarter, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
@@ -119,7 +119,7 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
     check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
     check_supported(config)
     recovering = RECOVERY_STORE_VAR in os.environ  # started by `ddp-hpc launch --recover`
-    refusal = recovery_refusal(config) if recovering else None
+    refusal = recovery_refusal(config, shrink=os.environ.get(RECOVERY_SHRINK_VAR) == "1") if recovering else None
     if refusal:
         raise ConfigError(refusal)
     job = job if job is not None else create_job(config.job.name, config.job.params)

@@ -225,7 +225,7 @@ class Trainer:
                             wrap=lambda model: wrap_ddp_for_recovery(model, self.config, self.ctx))
 
     def _train_from_here(self, wrapped: nn.Module) -> str:
-        if torch.distributed.get_world_size() != self.ctx.world_size:
+        if torch.distributed.get_world_size() != self.ctx.world_size:  # train() refuses --shrink first
             raise UserError(f"the Trainer does not yet go on with fewer ranks ({self.ctx.world_size} -> "
                             f"{torch.distributed.get_world_size()}): launch with --recover without --shrink")
         self.state.ddp_model = wrapped
