@@ -122,7 +122,6 @@ class TrainingState:
                  on_saving: Callable[[], None] | None = None,
                  recovery: InJobRecovery | None = None) -> None:
         self.config, self.ctx, self.run = config, ctx, run
-        self.recovery = recovery
         joining = recovery is not None and recovery.joining
         training = config.training
         format_name = checkpoint_format_name(config, run.checkpoints)

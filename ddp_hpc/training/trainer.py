@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_hpc.config import Config
+from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.background_writer import WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat
@@ -50,7 +51,7 @@ from ddp_hpc.training.services.prestage import Prestage
 from ddp_hpc.training.services.tracking import TrackingService
 from ddp_hpc.training.services.weights_check import WeightsCheckCallback
 from ddp_hpc.training.state import Progress, TrainingState, parameter_checksum
-from ddp_hpc.training.strategy import state_bytes, wrap_ddp_for_recovery
+from ddp_hpc.training.strategy import recovery_refusal, state_bytes, wrap_ddp_for_recovery
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class Trainer:
         self.precision = resolve_precision(config.training.precision, ctx.device.device_type)
         #: In-job recovery keeps the group (``ddp-hpc launch --recover``); None otherwise.
         self.recovery = ctx.keeper if isinstance(ctx.keeper, InJobRecovery) else None
+        refusal = recovery_refusal(config) if self.recovery is not None else None
+        if refusal:  # train() refused it before the group started; a Trainer built directly is checked here
+            raise ConfigError(refusal)
         self._setup_runtime()
         self.datasets = job.build_datasets()
         self._check_datasets(self.datasets)
@@ -230,7 +234,12 @@ class Trainer:
                             f"{torch.distributed.get_world_size()}): launch with --recover without --shrink")
         self.state.ddp_model = wrapped
         self.state.optimizer.zero_grad(set_to_none=True)  # what the failed step accumulated
-        return self.loop.run()
+        try:
+            return self.loop.run()
+        except BaseException:
+            # InJobRecovery frees the wrapper (it holds the broken group) before leaving it.
+            self.state.ddp_model = self.model
+            raise
 
     @contextmanager
     def _watching(self) -> Iterator[None]:
