@@ -244,8 +244,8 @@ def test_the_trainer_replaces_a_killed_rank_from_the_survivors_memory_bit_identi
     (tmp_path / "lost").mkdir()
     _, whole_s = launch_trainer(tmp_path / "whole")
     marker = tmp_path / "killed-at"
-    result, lost_s = launch_trainer(tmp_path / "lost", f"{{target: 'fault_injection:KillRankAtStep', params: "
-                                                       f"{{rank: {LOST}, step: {KILLED_AT}, marker: '{marker}'}}}}")
+    _, lost_s = launch_trainer(tmp_path / "lost", f"{{target: 'fault_injection:KillRankAtStep', params: "
+                                                  f"{{rank: {LOST}, step: {KILLED_AT}, marker: '{marker}'}}}}")
     killed_at = float(marker.read_text())
     [whole], [lost] = (list((tmp_path / name / "runs").iterdir()) for name in ("whole", "lost"))
     for rank in range(RANKS):
