@@ -80,6 +80,14 @@ class KillRankAtStep(_AtStep):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class FreezeRankAtStep(_AtStep):
+    """One rank's process stops whole (SIGSTOP: every thread, its heartbeat too) right after ``step``."""
+
+    def on_step_end(self, trainer) -> None:
+        if self.hit(trainer):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class RaiseOnRankAtStep(_AtStep):
     """An exception in one rank's training code."""
 

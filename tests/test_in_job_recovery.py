@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -214,12 +215,12 @@ TRAINER = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.sample
 TRAINER_STEPS, KILLED_AT = 32, 6
 
 
-def launch_trainer(folder: Path, *callbacks: str) -> tuple[subprocess.CompletedProcess, float]:
-    """``ddp-hpc launch --nproc 4 --recover 1 -- ddp-hpc train ...`` in ``folder``; its
+def launch_trainer(folder: Path, *callbacks: str, flags: Sequence[str] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    """``ddp-hpc launch --nproc 4 --recover 1 [flags] -- ddp-hpc train ...`` in ``folder``; its
     result and seconds. Every rank records its process (``fault_injection:RecordProcess``)."""
     listed = ", ".join([f"{{target: 'fault_injection:RecordProcess', params: {{folder: '{folder / 'processes'}'}}}}",
                         *callbacks])
-    argv = [*ddp_hpc_command(), "launch", "--nproc", str(RANKS), "--recover", "1", "--", *ddp_hpc_command(),
+    argv = [*ddp_hpc_command(), "launch", "--nproc", str(RANKS), "--recover", "1", *flags, "--", *ddp_hpc_command(),
             *TRAINER, f"logging.run_dir={folder / 'runs'}", "job.name=synthetic", f"callbacks=[{listed}]"]
     started = time.monotonic()
     result = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=folder,
@@ -232,22 +233,41 @@ def processes(folder: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (folder / "processes" / f"rank-{rank}.jsonl").read_text().splitlines()]
 
 
-def test_the_trainer_replaces_a_killed_rank_from_the_survivors_memory_bit_identical(tmp_path):
-    """``ddp-hpc train`` of 4 ranks under ``ddp-hpc launch --recover 1``; rank 2 is SIGKILLed
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory) -> tuple[Path, float]:
+    """The Trainer's run without a loss (its run folder, and the launch's seconds)."""
+    folder = tmp_path_factory.mktemp("trainer-whole")
+    _, whole_s = launch_trainer(folder)
+    [run] = list((folder / "runs").iterdir())
+    return run, whole_s
+
+
+#: How a rank is lost: the fault injected in it after step 6, the launch's flags, the cause recorded.
+LOSSES = {
+    "killed": ("KillRankAtStep", (), "exit 137 (SIGKILL)"),
+    "frozen-warm-spare": ("FreezeRankAtStep", ("--hang-timeout", "5", "--warm-spare"), "frozen: no heartbeat for 5 s"),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identical(trainer_reference, tmp_path, loss):
+    """``ddp-hpc train`` of 4 ranks under ``ddp-hpc launch --recover 1``; rank 2 is SIGKILLed,
+    or frozen by SIGSTOP (ended on its silent heartbeat, its place taken by the warm spare),
     after step 6 of 32 (a checkpoint of step 4 is on disk). The survivors keep their
     processes, the replacement reads no checkpoint (its state comes from the survivors'
     memory), the failed step is redone, and the run ends with the weights, optimizer state
     and each rank's RNG streams of a run without the loss; the record names the rank."""
     import torch
 
-    (tmp_path / "whole").mkdir()
+    fault, flags, cause = LOSSES[loss]
+    whole, whole_s = trainer_reference
     (tmp_path / "lost").mkdir()
-    _, whole_s = launch_trainer(tmp_path / "whole")
     marker = tmp_path / "killed-at"
-    _, lost_s = launch_trainer(tmp_path / "lost", f"{{target: 'fault_injection:KillRankAtStep', params: "
-                                                  f"{{rank: {LOST}, step: {KILLED_AT}, marker: '{marker}'}}}}")
+    result, lost_s = launch_trainer(tmp_path / "lost", f"{{target: 'fault_injection:{fault}', params: "
+                                                       f"{{rank: {LOST}, step: {KILLED_AT}, marker: '{marker}'}}}}",
+                                    flags=flags)
     killed_at = float(marker.read_text())
-    [whole], [lost] = (list((tmp_path / name / "runs").iterdir()) for name in ("whole", "lost"))
+    [lost] = list((tmp_path / "lost" / "runs").iterdir())
     for rank in range(RANKS):
         started = [line for line in processes(tmp_path / "lost", rank) if line["event"] == "start"]
         [end] = [line for line in processes(tmp_path / "lost", rank) if line["event"] == "end"]
@@ -269,9 +289,11 @@ def test_the_trainer_replaces_a_killed_rank_from_the_survivors_memory_bit_identi
         assert_same_values(*(torch.load(run / "checkpoints" / part, weights_only=True)["rng"] for run in (whole, lost)),
                            f"rank {rank}'s RNG")
     record = recovery_record(lost)
-    assert record["rank"] == LOST and record["replaced"] and record["cause"] == "exit 137 (SIGKILL)"
+    assert record["rank"] == LOST and record["replaced"] and record["cause"] == cause
     assert record["step"] == KILLED_AT and killed_at < record["detected_at"]
-    FIGURES.append(f"in-job recovery of the Trainer, SIGKILL of 1 of 4 ranks after step {KILLED_AT} of "
+    if "--warm-spare" in flags:  # its place went to the spare (torch imported, waiting), not to a new process
+        assert f"rank {LOST} lost ({cause}): the warm spare (pid" in result.stdout + result.stderr
+    FIGURES.append(f"in-job recovery of the Trainer, rank {LOST} of {RANKS} {loss} after step {KILLED_AT} of "
                    f"{TRAINER_STEPS}: {kill_to_next_step(record, killed_at):.1f} s from the kill to the next "
                    f"completed step (group re-formed {record['group_s']:.1f} s, state received "
                    f"{record['transfer_s']:.1f} s after the launch saw it); launches {whole_s:.0f} s without "
