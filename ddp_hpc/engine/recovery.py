@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,11 +55,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.contract import (RECORD_DIR, RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
-                              RECOVERY_WAIT_VAR, atomic_write)
+from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
 from ddp_hpc.engine import recovery_store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
+from ddp_hpc.engine.recovery_record import RecoveryEvent, write_recovery
 from ddp_hpc.engine.rng import capture_rng, restore_rng
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
@@ -83,28 +83,6 @@ DEFAULT_WAIT_S = 120.0
 class RecoveryError(RuntimeError):
     """The job cannot recover in place (no new group in time, a lost RNG stream): the rank
     exits with a failure and the launch restarts in place from the newest checkpoint."""
-
-
-@dataclass(frozen=True)
-class RecoveryEvent:
-    """One recovery, as the run record keeps it (``record/recovery-<generation>.json``)."""
-
-    generation: int
-    #: The lost rank's slot (its rank in the first group), host and why it was lost.
-    rank: int
-    host: str
-    cause: str
-    replaced: bool
-    world_size: int
-    #: The step every rank continued from (the failed step is the next one).
-    step: int
-    #: ``time.time()`` when the launch saw the loss.
-    detected_at: float
-    #: Seconds from the launch seeing the loss to: the new group formed on this rank, the
-    #: state received, the first step after it completed (the time to recover).
-    group_s: float
-    transfer_s: float
-    recover_s: float
 
 
 class InJobRecovery:
@@ -527,12 +505,3 @@ def refuse_sharded(model: nn.Module) -> None:
         raise UserError("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost "
                         "rank's part is gone; use --max-restarts (restart from the newest checkpoint)")
 
-
-def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
-    """The recovery in the run record: ``record/recovery-<generation>.json``."""
-    import json
-
-    path = run_dir / RECORD_DIR / f"recovery-{event.generation}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
-    return path
