@@ -74,7 +74,8 @@ def test_the_type_hint_contracts_break_when_a_service_names_the_trainer_in_a_typ
                         "    from ddp_hpc.training.trainer import Trainer  # noqa\n")
     result = _lint(tmp_path, TYPE_HINTS)
     assert result.returncode != 0
-    assert "the loop, callbacks and services never import the Trainer, even for type hints BROKEN" in result.stdout
+    assert ("the loop, callbacks and services never import the Trainer, even for type hints BROKEN"
+            in result.stdout)
     assert "ddp_hpc.training.services.prestage -> ddp_hpc.training.trainer" in result.stdout
     assert "no import cycle inside training, even for type hints BROKEN" in result.stdout
     assert "- .services -> .trainer" in result.stdout

@@ -136,7 +136,8 @@ def test_every_hook_receives_the_trainer_with_all_that_a_callback_may_read_as_do
 
     class ReadsEverything(Callback):
         def _read(self, hook: str, trainer) -> None:
-            seen[hook] = sorted(name for name in readable if getattr(trainer, name, AttributeError) is not AttributeError)
+            seen[hook] = sorted(name for name in readable
+                                if getattr(trainer, name, AttributeError) is not AttributeError)
             assert type(trainer).__name__ == "Trainer"
 
         def on_fit_start(self, trainer) -> None:

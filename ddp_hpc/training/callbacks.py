@@ -120,7 +120,8 @@ class Callback:
 
     def on_step_end(self, trainer: TrainerView) -> None: ...
 
-    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float], epoch: int) -> Verdict | None:
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float],
+                          epoch: int) -> Verdict | None:
         """After the validation of ``epoch`` (counted from 1); may ask for a best checkpoint or a stop."""
         return None
 

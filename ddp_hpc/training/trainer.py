@@ -109,7 +109,8 @@ class Trainer:
                                   deadline=deadline if margin is not None else None,
                                   margin_s=margin if margin is not None else "auto", group=ctx, clock=clock)
         self.loop = TrainingLoop(job, config, ctx, self.precision, self.state, self.datasets,
-                                 callbacks=self.callbacks, stop=self.stop, run=run, recovery=self.recovery, view=self)
+                                 callbacks=self.callbacks, stop=self.stop, run=run, recovery=self.recovery,
+                                 view=self)
         #: Rank 0: the stragglers the watchdog's heartbeat named, by rank (kept in the run record).
         self.stragglers: dict[int, Straggler] = {}
 
