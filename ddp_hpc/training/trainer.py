@@ -3,10 +3,11 @@
 Built up front, here and nowhere else: the state (``state.py``: what a checkpoint holds, on
 a ``Checkpointer`` that owns the checkpoint cadence, with the data order a
 ``ResumableSampler``), the stop every rank agrees on (a ``StopAgreement``, whose deadline
-policy is the engine's), the loop (``loop.py``), and the callbacks (``callbacks.py``,
-assembled by ``build_callbacks``), through which the periodic services (``services/``:
-tracking, early stopping, the background prestage, the weights check) and the user's own
-hooks run. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
+policy is the engine's), the callbacks (``callbacks.py``, assembled by ``build_callbacks``),
+through which the periodic services (``services/``: tracking, early stopping, the background
+prestage, the weights check) and the user's own hooks run, and the loop (``loop.py``), each
+handed what it uses; the hooks receive the Trainer as a ``TrainerView``, so none of these
+imports this module. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
 
 Under ``ddp-hpc launch --recover`` the group is kept by the engine's ``InJobRecovery``
 (the same part a loop of one's own uses): the loop is the function it runs, with the
