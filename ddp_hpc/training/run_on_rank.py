@@ -21,7 +21,7 @@ from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
-from ddp_hpc.training.callbacks import Callback, create_callbacks
+from ddp_hpc.training.callbacks import Callback, TrainerView, create_callbacks
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.strategy import check_supported, recovery_refusal
@@ -93,7 +93,7 @@ class RankLine(Callback):
     """Each rank's first line in its log file: where it runs (written once set-up passed,
     so a run refused for bad input leaves no file)."""
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         ctx = trainer.ctx
         log.info("rank %d of %d on host %s (pid %d, local rank %d, device %s), run folder %s", ctx.rank,
                  ctx.world_size, socket.gethostname(), os.getpid(), ctx.local_rank, ctx.torch_device,

@@ -3,10 +3,11 @@
 Built up front, here and nowhere else: the state (``state.py``: what a checkpoint holds, on
 a ``Checkpointer`` that owns the checkpoint cadence, with the data order a
 ``ResumableSampler``), the stop every rank agrees on (a ``StopAgreement``, whose deadline
-policy is the engine's), the loop (``loop.py``), and the callbacks (``callbacks.py``,
-assembled by ``build_callbacks``), through which the periodic services (``services/``:
-tracking, early stopping, the background prestage, the weights check) and the user's own
-hooks run. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
+policy is the engine's), the callbacks (``callbacks.py``, assembled by ``build_callbacks``),
+through which the periodic services (``services/``: tracking, early stopping, the background
+prestage, the weights check) and the user's own hooks run, and the loop (``loop.py``), each
+handed what it uses; the hooks receive the Trainer as a ``TrainerView``, so none of these
+imports this module. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
 
 Under ``ddp-hpc launch --recover`` the group is kept by the engine's ``InJobRecovery``
 (the same part a loop of one's own uses): the loop is the function it runs, with the
@@ -44,6 +45,7 @@ from ddp_hpc.tracking import Tracking
 from ddp_hpc.training.callbacks import Callback, CallbackList
 from ddp_hpc.training.job import Datasets, Job
 from ddp_hpc.training.loop import TrainingLoop
+from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.services.early_stopping import EarlyStopping
@@ -59,13 +61,15 @@ __all__ = ["Trainer", "Progress", "parameter_checksum", "build_callbacks"]
 
 
 def build_callbacks(config: Config, ctx: DistContext, run: RunFolder, early_stopping: EarlyStopping,
-                    callbacks: Sequence[Callback]) -> CallbackList:
+                    callbacks: Sequence[Callback], *, epoch_sums: Callable[[], MetricSums]) -> CallbackList:
     """Every callback of a run, in the order their hooks run: the services the config
-    turns on, early stopping, the caller's ``callbacks``, the weights check, tracking last."""
+    turns on, early stopping, the caller's ``callbacks``, the weights check, tracking last
+    (``epoch_sums``: the loop's running sums, which it tracks)."""
     services: list[Callback] = [Prestage()] if config.checkpoint.async_write else []
     checks = ([WeightsCheckCallback(config.distributed.weights_check_every)]
               if config.distributed.weights_check_every else [])
-    return CallbackList([*services, early_stopping, *callbacks, *checks, TrackingService(Tracking(config, ctx, run))])
+    tracking = TrackingService(Tracking(config, ctx, run), epoch_sums)
+    return CallbackList([*services, early_stopping, *callbacks, *checks, tracking])
 
 
 class Trainer:
@@ -92,7 +96,8 @@ class Trainer:
         self.datasets = job.build_datasets()
         self._check_datasets(self.datasets)
         self.early_stopping = EarlyStopping(config.validation.early_stopping)
-        self.callbacks = build_callbacks(config, ctx, run, self.early_stopping, callbacks)
+        self.callbacks = build_callbacks(config, ctx, run, self.early_stopping, callbacks,
+                                         epoch_sums=lambda: self.loop.epoch_sums)
         self.state = TrainingState(job, config, ctx, run, self.datasets.train, self.precision,
                                    checkpoint_format=checkpoint_format, kept=self.callbacks.stateful(),
                                    on_written=self._checkpoint_written, on_saving=self._saving,
@@ -104,7 +109,9 @@ class Trainer:
                                   check_every_n_steps=config.checkpoint.preemption_check_every_n_steps,
                                   deadline=deadline if margin is not None else None,
                                   margin_s=margin if margin is not None else "auto", group=ctx, clock=clock)
-        self.loop = TrainingLoop(self, self.datasets)
+        self.loop = TrainingLoop(job, config, ctx, self.precision, self.state, self.datasets,
+                                 callbacks=self.callbacks, stop=self.stop, run=run, recovery=self.recovery,
+                                 view=self)
         #: Rank 0: the stragglers the watchdog's heartbeat named, by rank (kept in the run record).
         self.stragglers: dict[int, Straggler] = {}
 
