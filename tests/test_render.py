@@ -68,7 +68,7 @@ def test_polaris_script():
     assert "export DDP_HPC_BACKEND=nccl" in script and "export DDP_HPC_DEVICE=cuda" in script
 
 
-def test_slurm_script_srun_per_rank():
+def test_slurm_script_srun_per_rank(tmp_path):
     script = render_sbatch(request("slurm-gpu", account="proj", queue="a100"))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=8", "#SBATCH --time=00:30:00", "#SBATCH --account=proj",
@@ -79,6 +79,13 @@ def test_slurm_script_srun_per_rank():
     # Slurm's B:USR2 reaches it; it runs srun --kill-on-bad-exit=1 --wait=60 (tests/test_slurm_step.py).
     assert ("trap '' USR2\nexec ddp-hpc launch --launcher srun --nodes 2 --nproc 4 --max-restarts 0 "
             f'--run-folder "${{DDP_HPC_RUN_FOLDER}}" --stop-signal USR2 --requeue -- ddp-hpc train {DIGITS}\n') in script
+    # Each attempt's step, as that line runs it: one task per rank, a failed task ends the step.
+    dry_run = launch_line_of(script).replace("exec ddp-hpc launch ", f"exec {REAL_DDP_HPC} launch --dry-run ", 1)
+    step = subprocess.run(["bash", "-c", dry_run], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "2",
+                               "DDP_HPC_RUN_FOLDER": str(tmp_path)})
+    assert step.stdout == (f"srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=8 --ntasks-per-node=4 "
+                           f"ddp-hpc train {DIGITS}\n"), step.stderr
 
 
 def test_slurm_script_torchrun_per_node():
