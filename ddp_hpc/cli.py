@@ -325,8 +325,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.nodes is not None or args.run_folder:
         raise UserError("--nodes and --run-folder go with --hostfile or --launcher srun (a launch on this machine "
                         "has one node)")
-    if args.stop_signal is not None or args.requeue:
-        raise UserError("--stop-signal and --requeue go with --launcher srun")
+    if args.stop_signal is not None or args.requeue or args.torchrun is not None:
+        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
     if args.dry_run:
@@ -354,7 +354,8 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import rank_command
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
-    from ddp_hpc.schedulers.slurm.step import FORWARDED_STOP, SrunLaunch, SrunSteps, allocated_nodes, end_of_job
+    from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR
+    from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, TorchrunAgents, allocated_nodes, end_of_job
 
     if args.recover:
         logging.getLogger("ddp_hpc").warning(
@@ -367,17 +368,24 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
         raise UserError(f"--launcher srun needs --run-folder DIR (or ${RUN_FOLDER_VAR}): where the launch records its "
                         "exit status and the nodes it leaves out")
     allocated = allocated_nodes(os.environ)
+    torchrun = None
+    if args.torchrun is not None:
+        if ":" not in args.torchrun:
+            raise UserError(f"--torchrun {args.torchrun!r}: give the rendezvous endpoint as HOST:PORT")
+        torchrun = TorchrunAgents(args.torchrun, os.environ.get(JOB_ID_VAR, ""))
     launch = SrunLaunch(allocated if args.nodes is None else args.nodes, args.nproc,
-                        tuple(rank_command(args.command)) if args.command else (), Path(folder).resolve(), allocated)
+                        tuple(rank_command(args.command)) if args.command else (), Path(folder).resolve(), allocated,
+                        torchrun)
     if args.dry_run:
         print(shlex.join(launch.step_argv([])))
         return 0
     launch.run_folder.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     steps = SrunSteps(launch)
-    supervisor = Supervisor(steps.start, RestartPolicy(args.max_restarts), read_status=steps.read_status)
+    supervisor = Supervisor(steps.start, RestartPolicy(args.max_restarts), read_status=steps.read_status,
+                            forward_stop=steps.forward_stop if torchrun is not None else None)
     stop = (args.stop_signal or StopSignal.default()).signal
-    signal.signal(stop, lambda signum, frame: supervisor.request_stop(FORWARDED_STOP))
+    signal.signal(stop, lambda signum, frame: supervisor.request_stop(launch.forwarded_stop))
     # Any other end (scancel's SIGTERM, a closed terminal) is no stop: the step ends with the launch.
     for signum in {signal.SIGTERM, signal.SIGHUP} - {stop}:
         signal.signal(signum, _raise_keyboard_interrupt)
@@ -623,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--requeue", action="store_true",
                         help="with --launcher srun: after a stop (75), requeue this SLURM job (scontrol requeue) "
                              "instead of writing its exit status")
+    launch.add_argument("--torchrun", metavar="HOST:PORT", default=None,
+                        help="with --launcher srun: one torchrun per node starts its --nproc ranks (c10d rendezvous "
+                             "at HOST:PORT; torchrun itself never restarts); the stop reaches them as SIGTERM")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     launch.set_defaults(func=_cmd_launch)
     return parser

@@ -80,26 +80,35 @@ def test_slurm_script_srun_per_rank(tmp_path):
     assert ("trap '' USR2\nexec ddp-hpc launch --launcher srun --nodes 2 --nproc 4 --max-restarts 0 "
             f'--run-folder "${{DDP_HPC_RUN_FOLDER}}" --stop-signal USR2 --requeue -- ddp-hpc train {DIGITS}\n') in script
     # Each attempt's step, as that line runs it: one task per rank, a failed task ends the step.
-    dry_run = launch_line_of(script).replace("exec ddp-hpc launch ", f"exec {REAL_DDP_HPC} launch --dry-run ", 1)
-    step = subprocess.run(["bash", "-c", dry_run], capture_output=True, text=True, timeout=60,
+    assert dry_run_step(script, tmp_path) == ("srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=8 "
+                                             f"--ntasks-per-node=4 ddp-hpc train {DIGITS}")
+
+
+def dry_run_step(script: str, tmp_path: Path, **env: str) -> str:
+    """The srun step of each attempt, as the script's ``exec ddp-hpc launch ...`` line runs it
+    (``--dry-run``, with the script's variables from ``env``)."""
+    line = launch_line_of(script).replace("exec ddp-hpc launch ", f"exec {REAL_DDP_HPC} launch --dry-run ", 1)
+    step = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "2",
-                               "DDP_HPC_RUN_FOLDER": str(tmp_path)})
-    assert step.stdout == (f"srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=8 --ntasks-per-node=4 "
-                           f"ddp-hpc train {DIGITS}\n"), step.stderr
+                               "SLURM_JOB_ID": "7", "DDP_HPC_RUN_FOLDER": str(tmp_path), **env})
+    assert step.returncode == 0, step.stderr
+    return step.stdout.strip()
 
 
-def test_slurm_script_torchrun_per_node():
+def test_slurm_script_torchrun_per_node(tmp_path):
     script = render_sbatch(request("slurm-gpu", torchrun_per_node=True))
     assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --cpus-per-task=32\n" in script
-    assert ('torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "${rdzv_endpoint}" '
-            '--rdzv-id "${SLURM_JOB_ID}" --max-restarts 0 --no-python ddp-hpc train') in script
     assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
+    assert '--torchrun "${rdzv_endpoint}" -- ddp-hpc train' in launch_line_of(script)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script
     # With restarts, torchrun still never restarts (it would restart a stop, exit 75): the
-    # script's loop does, and each attempt is a new torchrun with a fresh store.
+    # launch does, and each attempt is a new torchrun with a fresh store.
     restarting = render_sbatch(request("slurm-gpu", torchrun_per_node=True, max_restarts=2))
-    assert "srun --kill-on-bad-exit=1 --wait=60 torchrun --nnodes 2" in restarting
-    assert '--max-restarts 0 --no-python' in restarting and '[ "$attempt" -ge 2 ]' in restarting
+    assert " --max-restarts 2 " in launch_line_of(restarting)
+    assert dry_run_step(restarting, tmp_path, rdzv_endpoint="n1:29400") == (
+        "srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=2 --ntasks-per-node=1 torchrun --nnodes 2 "
+        "--nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint n1:29400 --rdzv-id 7 --max-restarts 0 --no-python "
+        f"ddp-hpc train {DIGITS}")
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
