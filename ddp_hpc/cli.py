@@ -21,11 +21,13 @@ from ddp_hpc.contract import (
     DEVICE_VAR,
     HOST_SUFFIX_VAR,
     STAGE_ROOT_VAR,
+    RUN_FOLDER_VAR,
     STAGE_TIME_IMPORT_VAR,
     ExitStatus,
 )
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging
+from ddp_hpc.stop import StopSignal, stop_signal_arg
 
 
 def write_line(stream, text: str) -> None:
@@ -318,8 +320,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                 "in-job recovery is off with --hostfile (mpiexec ends every rank when one fails): a failure restarts "
                 "in place (--max-restarts)")
         return _launch_on_hosts(args)
+    if args.launcher == "srun":
+        return _launch_under_srun(args)
     if args.nodes is not None or args.run_folder:
-        raise UserError("--nodes and --run-folder go with --hostfile (a launch on this machine has one node)")
+        raise UserError("--nodes and --run-folder go with --hostfile or --launcher srun (a launch on this machine "
+                        "has one node)")
+    if args.stop_signal is not None or args.requeue or args.torchrun is not None:
+        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
     if args.dry_run:
@@ -337,6 +344,54 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     return supervisor.run()
+
+
+def _launch_under_srun(args: argparse.Namespace) -> int:
+    """One srun step per attempt in this SLURM allocation, under the one restart policy; then
+    the requeue or the exit file, as a batch script's end (schedulers/slurm/step.py)."""
+    from pathlib import Path
+
+    from ddp_hpc.launch.local import rank_command
+    from ddp_hpc.launch.restart import RestartPolicy
+    from ddp_hpc.launch.supervisor import Supervisor
+    from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR
+    from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, TorchrunAgents, allocated_nodes, end_of_job
+
+    if args.recover:
+        logging.getLogger("ddp_hpc").warning(
+            "in-job recovery is off under --launcher srun (srun ends every rank when one fails): a failure restarts "
+            "in place (--max-restarts)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
+    folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
+    if not folder:
+        raise UserError(f"--launcher srun needs --run-folder DIR (or ${RUN_FOLDER_VAR}): where the launch records its "
+                        "exit status and the nodes it leaves out")
+    allocated = allocated_nodes(os.environ)
+    torchrun = None
+    if args.torchrun is not None:
+        if ":" not in args.torchrun:
+            raise UserError(f"--torchrun {args.torchrun!r}: give the rendezvous endpoint as HOST:PORT")
+        torchrun = TorchrunAgents(args.torchrun, os.environ.get(JOB_ID_VAR, ""))
+    launch = SrunLaunch(allocated if args.nodes is None else args.nodes, args.nproc,
+                        tuple(rank_command(args.command)) if args.command else (), Path(folder).resolve(), allocated,
+                        torchrun)
+    if args.dry_run:
+        print(shlex.join(launch.step_argv([])))
+        return 0
+    launch.run_folder.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    steps = SrunSteps(launch)
+    supervisor = Supervisor(steps.start, RestartPolicy(args.max_restarts), read_status=steps.read_status,
+                            forward_stop=steps.forward_stop if torchrun is not None else None)
+    stop = (args.stop_signal or StopSignal.default()).signal
+    signal.signal(stop, lambda signum, frame: supervisor.request_stop(launch.forwarded_stop))
+    # Any other end (scancel's SIGTERM, a closed terminal) is no stop: the step ends with the launch.
+    for signum in {signal.SIGTERM, signal.SIGHUP} - {stop}:
+        signal.signal(signum, _raise_keyboard_interrupt)
+    decision = supervisor.run_to_decision()
+    end_of_job(decision, launch.run_folder, os.environ, requeue=args.requeue)
+    return decision.status
 
 
 def _launch_on_hosts(args: argparse.Namespace) -> int:
@@ -537,9 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich"),
+    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich", "srun"),
                         help="torchrun (default): ddp-hpc starts the ranks itself with torchrun's variables; "
-                             "openmpi, mpich: mpiexec starts them")
+                             "openmpi, mpich: mpiexec starts them; srun: one srun step per attempt, inside a "
+                             "SLURM allocation (--nodes of its nodes, --nproc ranks each; its other nodes are "
+                             "spares a restart takes in place of a node where a rank failed)")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks after a failure, at most N times; they resume from the newest "
@@ -563,10 +620,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "or mpich): --nproc ranks on each of the first --nodes; the rest are spares a restart "
                              "takes in place of a host where a rank failed")
     launch.add_argument("--nodes", type=int, default=None, metavar="N",
-                        help="with --hostfile: hosts to run on (default: every host in the file)")
+                        help="with --hostfile: hosts to run on (default: every host in the file); with --launcher "
+                             "srun: nodes of the allocation (default: all of them)")
     launch.add_argument("--run-folder", metavar="DIR",
                         help="with --hostfile: where the launch keeps its script, exit status and left-out hosts "
-                             "(ddp-hpc status DIR)")
+                             f"(ddp-hpc status DIR); with --launcher srun: the same (default: ${RUN_FOLDER_VAR})")
+    launch.add_argument("--stop-signal", type=stop_signal_arg, default=None, metavar="NAME",
+                        help="with --launcher srun: the signal that asks the ranks to stop (a batch script's "
+                             "--signal; default: USR2); srun passes SIGUSR2 on to the ranks")
+    launch.add_argument("--requeue", action="store_true",
+                        help="with --launcher srun: after a stop (75), requeue this SLURM job (scontrol requeue) "
+                             "instead of writing its exit status")
+    launch.add_argument("--torchrun", metavar="HOST:PORT", default=None,
+                        help="with --launcher srun: one torchrun per node starts its --nproc ranks (c10d rendezvous "
+                             "at HOST:PORT; torchrun itself never restarts); the stop reaches them as SIGTERM")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     launch.set_defaults(func=_cmd_launch)
     return parser

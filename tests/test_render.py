@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,14 @@ def request(cluster: str, nodes: int = 2, **kwargs) -> SubmitRequest:
 
 
 def launch_line(script: str) -> str:
-    """The line that starts the ranks (in the background, inside the restart loop)."""
-    [line] = [line.strip() for line in script.splitlines() if line.endswith(" &")]
-    return line.removesuffix(" &")
+    """What starts the ranks: the line in the background of the bash restart loop, or the
+    step of ``exec ddp-hpc launch ... -- STEP`` (the supervising launch)."""
+    [line] = [line.strip() for line in script.splitlines() if line.endswith(" &") or line.startswith("exec ddp-hpc ")]
+    return line.partition(" -- ")[2] if line.startswith("exec ") else line.removesuffix(" &")
+
+
+#: The real ``ddp-hpc`` of this checkout (scripts run under a stub PATH).
+REAL_DDP_HPC = str(Path(sys.executable).with_name("ddp-hpc"))
 
 
 def test_aurora_script():
@@ -62,29 +68,47 @@ def test_polaris_script():
     assert "export DDP_HPC_BACKEND=nccl" in script and "export DDP_HPC_DEVICE=cuda" in script
 
 
-def test_slurm_script_srun_per_rank():
+def test_slurm_script_srun_per_rank(tmp_path):
     script = render_sbatch(request("slurm-gpu", account="proj", queue="a100"))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=8", "#SBATCH --time=00:30:00", "#SBATCH --account=proj",
                  "#SBATCH --partition=a100", "#SBATCH --output=logs/%x-%j.out", "#SBATCH --signal=B:USR2@90",
                  "#SBATCH --requeue", "#SBATCH --job-name=digits"):
         assert line + "\n" in script
-    assert f"srun --kill-on-bad-exit=1 --wait=60 ddp-hpc train {DIGITS} &" in script
-    assert "trap on_stop_signal USR2" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    # The attempts are ddp-hpc launch's (the one restart loop): it becomes the batch shell, so
+    # Slurm's B:USR2 reaches it; it runs srun --kill-on-bad-exit=1 --wait=60 (tests/test_slurm_step.py).
+    assert ("trap '' USR2\nexec ddp-hpc launch --launcher srun --nodes 2 --nproc 4 --max-restarts 0 "
+            f'--run-folder "${{DDP_HPC_RUN_FOLDER}}" --stop-signal USR2 --requeue -- ddp-hpc train {DIGITS}\n') in script
+    # Each attempt's step, as that line runs it: one task per rank, a failed task ends the step.
+    assert dry_run_step(script, tmp_path) == ("srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=8 "
+                                             f"--ntasks-per-node=4 ddp-hpc train {DIGITS}")
 
 
-def test_slurm_script_torchrun_per_node():
+def dry_run_step(script: str, tmp_path: Path, **env: str) -> str:
+    """The srun step of each attempt, as the script's ``exec ddp-hpc launch ...`` line runs it
+    (``--dry-run``, with the script's variables from ``env``)."""
+    line = launch_line_of(script).replace("exec ddp-hpc launch ", f"exec {REAL_DDP_HPC} launch --dry-run ", 1)
+    step = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "2",
+                               "SLURM_JOB_ID": "7", "DDP_HPC_RUN_FOLDER": str(tmp_path), **env})
+    assert step.returncode == 0, step.stderr
+    return step.stdout.strip()
+
+
+def test_slurm_script_torchrun_per_node(tmp_path):
     script = render_sbatch(request("slurm-gpu", torchrun_per_node=True))
     assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --cpus-per-task=32\n" in script
-    assert ('torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "${rdzv_endpoint}" '
-            '--rdzv-id "${SLURM_JOB_ID}" --max-restarts 0 --no-python ddp-hpc train') in script
     assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
+    assert '--torchrun "${rdzv_endpoint}" -- ddp-hpc train' in launch_line_of(script)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script
     # With restarts, torchrun still never restarts (it would restart a stop, exit 75): the
-    # script's loop does, and each attempt is a new torchrun with a fresh store.
+    # launch does, and each attempt is a new torchrun with a fresh store.
     restarting = render_sbatch(request("slurm-gpu", torchrun_per_node=True, max_restarts=2))
-    assert "srun --kill-on-bad-exit=1 --wait=60 torchrun --nnodes 2" in restarting
-    assert '--max-restarts 0 --no-python' in restarting and '[ "$attempt" -ge 2 ]' in restarting
+    assert " --max-restarts 2 " in launch_line_of(restarting)
+    assert dry_run_step(restarting, tmp_path, rdzv_endpoint="n1:29400") == (
+        "srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=2 --ntasks-per-node=1 torchrun --nnodes 2 "
+        "--nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint n1:29400 --rdzv-id 7 --max-restarts 0 --no-python "
+        f"ddp-hpc train {DIGITS}")
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
@@ -267,7 +291,6 @@ def test_a_sweep_is_one_array_job_with_an_element_per_combination():
     assert "#SBATCH --array=0-3%2\n" in script and "#SBATCH --output=logs/%x-%A_%a.out\n" in script
     assert "  2) sweep_args=(training.lr=0.003 training.batch_size=32 logging.name=digits-2);" in script
     assert launch_line(script).endswith('ddp-hpc train ' + DIGITS + ' "${sweep_args[@]}"')
-    assert 'exit-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in script
     pbs = render_pbs(request("pbs-generic", nodes=1, sweep=sweep))
     assert "#PBS -J 0-3%2\n" in pbs and 'case "${PBS_ARRAY_INDEX}" in' in pbs
     for text in (script, pbs):
@@ -303,7 +326,12 @@ def test_bad_sweeps_are_refused_before_anything_is_rendered(specs, message):
 def test_a_chain_does_not_requeue_and_a_single_job_does():
     chained = render_sbatch(request("slurm-cpu", nodes=1, chain=3))
     single = render_sbatch(request("slurm-cpu", nodes=1))
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in single and "scontrol requeue" not in chained
+    assert " --requeue -- " in launch_line_of(single) and " --requeue " not in launch_line_of(chained)
+
+
+def launch_line_of(script: str) -> str:
+    [line] = [line for line in script.splitlines() if line.startswith("exec ddp-hpc launch ")]
+    return line
 
 
 PREFLIGHT_STUB = ("#!/bin/sh\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" >>\"$RECORD\"\n"
@@ -317,7 +345,9 @@ def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no
     for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra", "srun", "scontrol"):
         (folder / name).write_text(PREFLIGHT_STUB)
         (folder / name).chmod(0o755)
-    (folder / "ddp-hpc").write_text(PORT_STUB)
+    # The launch is the real one (it runs the srun stub): the stub records the other calls.
+    launch_through = f'\n[ "$1" = launch ] && exec {REAL_DDP_HPC} "$@"\nprintf'
+    (folder / "ddp-hpc").write_text(PORT_STUB.replace("\nprintf", launch_through))
     (folder / "ddp-hpc").chmod(0o755)
     req = request("pbs-generic" if scheduler == "pbs" else "slurm-cpu", nodes=2, ranks_per_node=2, preflight=True,
                   overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
@@ -328,7 +358,7 @@ def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no
     nodefile.write_text("n1\nn2\n")
     env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
            "PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
-           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NUM_NODES": "2"}
 
     def launches(preflight_exit: int) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
         (tmp_path / "record").unlink(missing_ok=True)
@@ -487,7 +517,7 @@ def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
 
 
 # srun as in a job that Slurm signals while it runs: USR2 to the batch shell (as --signal=B:
-# does; the shell passes it on to srun, which survives it), then the ranks' exit status;
+# does; the shell is the launch by then, which passes it on to srun, which survives it), then the ranks' exit status;
 # scontrol records that it was asked to requeue.
 SIGNALLED_SRUN = "#!/bin/sh\ntrap : USR2\nkill -USR2 \"$PPID\"\nsleep 0.3\nexit \"$SRUN_EXIT\"\n"
 RECORDING_SCONTROL = "#!/bin/sh\nprintf '%s\\n' \"$*\" >>\"$RECORD\"\n"
@@ -502,39 +532,17 @@ def test_a_stop_signal_requeues_the_job_unless_the_ranks_had_finished(tmp_path, 
     for name, text in (("srun", SIGNALLED_SRUN), ("scontrol", RECORDING_SCONTROL), ("squeue", "#!/bin/sh\n")):
         (folder / name).write_text(text)
         (folder / name).chmod(0o755)
+    (folder / "ddp-hpc").symlink_to(REAL_DDP_HPC)  # the launch that owns the step is the real one
     script = render_sbatch(request("slurm-cpu", nodes=1, overrides=[f"logging.run_dir={tmp_path / 'runs'}"]))
     env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
-           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SRUN_EXIT": str(ranks_exit)}
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SRUN_EXIT": str(ranks_exit),
+           "SLURM_JOB_NUM_NODES": "1"}
     result = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert "stop signal (time limit or preemption)" in result.stderr, result.stderr
     assert result.returncode == ranks_exit, result.stderr
     record = tmp_path / "record"
     assert (record.exists() and record.read_text() == "requeue 7\n") is requeued, result.stderr
     assert ("requeueing job 7" in result.stderr) is requeued
-
-
-def test_a_stop_signal_before_the_step_has_started_requeues_the_job_without_starting_it(tmp_path):
-    """Slurm's signal can come while the script is still setting up its step (here: from
-    the ``date`` that times the step's start): the ranks are not started (there is nothing
-    to checkpoint yet) and the job requeues, instead of failing on a pid it does not have."""
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    stubs = {
-        # Its first call sets the deadline, before the trap; the second times the step.
-        "date": '#!/bin/sh\necho >>"$RECORD.date"\n'
-                '[ "$(wc -l <"$RECORD.date")" = 2 ] && kill -USR2 "$PPID"\necho 1700000000\n',
-        "srun": '#!/bin/sh\necho srun ran >>"$RECORD"\n',
-        "scontrol": RECORDING_SCONTROL, "squeue": "#!/bin/sh\n"}
-    for name, text in stubs.items():
-        (folder / name).write_text(text)
-        (folder / name).chmod(0o755)
-    script = render_sbatch(request("slurm-cpu", nodes=1, overrides=[f"logging.run_dir={tmp_path / 'runs'}"]))
-    env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
-           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
-    result = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
-    assert "unbound variable" not in result.stderr, result.stderr
-    assert (tmp_path / "record").read_text() == "requeue 7\n", result.stderr  # srun never ran
-    assert result.returncode == 75, result.stderr
 
 
 @pytest.mark.parametrize("rank_exit", [0, 75, 3, 137])

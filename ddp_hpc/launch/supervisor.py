@@ -31,7 +31,7 @@ from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.restart import RestartPolicy
+from ddp_hpc.launch.restart import Decision, RestartPolicy
 from ddp_hpc.run.torchrun_env import torchrun_variables
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,11 @@ POLL_S = 0.05
 
 #: Starts one attempt's processes: ``attempt`` (0 first) -> the children.
 StartAttempt = Callable[[int], Sequence[subprocess.Popen]]
+#: Passes a stop on to an attempt's processes, where signalling them is not the way: ``(signum, children)``.
+ForwardStop = Callable[[int, Sequence[subprocess.Popen]], None]
+#: What an attempt's status means, where the launcher hides it: ``(attempt, status)`` -> the
+#: status the policy sees (srun's ``--kill-on-bad-exit`` turns the ranks' 75 into a kill).
+ReadStatus = Callable[[int, int], int]
 
 
 @dataclass(frozen=True)
@@ -123,22 +128,31 @@ class Supervisor:
     """Attempts of a launch under one ``RestartPolicy``; ``run()`` returns the launch's status."""
 
     def __init__(self, start: StartAttempt, policy: RestartPolicy, end_grace_s: float = END_GRACE_S,
-                 in_job: InJob | None = None) -> None:
+                 in_job: InJob | None = None, read_status: ReadStatus | None = None,
+                 forward_stop: ForwardStop | None = None) -> None:
         self._start, self.policy, self.end_grace_s, self.in_job = start, policy, end_grace_s, in_job
+        self._read_status, self._forward = read_status, forward_stop
         self._children: list[subprocess.Popen] = []
         self.stop_signal: int | None = None
 
     def request_stop(self, signum: int) -> None:
         """A stop signal reached the launch (the CLI's handler calls this): the ranks get it,
         checkpoint at an agreed step and exit 75; nothing is restarted after it."""
+        if self.stop_signal is None:
+            log.warning("stop signal (time limit or preemption): the ranks checkpoint and stop")
         self.stop_signal = signum
         self._forward_stop(signum)
 
     def run(self) -> int:
+        """The launch's exit status."""
+        return self.run_to_decision().status
+
+    def run_to_decision(self) -> Decision:
+        """The policy's last decision: the launch's status, and whether it asks for a requeue."""
         attempt = 0
         while True:
             if self.stop_signal is not None:  # asked to stop before the ranks started: nothing to save
-                return ExitStatus.REQUEUE
+                return Decision(restart=False, status=ExitStatus.REQUEUE, requeue=True)
             self._children = list(self._start(attempt))
             if self.stop_signal is not None:  # came while they were being started
                 self._forward_stop(self.stop_signal)
@@ -153,9 +167,11 @@ class Supervisor:
             finally:
                 if self.in_job is not None:
                     self.in_job.close()
+            if self._read_status is not None:
+                status = self._read_status(attempt, status)
             decision = self.policy.decide(status, attempt, stop_requested=self.stop_signal is not None)
             if not decision.restart:
-                return decision.status
+                return decision
             attempt += 1
             log.warning("the ranks failed (exit %d): restart %d of %d, resuming from the newest checkpoint",
                         status, attempt, self.policy.max_restarts)
@@ -200,6 +216,8 @@ class Supervisor:
     def _forward_stop(self, signum: int) -> None:
         if self.in_job is not None:
             self.in_job.forward(signum, self._children)
+        elif self._forward is not None:
+            self._forward(signum, self._children)
         else:
             self._signal_running(signum)
 

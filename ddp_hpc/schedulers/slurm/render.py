@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ddp_hpc.contract import DEADLINE_VAR
+from ddp_hpc.contract import DEADLINE_VAR, RUN_FOLDER_VAR
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
     LeaveOut,
@@ -111,6 +111,32 @@ def step_argv(request: SubmitRequest) -> list[str]:
             "--no-python", *rank_argv(request)]
 
 
+def supervised(request: SubmitRequest) -> bool:
+    """Scripts whose attempts ``ddp-hpc launch --launcher srun`` runs (one restart loop, in
+    Python). A staged environment keeps the bash loop of ``launch_lines`` until the launch
+    supports it (NOTES-node-supervisor.md)."""
+    return not request.stage_env
+
+
+def launch_call(request: SubmitRequest) -> list[str]:
+    """The script's last lines: the launch becomes the batch shell (``exec``), so Slurm's stop
+    signal (``--signal=B:``) reaches it; it runs every attempt as an srun step under the one
+    restart policy, leaves out a failed node (the allocation's spares), requeues after a stop
+    and writes the exit status."""
+    argv = ["ddp-hpc", "launch", "--launcher", "srun", "--nodes", str(request.nodes), "--nproc", str(request.per_node),
+            "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
+            "--stop-signal", request.stop_signal.name, *(["--requeue"] if request.chain == 1 else []),
+            *(["--torchrun", ShellVar("rdzv_endpoint")] if request.torchrun_per_node else []),
+            "--", *rank_argv(request)]
+    return [
+        "# The attempts, the stop signal, leaving out a failed node, the requeue and the exit status: ddp-hpc launch",
+        "# (the one restart policy). A stop signal while it starts up (under a second) is ignored: the ranks",
+        f"# still stop ahead of ${DEADLINE_VAR}.",
+        f"trap '' {request.stop_signal.name}",
+        f"exec {render_argv(argv)}",
+    ]
+
+
 def _one_task_per_node(request: SubmitRequest, argv: Sequence[str], *, spare_too: bool = False) -> list[str]:
     nodes = request.nodes + (request.spare_nodes if spare_too else 0)
     return ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", *argv]
@@ -146,10 +172,11 @@ def render_sbatch(request: SubmitRequest) -> str:
         deadline_line(request),
         *SLURM_DEADLINE_LINES,
         # torchrun passes SIGTERM (not SIGUSR2, which would kill the agent) on to its workers.
-        *launch_lines(request.max_restarts, command, job_key(request),
-                      requeue=REQUEUE if request.chain == 1 else None, forward_signal="TERM" if torchrun else "USR2",
-                      trap_signals=request.stop_signal.name,
-                      leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None),
+        *(launch_call(request) if supervised(request) else
+          launch_lines(request.max_restarts, command, job_key(request),
+                       requeue=REQUEUE if request.chain == 1 else None, forward_signal="TERM" if torchrun else "USR2",
+                       trap_signals=request.stop_signal.name,
+                       leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None)),
         "",
     ]
     return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""``ddp-hpc launch --launcher srun``: the ranks of each attempt as one ``srun`` step, inside a
+SLURM allocation, under the launch's one ``Supervisor`` (launch/supervisor.py).
+
+What the rendered sbatch script's bash loop did around its step, the launch does here: the
+step's status read through the preempted marker (``--kill-on-bad-exit`` turns the ranks' 75
+into a kill of the others), the node where a rank failed left out of the next step with
+``--exclude`` when the allocation has spare nodes (srun names it in
+``srun: error: NODE: task N: ...``), the job requeued after a stop (``scontrol requeue``),
+and the exit status written for ``--wait``/``status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from ddp_hpc.contract import PREEMPTED_MARKER, RESTART_COUNT_VAR, ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
+from ddp_hpc.launch.restart import Decision
+from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
+
+log = logging.getLogger(__name__)
+
+#: What srun passes on to the ranks as a stop, one task per rank (``SrunLaunch.forwarded_stop``).
+FORWARDED_STOP = signal.SIGUSR2
+#: The allocation's node count, as srun and sbatch export it.
+NODE_COUNT_VAR = "SLURM_JOB_NUM_NODES"
+#: srun's line for a task that failed: the node comes first.
+_FAILED_TASK = re.compile(r"^srun: error: ([^:\s]+): task [0-9]")
+
+
+@dataclass(frozen=True)
+class TorchrunAgents:
+    """One torchrun per node starts that node's ranks, with its c10d rendezvous at
+    ``endpoint`` (``HOST:PORT``). It never restarts (``--max-restarts 0``): its agent would
+    restart a stop (75) as a failure; the launch restarts, under the one policy."""
+
+    endpoint: str
+    rdzv_id: str
+
+    def argv(self, nodes: int, per_node: int) -> list[str]:
+        return ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id, "--max-restarts", "0", "--no-python"]
+
+
+@dataclass(frozen=True)
+class SrunLaunch:
+    """``per_node`` ranks on each of ``nodes`` nodes of the allocation; the allocation's
+    other nodes (``allocated``) are spares that a restart takes in place of a failed one.
+    With ``torchrun``, srun starts one torchrun per node, which starts the node's ranks."""
+
+    nodes: int
+    per_node: int
+    command: tuple[str, ...]
+    run_folder: Path
+    allocated: int
+    torchrun: TorchrunAgents | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.per_node < 1:
+            raise UserError(f"--nodes {self.nodes} and --nproc {self.per_node} must be >= 1")
+        if self.nodes > self.allocated:
+            raise UserError(f"--nodes {self.nodes}: the allocation has {self.allocated} node(s)")
+        if not self.command:
+            raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
+
+    @property
+    def spare_nodes(self) -> int:
+        return self.allocated - self.nodes
+
+    @property
+    def tasks_per_node(self) -> int:
+        return 1 if self.torchrun is not None else self.per_node
+
+    @property
+    def forwarded_stop(self) -> int:
+        """What the launch sends srun for a stop, which srun passes on to its tasks: SIGUSR2
+        to the ranks; SIGTERM to torchrun agents (SIGUSR2 kills them), which pass it on to
+        their ranks."""
+        return signal.SIGTERM if self.torchrun is not None else FORWARDED_STOP
+
+    def step_argv(self, excluded: Sequence[str]) -> list[str]:
+        """One attempt's srun: a task per rank (or per node, with torchrun); a failed task ends
+        the step (``--kill-on-bad-exit``), and the others get 60 s to end after the first one
+        exits (``--wait``)."""
+        argv = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--nodes={self.nodes}",
+                f"--ntasks={self.nodes * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}"]
+        if excluded:
+            argv.append(f"--exclude={','.join(excluded)}")
+        agents = self.torchrun.argv(self.nodes, self.per_node) if self.torchrun is not None else []
+        return [*argv, *agents, *self.command]
+
+
+def allocated_nodes(environ: Mapping[str, str]) -> int:
+    """The allocation's node count; outside one, a one-line error."""
+    text = environ.get(NODE_COUNT_VAR, "")
+    if not text.isdigit():
+        raise UserError(f"--launcher srun runs inside a SLURM allocation (sbatch, salloc): ${NODE_COUNT_VAR} "
+                        "is not set")
+    return int(text)
+
+
+@dataclass
+class _StepLog:
+    """Copies a step's stderr through and keeps srun's first ``task failed`` line."""
+
+    stream: IO[bytes]
+    failed_line: str | None = None
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._copy, name="srun-stderr", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        out = sys.stderr.buffer
+        for raw in self.stream:
+            out.write(raw)
+            out.flush()
+            line = raw.decode(errors="replace").strip()
+            if self.failed_line is None and _FAILED_TASK.match(line):
+                self.failed_line = line
+
+    def finished(self) -> str | None:
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        return self.failed_line
+
+
+@dataclass
+class SrunSteps:
+    """The attempts of one launch: ``start`` for the supervisor, ``read_status`` for its policy."""
+
+    launch: SrunLaunch
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    excluded: list[str] = field(default_factory=list)
+    _step_log: _StepLog | None = None
+    _started_at: float = 0.0
+
+    def start(self, attempt: int) -> list[subprocess.Popen]:
+        if attempt > 0 and self.launch.spare_nodes:
+            self._leave_out_failed_node(attempt - 1)
+        argv = self.launch.step_argv(self.excluded)
+        # The marker's time is the file system's, in whole seconds (as the bash loop's `date +%s`).
+        self._started_at = float(int(time.time()))
+        try:
+            step = subprocess.Popen(argv, stderr=subprocess.PIPE,
+                                    env={**self.base_env, RESTART_COUNT_VAR: str(attempt)})
+        except OSError as exc:
+            raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+        assert step.stderr is not None
+        self._step_log = _StepLog(step.stderr)
+        self._step_log.start()
+        return [step]
+
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
+        """A stop for a step of torchrun agents (one task per rank needs none of this: srun
+        passes SIGUSR2 on). srun answers its own SIGTERM by killing the step at once, and an
+        agent dies of SIGUSR2: Slurm signals the job's steps (``scancel --signal``, which
+        leaves out the batch shell, the launch), and each agent passes SIGTERM on to its ranks."""
+        if not any(child.returncode is None for child in children):
+            return  # the step is not started yet (the supervisor passes the stop on once it is)
+        job = self.base_env.get(JOB_ID_VAR, "")
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        try:
+            done = subprocess.run(["scancel", f"--signal={name}", job], env=dict(self.base_env),
+                                  check=False).returncode == 0
+        except OSError:
+            done = False
+        if not done:
+            log.error("cannot pass the stop on to the steps of job %s (scancel --signal=%s)", job, name)
+
+    def read_status(self, attempt: int, status: int) -> int:
+        """75 where rank 0 wrote the preempted marker during this attempt: srun's
+        ``--kill-on-bad-exit`` ended the others, and srun's status says a kill."""
+        if self._step_log is not None:
+            self._step_log.finished()
+        if status == ExitStatus.OK:
+            return status
+        try:
+            marked = (self.launch.run_folder / PREEMPTED_MARKER).stat().st_mtime
+        except OSError:
+            return status
+        return ExitStatus.REQUEUE if int(marked) >= self._started_at else status
+
+    def _leave_out_failed_node(self, failed_attempt: int) -> None:
+        line = self._step_log.finished() if self._step_log is not None else None
+        match = _FAILED_TASK.match(line or "")
+        if match is None or match.group(1) in self.excluded:
+            return
+        host = match.group(1)
+        self.excluded.append(host)
+        record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, line or ""))
+        log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), line)
+
+
+def end_of_job(decision: Decision, run_folder: Path, environ: Mapping[str, str], *, requeue: bool) -> None:
+    """After the launch: requeue the job after a stop (where asked: a single job, not a
+    chain), else record its exit status for ``--wait``/``status``."""
+    key = job_key(environ)
+    if requeue and decision.requeue:
+        log.warning("requeueing job %s", key)
+        try:
+            done = subprocess.run(["scontrol", "requeue", environ.get(JOB_ID_VAR, "")], check=False).returncode == 0
+        except OSError:
+            done = False
+        if not done:
+            log.error("requeue failed")
+        return
+    if key:
+        try:
+            atomic_write(run_folder / exit_file_name(key), f"{decision.status}\n")
+        except OSError as exc:
+            log.error("cannot write the exit status to %s: %s", run_folder, exc.strerror or exc)
