@@ -201,9 +201,11 @@ def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, 
     assert args.func(args) == 0 and capsys.readouterr().out == "#!/bin/sh\n# toy script for 2 ranks, torchrun False\n"
 
 
-def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path):
-    """``launch --hostfile`` runs its script in a session of its own (for ``cancel``): a SIGTERM
-    to ``ddp-hpc`` itself (a timeout wrapper, a closed terminal) must end the ranks too."""
+@pytest.mark.parametrize("how", ["sigterm", "cancel"])
+def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path, how):
+    """A SIGTERM to ``ddp-hpc launch --hostfile`` itself (a timeout wrapper, a closed
+    terminal), or ``ddp-hpc cancel RUN`` (the launch is recorded there as a local job, its
+    pid the job id, in its caller's process group), ends the ranks too."""
     import signal
     import socket
     import subprocess
@@ -226,7 +228,12 @@ def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path):
     while ranks() < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ranks() == 2, "the ranks never started"
-    process.send_signal(signal.SIGTERM)
+    if how == "sigterm":
+        process.send_signal(signal.SIGTERM)
+    else:
+        cancel = subprocess.run([*ddp_hpc_command(), "cancel", str(tmp_path / "run")], env=clean_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     process.communicate(timeout=60)
     deadline = time.monotonic() + 20
     while ranks() and time.monotonic() < deadline:
