@@ -12,12 +12,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.contract import ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest
 from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
