@@ -311,6 +311,7 @@ def _in_job_recovery(args: argparse.Namespace, starter: object) -> Any:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
 
@@ -338,9 +339,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     supervisor = Supervisor(in_job.start if in_job else starter.start, RestartPolicy(launch.max_restarts),
                             in_job=in_job)
     # A stop signal (preemption, the time limit) reaches the ranks through the
-    # supervisor, which then restarts nothing: the launch exits with the ranks' 75.
+    # supervisor, which then restarts nothing: the launch exits with the ranks' 75. Through
+    # mpiexec, as the signal it passes on to the ranks.
+    passed_on = STOP_PASSED_ON.get(args.launcher)
     for signum in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     return supervisor.run()
@@ -392,6 +395,7 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.restart import RestartPolicy, record_exit
     from ddp_hpc.launch.supervisor import Supervisor
     from ddp_hpc.schedulers.local.backend import record_this_launch
@@ -410,10 +414,10 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     job_id = record_this_launch(launch.run_folder, launch.world_size, sys.argv)
     sys.stdout.flush()
     supervisor = Supervisor(steps.start, RestartPolicy(launch.max_restarts), read_status=steps.read_status)
-    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`) reaches the ranks as SIGUSR2,
-    # which mpiexec passes on (it ends the job on SIGTERM); a closed terminal ends the launch.
+    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`) reaches the ranks as the signal
+    # mpiexec passes on; a closed terminal ends the launch.
     for signum in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signal.SIGUSR2))
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(STOP_PASSED_ON[launch.flavour]))
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     status = supervisor.run()
     record_exit(launch.run_folder, job_id, status)

@@ -59,6 +59,15 @@ def test_aurora_script():
     assert launch.endswith(f"ddp-hpc train {DIGITS}")
 
 
+@pytest.mark.parametrize("cluster, passed_on", [("pbs-generic", "TERM"), ("aurora", "USR2")])
+def test_a_pbs_script_passes_a_stop_to_mpiexec_as_the_signal_it_passes_on(cluster, passed_on):
+    """MPICH's Hydra ends the whole job on SIGUSR2 and passes SIGTERM on to the ranks (which
+    stop on either); the PBS script traps both and sends mpiexec the one its flavour passes on."""
+    script = render_pbs(request(cluster))
+    assert "trap on_stop_signal USR2 TERM" in script
+    assert f'  kill -{passed_on} "$step_pid" 2>/dev/null || true' in script
+
+
 def test_polaris_script():
     script = render_pbs(request("polaris", nodes=3))
     launch = launch_line(script)
