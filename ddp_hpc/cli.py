@@ -311,6 +311,7 @@ def _in_job_recovery(args: argparse.Namespace, starter: object) -> Any:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
 
@@ -338,9 +339,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     supervisor = Supervisor(in_job.start if in_job else starter.start, RestartPolicy(launch.max_restarts),
                             in_job=in_job)
     # A stop signal (preemption, the time limit) reaches the ranks through the
-    # supervisor, which then restarts nothing: the launch exits with the ranks' 75.
+    # supervisor, which then restarts nothing: the launch exits with the ranks' 75. Through
+    # mpiexec, as the signal it passes on to the ranks.
+    passed_on = STOP_PASSED_ON.get(args.launcher)
     for signum in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     return supervisor.run()
@@ -395,10 +398,15 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
 
 
 def _launch_on_hosts(args: argparse.Namespace) -> int:
+    """mpiexec over the hosts of a file, each attempt under the one restart policy
+    (launch/hosts.py); recorded as a ``local`` job in the run folder."""
     from pathlib import Path
 
-    from ddp_hpc.launch.hosts import SCRIPT_NAME, HostLaunch, read_hostfile, render_host_launch
-    from ddp_hpc.schedulers.local.backend import run_in_foreground
+    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
+    from ddp_hpc.launch.restart import RestartPolicy, record_exit
+    from ddp_hpc.launch.supervisor import Supervisor
+    from ddp_hpc.schedulers.local.backend import record_this_launch
 
     if not args.run_folder:
         raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
@@ -406,15 +414,22 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     hosts = read_hostfile(Path(args.hostfile))
     launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
                         tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts)
-    script = render_host_launch(launch)
+    steps = HostfileSteps(launch)
     if args.dry_run:
-        print(script, end="")
+        print(steps.describe(), end="")
         return 0
-    # The script runs in a session of its own (so `cancel` can end it whole): a SIGTERM or
-    # SIGHUP to this process (a timeout wrapper, a closed terminal) must end it too, as Ctrl-C does.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _raise_keyboard_interrupt)
-    return run_in_foreground(script, launch.run_folder / SCRIPT_NAME, launch.run_folder, launch.world_size, sys.argv)
+    launch.run_folder.mkdir(parents=True, exist_ok=True)
+    job_id = record_this_launch(launch.run_folder, launch.world_size, sys.argv)
+    sys.stdout.flush()
+    supervisor = Supervisor(steps.start, RestartPolicy(launch.max_restarts), read_status=steps.read_status)
+    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`) reaches the ranks as the signal
+    # mpiexec passes on; a closed terminal ends the launch.
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(STOP_PASSED_ON[launch.flavour]))
+    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+    status = supervisor.run()
+    record_exit(launch.run_folder, job_id, status)
+    return status
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ddp_hpc.contract import PREEMPTED_MARKER, RESTART_COUNT_VAR, ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
-from ddp_hpc.launch.restart import Decision
+from ddp_hpc.launch.restart import Decision, record_exit, status_of_attempt
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
@@ -186,13 +186,7 @@ class SrunSteps:
         ``--kill-on-bad-exit`` ended the others, and srun's status says a kill."""
         if self._step_log is not None:
             self._step_log.finished()
-        if status == ExitStatus.OK:
-            return status
-        try:
-            marked = (self.launch.run_folder / PREEMPTED_MARKER).stat().st_mtime
-        except OSError:
-            return status
-        return ExitStatus.REQUEUE if int(marked) >= self._started_at else status
+        return status_of_attempt(self.launch.run_folder, self._started_at, status)
 
     def _leave_out_failed_node(self, failed_attempt: int) -> None:
         line = self._step_log.finished() if self._step_log is not None else None
@@ -219,7 +213,4 @@ def end_of_job(decision: Decision, run_folder: Path, environ: Mapping[str, str],
             log.error("requeue failed")
         return
     if key:
-        try:
-            atomic_write(run_folder / exit_file_name(key), f"{decision.status}\n")
-        except OSError as exc:
-            log.error("cannot write the exit status to %s: %s", run_folder, exc.strerror or exc)
+        record_exit(run_folder, key, decision.status)
