@@ -326,6 +326,7 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.node import NodeSupervisors
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
@@ -343,8 +344,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.nodes is not None or args.run_folder:
         raise UserError("--nodes and --run-folder go with --hostfile or --launcher srun (a launch on this machine "
                         "has one node)")
-    if args.stop_signal is not None or args.requeue:
-        raise UserError("--stop-signal and --requeue go with --launcher srun")
+    if args.stop_signal is not None or args.requeue or args.torchrun is not None:
+        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
     in_job = _in_job_recovery(args, launch)
@@ -356,9 +357,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     supervisor = Supervisor(in_job.start if in_job else starter.start, RestartPolicy(launch.max_restarts),
                             in_job=in_job)
     # A stop signal (preemption, the time limit) reaches the ranks through the
-    # supervisor, which then restarts nothing: the launch exits with the ranks' 75.
+    # supervisor, which then restarts nothing: the launch exits with the ranks' 75. Through
+    # mpiexec, as the signal it passes on to the ranks; to node supervisors through the store, as it came.
+    passed_on = None if isinstance(in_job, NodeSupervisors) else STOP_PASSED_ON.get(args.launcher)
     for signum in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     return supervisor.run()
@@ -407,7 +410,8 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command, store_host
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import Supervisor
-    from ddp_hpc.schedulers.slurm.step import FORWARDED_STOP, SrunLaunch, SrunSteps, allocated_nodes, end_of_job
+    from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR
+    from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, TorchrunAgents, allocated_nodes, end_of_job
 
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
@@ -418,9 +422,17 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
     allocated = allocated_nodes(os.environ)
     nodes = allocated if args.nodes is None else args.nodes
     limits = _recovery_limits(args) if args.recover else None
+    torchrun = None
+    if args.torchrun is not None:
+        if limits is not None:
+            raise UserError("--torchrun and --recover: torchrun's agents restart every rank on a failure; in-job "
+                            "recovery starts its own node supervisors (give one of them)")
+        if ":" not in args.torchrun:
+            raise UserError(f"--torchrun {args.torchrun!r}: give the rendezvous endpoint as HOST:PORT")
+        torchrun = TorchrunAgents(args.torchrun, os.environ.get(JOB_ID_VAR, ""))
     if limits is None:
         launch = SrunLaunch(nodes, args.nproc, tuple(rank_command(args.command)) if args.command else (),
-                            Path(folder).resolve(), allocated)
+                            Path(folder).resolve(), allocated, torchrun)
     else:  # in-job recovery: each step is one node supervisor per node, which starts --nproc ranks there
         if limits.shrink and nodes > 1:
             raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
@@ -442,9 +454,10 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
 
         in_job = NodeSupervisors(start_step, host=store_host(os.environ, nodes), argv=launch.step_argv([]))
     supervisor = Supervisor(in_job.start if in_job else steps.start, RestartPolicy(args.max_restarts),
-                            in_job=in_job, read_status=steps.read_status)
+                            in_job=in_job, read_status=steps.read_status,
+                            forward_stop=steps.forward_stop if torchrun is not None else None)
     stop = (args.stop_signal or StopSignal.default()).signal
-    signal.signal(stop, lambda signum, frame: supervisor.request_stop(FORWARDED_STOP))
+    signal.signal(stop, lambda signum, frame: supervisor.request_stop(launch.forwarded_stop))
     # Any other end (scancel's SIGTERM, a closed terminal) is no stop: the step ends with the launch.
     for signum in {signal.SIGTERM, signal.SIGHUP} - {stop}:
         signal.signal(signum, _raise_keyboard_interrupt)
@@ -454,10 +467,15 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
 
 
 def _launch_on_hosts(args: argparse.Namespace) -> int:
+    """mpiexec over the hosts of a file, each attempt under the one restart policy
+    (launch/hosts.py); recorded as a ``local`` job in the run folder."""
     from pathlib import Path
 
-    from ddp_hpc.launch.hosts import SCRIPT_NAME, HostLaunch, read_hostfile, render_host_launch
-    from ddp_hpc.schedulers.local.backend import run_in_foreground
+    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
+    from ddp_hpc.launch.restart import RestartPolicy, record_exit
+    from ddp_hpc.launch.supervisor import Supervisor
+    from ddp_hpc.schedulers.local.backend import record_this_launch
 
     if not args.run_folder:
         raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
@@ -465,15 +483,22 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     hosts = read_hostfile(Path(args.hostfile))
     launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
                         tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts)
-    script = render_host_launch(launch)
+    steps = HostfileSteps(launch)
     if args.dry_run:
-        print(script, end="")
+        print(steps.describe(), end="")
         return 0
-    # The script runs in a session of its own (so `cancel` can end it whole): a SIGTERM or
-    # SIGHUP to this process (a timeout wrapper, a closed terminal) must end it too, as Ctrl-C does.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _raise_keyboard_interrupt)
-    return run_in_foreground(script, launch.run_folder / SCRIPT_NAME, launch.run_folder, launch.world_size, sys.argv)
+    launch.run_folder.mkdir(parents=True, exist_ok=True)
+    job_id = record_this_launch(launch.run_folder, launch.world_size, sys.argv)
+    sys.stdout.flush()
+    supervisor = Supervisor(steps.start, RestartPolicy(launch.max_restarts), read_status=steps.read_status)
+    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`) reaches the ranks as the signal
+    # mpiexec passes on; a closed terminal ends the launch.
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(STOP_PASSED_ON[launch.flavour]))
+    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+    status = supervisor.run()
+    record_exit(launch.run_folder, job_id, status)
+    return status
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
@@ -697,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--requeue", action="store_true",
                         help="with --launcher srun: after a stop (75), requeue this SLURM job (scontrol requeue) "
                              "instead of writing its exit status")
+    launch.add_argument("--torchrun", metavar="HOST:PORT", default=None,
+                        help="with --launcher srun: one torchrun per node starts its --nproc ranks (c10d rendezvous "
+                             "at HOST:PORT; torchrun itself never restarts); the stop reaches them as SIGTERM")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     launch.set_defaults(func=_cmd_launch)
     return parser

@@ -80,6 +80,14 @@ class KillRankAtStep(_AtStep):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class FreezeRankAtStep(_AtStep):
+    """One rank's process stops whole (SIGSTOP: every thread, its heartbeat too) right after ``step``."""
+
+    def on_step_end(self, trainer) -> None:
+        if self.hit(trainer):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class RaiseOnRankAtStep(_AtStep):
     """An exception in one rank's training code."""
 
@@ -272,3 +280,27 @@ class CapCpuOfRank(Callback):
         (self.cgroup / "cpu.cfs_period_us").write_text(str(self.period_us))
         (self.cgroup / "cpu.cfs_quota_us").write_text(str(self.quota_us))
         (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+
+class RecordProcess(Callback):
+    """Each rank appends a line to ``folder``/rank-<N>.jsonl when training starts and when
+    it ends: its pid, whether it replaced a lost rank (in-job recovery), the checkpoint it
+    resumed from."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def _write(self, trainer, event: str) -> None:
+        import json
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        line = {"event": event, "pid": os.getpid(), "time": time.time(), "joining": trainer.joining,
+                "resumed_from": str(trainer.state.resumed_from) if trainer.state.resumed_from else None}
+        with open(self.folder / f"rank-{trainer.ctx.rank}.jsonl", "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+    def on_fit_start(self, trainer) -> None:
+        self._write(trainer, "start")
+
+    def on_fit_end(self, trainer, summary) -> None:
+        self._write(trainer, "end")

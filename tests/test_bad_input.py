@@ -189,6 +189,11 @@ CORPUS = [
     ("hostfile that is not text", {"hosts": b"\xff\xfe\x00h1\n"},
      ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/run", "--", "true"], {},
      "--hostfile {tmp}/hosts: not a text file of host names"),
+    ("--torchrun without --launcher srun", {}, ["launch", "--torchrun", "n1:29400", "--", "true"], {},
+     "--stop-signal, --requeue and --torchrun go with --launcher srun"),
+    ("--torchrun endpoint without a port", {},
+     ["launch", "--launcher", "srun", "--torchrun", "n1", "--run-folder", "{tmp}/run", "--", "true"],
+     {"SLURM_JOB_NUM_NODES": "1"}, "--torchrun 'n1': give the rendezvous endpoint as HOST:PORT"),
 ]
 
 # Rerun with --debug (a traceback shows): the first corpus and one case of each later group;

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Recovery, Step, goodput, parse_line
+from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Step, goodput, parse_line
 from ddp_hpc.bench.goodput_run import GoodputPlan
+from ddp_hpc.engine.recovery_record import RecoveryEvent
 from ddp_hpc.errors import UserError
 
 FIRST, RESTARTED, RECOVERED = (0, 0, 0), (0, 1, 0), (0, 0, 1)
@@ -53,11 +54,16 @@ def test_steps_past_the_final_position_are_lost_not_counted():
     assert result.faults[0].kill_to_progress_s is None and result.median_kill_to_progress_s is None
 
 
+#: The run record of one recovery: the launch saw the loss at 11.3 s.
+RECOVERED_AT_11_3 = RecoveryEvent(generation=1, rank=0, host="n0", cause="exit 137 (SIGKILL)", replaced=True,
+                                  world_size=2, step=10, detected_at=11.3, group_s=0.2, transfer_s=0.4, recover_s=1.2)
+
+
 def test_an_in_job_recovery_takes_its_phases_from_the_record_and_redoes_a_step_one_rank_had_finished():
     first = steps(FIRST, range(1, 11), 1.0) + [Step(1, 101, FIRST, 11, 10.0, 11.1)]  # rank 1 one step ahead
     logs = ArmLogs(steps=tuple(first + steps(RECOVERED, range(11, 14), 12.5, (0.5, 0.7), (300, 101))),
                    events=(Event("group", 0, 300, RECOVERED, 1, 11.45),), faults=(Fault(11.2, 0, 100, "kill"),),
-                   detections=(), recoveries=(Recovery(1, 11.3, 0.2, 0.4, 1.2),), started=0.0, stopped=15.0)
+                   detections=(), recoveries=(RECOVERED_AT_11_3,), started=0.0, stopped=15.0)
     result = goodput(logs)
     (fault,) = result.faults
     assert fault.recovered_in_job and fault.steps_redone == 1
@@ -92,3 +98,16 @@ def test_every_arm_sees_the_same_seeded_fault_schedule_and_bad_plans_are_refused
         GoodputPlan(arms=("in-job", "elastic"))
     with pytest.raises(UserError, match="--goodput-ranks"):
         GoodputPlan(world_size=1)
+
+
+def test_the_recoveries_the_benchmark_reads_are_those_the_ranks_wrote(tmp_path):
+    """The goodput harness reads each recovery back from the run record as the recovering
+    rank 0 wrote it (``engine/recovery_record.py``), in generation order."""
+    from dataclasses import replace
+
+    from ddp_hpc.engine.recovery_record import read_recoveries, write_recovery
+
+    later = replace(RECOVERED_AT_11_3, generation=12, detected_at=40.0)
+    for event in (later, RECOVERED_AT_11_3):
+        write_recovery(tmp_path, event)
+    assert read_recoveries(tmp_path) == [RECOVERED_AT_11_3, later]

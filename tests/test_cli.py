@@ -201,9 +201,11 @@ def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, 
     assert args.func(args) == 0 and capsys.readouterr().out == "#!/bin/sh\n# toy script for 2 ranks, torchrun False\n"
 
 
-def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path):
-    """``launch --hostfile`` runs its script in a session of its own (for ``cancel``): a SIGTERM
-    to ``ddp-hpc`` itself (a timeout wrapper, a closed terminal) must end the ranks too."""
+@pytest.mark.parametrize("how", ["sigterm", "cancel"])
+def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path, how):
+    """A SIGTERM to ``ddp-hpc launch --hostfile`` itself (a timeout wrapper, a closed
+    terminal), or ``ddp-hpc cancel RUN`` (the launch is recorded there as a local job, its
+    pid the job id, in its caller's process group), ends the ranks too."""
     import signal
     import socket
     import subprocess
@@ -226,9 +228,45 @@ def test_a_sigterm_to_a_hostfile_launch_ends_its_ranks(mpich, tmp_path):
     while ranks() < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ranks() == 2, "the ranks never started"
-    process.send_signal(signal.SIGTERM)
+    if how == "sigterm":
+        process.send_signal(signal.SIGTERM)
+    else:
+        cancel = subprocess.run([*ddp_hpc_command(), "cancel", str(tmp_path / "run")], env=clean_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     process.communicate(timeout=60)
     deadline = time.monotonic() + 20
     while ranks() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ranks() == 0, "the ranks outlived the launch"
+
+
+@pytest.mark.parametrize("launcher", ["mpich", "openmpi", "hostfile"])
+def test_a_stop_signal_to_the_launch_reaches_the_ranks_through_mpiexec(launcher, tmp_path, request):
+    """SIGUSR2 to ``ddp-hpc launch`` under mpiexec is a stop: the ranks get a signal they
+    stop on, through mpiexec (Hydra dies of SIGUSR2 and passes SIGTERM on; Open MPI's mpirun
+    passes SIGUSR2 on), and the launch hands their 75 back without a restart."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from conftest import clean_env
+
+    request.getfixturevalue("openmpi" if launcher == "openmpi" else "mpich")
+    where = ["--launcher", launcher]
+    if launcher == "hostfile":
+        (tmp_path / "hosts").write_text(socket.gethostname() + "\n")
+        where = ["--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--run-folder", str(tmp_path / "run")]
+    rank = (f'trap "echo stopped; exit 75" USR2 TERM; touch {tmp_path}/ready-$RANK; '
+            'for i in $(seq 600); do sleep 0.1; done; exit 9')
+    process = subprocess.Popen([*ddp_hpc_command(), "launch", *where, "--nproc", "2", "--max-restarts", "1", "--",
+                                "sh", "-c", rank], env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGUSR2)
+    output = process.communicate(timeout=60)[0]
+    assert process.returncode == 75, output[-3000:]
+    assert output.count("stopped") == 2 and "restart 1 of 1" not in output, output[-3000:]

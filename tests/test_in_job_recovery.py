@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,96 @@ def test_shrinking_goes_on_with_3_ranks_renumbered_checkpoints_stops_and_trains_
     counts = Counter([sample for ids in trained.values() for sample in ids] + rest)
     assert sorted(counts) == list(range(1500))
     assert set(counts.values()) == {1}
+
+
+#: The Trainer (``ddp-hpc train``), small: 32 steps of 4 ranks, a checkpoint every 4 steps.
+TRAINER = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=2048", "job.params.val_samples=0",
+           "job.params.input_dim=32", "job.params.hidden=64", "job.params.depth=2", "training.batch_size=16",
+           "training.epochs=1", "logging.progress=never", "logging.plot=false", "checkpoint.every_n_epochs=null",
+           "checkpoint.every_n_steps=4"]
+TRAINER_STEPS, KILLED_AT = 32, 6
+
+
+def launch_trainer(folder: Path, *callbacks: str, flags: Sequence[str] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    """``ddp-hpc launch --nproc 4 --recover 1 [flags] -- ddp-hpc train ...`` in ``folder``; its
+    result and seconds. Every rank records its process (``fault_injection:RecordProcess``)."""
+    listed = ", ".join([f"{{target: 'fault_injection:RecordProcess', params: {{folder: '{folder / 'processes'}'}}}}",
+                        *callbacks])
+    argv = [*ddp_hpc_command(), "launch", "--nproc", str(RANKS), "--recover", "1", *flags, "--", *ddp_hpc_command(),
+            *TRAINER, f"logging.run_dir={folder / 'runs'}", "job.name=synthetic", f"callbacks=[{listed}]"]
+    started = time.monotonic()
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=folder,
+                            env=clean_env({"PYTHONPATH": str(REPO / "tests")}))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result, time.monotonic() - started
+
+
+def processes(folder: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (folder / "processes" / f"rank-{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory) -> tuple[Path, float]:
+    """The Trainer's run without a loss (its run folder, and the launch's seconds)."""
+    folder = tmp_path_factory.mktemp("trainer-whole")
+    _, whole_s = launch_trainer(folder)
+    [run] = list((folder / "runs").iterdir())
+    return run, whole_s
+
+
+#: How a rank is lost: the fault injected in it after step 6, the launch's flags, the cause recorded.
+LOSSES = {
+    "killed": ("KillRankAtStep", (), "exit 137 (SIGKILL)"),
+    "frozen-warm-spare": ("FreezeRankAtStep", ("--hang-timeout", "5", "--warm-spare"), "frozen: no heartbeat for 5 s"),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identical(trainer_reference, tmp_path, loss):
+    """``ddp-hpc train`` of 4 ranks under ``ddp-hpc launch --recover 1``; rank 2 is SIGKILLed,
+    or frozen by SIGSTOP (ended on its silent heartbeat, its place taken by the warm spare),
+    after step 6 of 32 (a checkpoint of step 4 is on disk). The survivors keep their
+    processes, the replacement reads no checkpoint (its state comes from the survivors'
+    memory), the failed step is redone, and the run ends with the weights, optimizer state
+    and each rank's RNG streams of a run without the loss; the record names the rank."""
+    import torch
+
+    fault, flags, cause = LOSSES[loss]
+    whole, whole_s = trainer_reference
+    (tmp_path / "lost").mkdir()
+    marker = tmp_path / "killed-at"
+    result, lost_s = launch_trainer(tmp_path / "lost", f"{{target: 'fault_injection:{fault}', params: "
+                                                       f"{{rank: {LOST}, step: {KILLED_AT}, marker: '{marker}'}}}}",
+                                    flags=flags)
+    killed_at = float(marker.read_text())
+    [lost] = list((tmp_path / "lost" / "runs").iterdir())
+    for rank in range(RANKS):
+        started = [line for line in processes(tmp_path / "lost", rank) if line["event"] == "start"]
+        [end] = [line for line in processes(tmp_path / "lost", rank) if line["event"] == "end"]
+        if rank == LOST:  # a replacement, started after the kill, took its state from nobody's disk
+            assert len(started) == 2 and end["pid"] == started[1]["pid"] != started[0]["pid"]
+            assert started[1]["joining"] and started[1]["time"] > killed_at
+        else:  # no restart: one process from the first step to the last
+            assert [line["pid"] for line in started] == [end["pid"]]
+        assert all(line["resumed_from"] is None for line in started)
+    # The checkpoints: every 4 steps as without the loss, the last one the same, bit for bit.
+    names = sorted(path.name for path in (lost / "checkpoints").glob("step-*.pt"))
+    assert names == sorted(path.name for path in (whole / "checkpoints").glob("step-*.pt"))
+    assert names[-1] == f"step-{TRAINER_STEPS:08d}.pt"
+    expected, actual = (torch.load(run / "checkpoints" / names[-1], weights_only=True) for run in (whole, lost))
+    assert_same_model_and_optimizer(expected, actual)
+    assert actual["progress"] == expected["progress"] and actual["sampler"] == expected["sampler"]
+    for rank in range(RANKS):
+        part = f"step-{TRAINER_STEPS:08d}.ranks/rank-{rank:05d}.pt"
+        assert_same_values(*(torch.load(run / "checkpoints" / part, weights_only=True)["rng"] for run in (whole, lost)),
+                           f"rank {rank}'s RNG")
+    record = recovery_record(lost)
+    assert record["rank"] == LOST and record["replaced"] and record["cause"] == cause
+    assert record["step"] == KILLED_AT and killed_at < record["detected_at"]
+    if "--warm-spare" in flags:  # its place went to the spare (torch imported, waiting), not to a new process
+        assert f"rank {LOST} lost ({cause}): the warm spare (pid" in result.stdout + result.stderr
+    FIGURES.append(f"in-job recovery of the Trainer, rank {LOST} of {RANKS} {loss} after step {KILLED_AT} of "
+                   f"{TRAINER_STEPS}: {kill_to_next_step(record, killed_at):.1f} s from the kill to the next "
+                   f"completed step (group re-formed {record['group_s']:.1f} s, state received "
+                   f"{record['transfer_s']:.1f} s after the launch saw it); launches {whole_s:.0f} s without "
+                   f"the loss, {lost_s:.0f} s with it")

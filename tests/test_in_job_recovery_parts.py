@@ -56,6 +56,11 @@ def test_recover_under_the_default_launcher_recovers(caplog):
     recoverer = _in_job_recovery(args, LocalLaunch(nproc=2, command=["true"]))
     assert isinstance(recoverer, Recoverer)
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
+    from ddp_hpc.contract import RECOVERY_SHRINK_VAR
+    from ddp_hpc.engine.recovery_store import LaunchStore
+
+    recoverer._store = LaunchStore()  # each rank hears of --shrink (the Trainer refuses it)
+    assert recoverer._environment(0)[RECOVERY_SHRINK_VAR] == "1"
     assert not caplog.records
 
 
@@ -410,3 +415,55 @@ def test_a_node_supervisor_watches_and_hands_a_spare_to_the_slots_of_its_own_nod
                 child.kill()
                 child.wait()
         node.close()
+
+
+#: The Trainer, small: configs/synthetic.yaml with a few hundred samples.
+SMALL_TRAINER = ["job.params.samples=256", "job.params.val_samples=0", "job.params.input_dim=16",
+                 "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=1",
+                 "logging.progress=never", "logging.plot=false"]
+
+
+@pytest.mark.parametrize("override, why", [
+    ("training.strategy=fsdp2", "in-job recovery \\(--recover\\).*under fsdp2 each rank holds one shard of the model"),
+    ("training.zero_optimizer=true", "in-job recovery \\(--recover\\).*each rank holds one shard of the optimizer state"),
+    ("shrink", "the Trainer does not yet go on with fewer ranks under --recover --shrink"),
+])
+def test_the_trainer_refuses_in_job_recovery_where_it_cannot_go_on(monkeypatch, tmp_path, override, why):
+    """Under `ddp-hpc launch --recover` (its store's address in the environment) the Trainer
+    refuses, in one line, before it starts a group or makes its run folder: fsdp2 and ZeRO
+    (a survivor lacks the lost rank's shard) and --shrink (not re-planned for fewer ranks yet)."""
+    import ddp_hpc
+    from ddp_hpc.config_loader import ConfigError
+    from ddp_hpc.contract import RECOVERY_SHRINK_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+    from conftest import REPO
+
+    monkeypatch.setenv(RECOVERY_STORE_VAR, "127.0.0.1:1")  # nothing listens: a group would not form
+    monkeypatch.setenv(RECOVERY_WAIT_VAR, "1")
+    if override == "shrink":
+        monkeypatch.setenv(RECOVERY_SHRINK_VAR, "1")
+    overrides = [*SMALL_TRAINER, f"logging.run_dir={tmp_path}", *([override] if override != "shrink" else [])]
+    with pytest.raises(ConfigError, match=why) as refused:
+        ddp_hpc.train(REPO / "configs" / "synthetic.yaml", overrides)
+    assert "\n" not in str(refused.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(monkeypatch, tmp_path):
+    """One rank under a recovering launch's store (served here): the Trainer's group is
+    InJobRecovery's and each step is counted through it (the rank's RNG streams after its
+    last step are in the store, for a replacement); at the end it leaves the store (its
+    ready key gone: the launch no longer watches it)."""
+    import ddp_hpc
+    from ddp_hpc.contract import RECOVERY_STORE_VAR
+    from ddp_hpc.engine import recovery_store as keys
+    from conftest import REPO
+
+    store = keys.LaunchStore()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.store.port),
+                        RECOVERY_STORE_VAR: store.address}.items():
+        monkeypatch.setenv(name, value)
+    summary = ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}"])
+    assert summary.status.value == "completed" and summary.global_step == 16
+    assert keys.rng_from_bytes(store.store.get(keys.rng_key(0, 16)))[0] == 16
+    assert not store.ready(0)

@@ -1,5 +1,6 @@
-"""The import-linter contracts in pyproject.toml (docs/architecture.md): they hold, and they
-catch a layer crossed or a cycle put back."""
+"""The import-linter contracts in pyproject.toml and importlinter-type-hints.ini (the ones that
+count type-hint imports too; docs/architecture.md): they hold, and they catch a layer crossed
+or a cycle put back."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from conftest import REPO, run
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
 
-def _lint(root: Path):
+def _lint(root: Path, config: str = "pyproject.toml"):
     # lint-imports finds the package on sys.path from its working directory first.
-    return run([LINT_IMPORTS, "--no-cache", "--config", str(root / "pyproject.toml")], cwd=root, timeout=120)
+    return run([LINT_IMPORTS, "--no-cache", "--config", str(root / config)], cwd=root, timeout=120)
 
 
 def test_the_import_contracts_hold():
@@ -53,3 +54,29 @@ def test_the_contracts_break_when_tracking_imports_training_launch_imports_a_fam
     assert "run and startup import neither training nor the scheduler side BROKEN" in result.stdout
     assert "ddp_hpc.startup.doctor -> ddp_hpc.training" in result.stdout
     assert "Contracts: 4 kept, 5 broken." in result.stdout
+
+
+TYPE_HINTS = "importlinter-type-hints.ini"
+
+
+def test_the_type_hint_contracts_hold():
+    result = _lint(REPO, TYPE_HINTS)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "Contracts: 2 kept, 0 broken." in result.stdout
+
+
+def test_the_type_hint_contracts_break_when_a_service_names_the_trainer_in_a_type_hint(tmp_path):
+    shutil.copytree(REPO / "ddp_hpc", tmp_path / "ddp_hpc", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / TYPE_HINTS, tmp_path)
+    # The circle issue 30 removed: a service typed its hooks with the Trainer, which builds it.
+    prestage = tmp_path / "ddp_hpc" / "training" / "services" / "prestage.py"
+    prestage.write_text(prestage.read_text() + "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                        "    from ddp_hpc.training.trainer import Trainer  # noqa\n")
+    result = _lint(tmp_path, TYPE_HINTS)
+    assert result.returncode != 0
+    assert ("the loop, callbacks and services never import the Trainer, even for type hints BROKEN"
+            in result.stdout)
+    assert "ddp_hpc.training.services.prestage -> ddp_hpc.training.trainer" in result.stdout
+    assert "no import cycle inside training, even for type hints BROKEN" in result.stdout
+    assert "- .services -> .trainer" in result.stdout
+    assert "Contracts: 0 kept, 2 broken." in result.stdout

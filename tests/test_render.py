@@ -59,6 +59,15 @@ def test_aurora_script():
     assert launch.endswith(f"ddp-hpc train {DIGITS}")
 
 
+@pytest.mark.parametrize("cluster, passed_on", [("pbs-generic", "TERM"), ("aurora", "USR2")])
+def test_a_pbs_script_passes_a_stop_to_mpiexec_as_the_signal_it_passes_on(cluster, passed_on):
+    """MPICH's Hydra ends the whole job on SIGUSR2 and passes SIGTERM on to the ranks (which
+    stop on either); the PBS script traps both and sends mpiexec the one its flavour passes on."""
+    script = render_pbs(request(cluster))
+    assert "trap on_stop_signal USR2 TERM" in script
+    assert f'  kill -{passed_on} "$step_pid" 2>/dev/null || true' in script
+
+
 def test_polaris_script():
     script = render_pbs(request("polaris", nodes=3))
     launch = launch_line(script)
@@ -68,7 +77,7 @@ def test_polaris_script():
     assert "export DDP_HPC_BACKEND=nccl" in script and "export DDP_HPC_DEVICE=cuda" in script
 
 
-def test_slurm_script_srun_per_rank():
+def test_slurm_script_srun_per_rank(tmp_path):
     script = render_sbatch(request("slurm-gpu", account="proj", queue="a100"))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=8", "#SBATCH --time=00:30:00", "#SBATCH --account=proj",
@@ -79,20 +88,36 @@ def test_slurm_script_srun_per_rank():
     # Slurm's B:USR2 reaches it; it runs srun --kill-on-bad-exit=1 --wait=60 (tests/test_slurm_step.py).
     assert ("trap '' USR2\nexec ddp-hpc launch --launcher srun --nodes 2 --nproc 4 --max-restarts 0 "
             f'--run-folder "${{DDP_HPC_RUN_FOLDER}}" --stop-signal USR2 --requeue -- ddp-hpc train {DIGITS}\n') in script
+    # Each attempt's step, as that line runs it: one task per rank, a failed task ends the step.
+    assert dry_run_step(script, tmp_path) == ("srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=8 "
+                                             f"--ntasks-per-node=4 ddp-hpc train {DIGITS}")
 
 
-def test_slurm_script_torchrun_per_node():
+def dry_run_step(script: str, tmp_path: Path, **env: str) -> str:
+    """The srun step of each attempt, as the script's ``exec ddp-hpc launch ...`` line runs it
+    (``--dry-run``, with the script's variables from ``env``)."""
+    line = launch_line_of(script).replace("exec ddp-hpc launch ", f"exec {REAL_DDP_HPC} launch --dry-run ", 1)
+    step = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "2",
+                               "SLURM_JOB_ID": "7", "DDP_HPC_RUN_FOLDER": str(tmp_path), **env})
+    assert step.returncode == 0, step.stderr
+    return step.stdout.strip()
+
+
+def test_slurm_script_torchrun_per_node(tmp_path):
     script = render_sbatch(request("slurm-gpu", torchrun_per_node=True))
     assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --cpus-per-task=32\n" in script
-    assert ('torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "${rdzv_endpoint}" '
-            '--rdzv-id "${SLURM_JOB_ID}" --max-restarts 0 --no-python ddp-hpc train') in script
     assert 'rdzv_endpoint="$head_node:$(ddp-hpc port)"' in script
+    assert '--torchrun "${rdzv_endpoint}" -- ddp-hpc train' in launch_line_of(script)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script
     # With restarts, torchrun still never restarts (it would restart a stop, exit 75): the
-    # script's loop does, and each attempt is a new torchrun with a fresh store.
+    # launch does, and each attempt is a new torchrun with a fresh store.
     restarting = render_sbatch(request("slurm-gpu", torchrun_per_node=True, max_restarts=2))
-    assert "srun --kill-on-bad-exit=1 --wait=60 torchrun --nnodes 2" in restarting
-    assert '--max-restarts 0 --no-python' in restarting and '[ "$attempt" -ge 2 ]' in restarting
+    assert " --max-restarts 2 " in launch_line_of(restarting)
+    assert dry_run_step(restarting, tmp_path, rdzv_endpoint="n1:29400") == (
+        "srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=2 --ntasks-per-node=1 torchrun --nnodes 2 "
+        "--nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint n1:29400 --rdzv-id 7 --max-restarts 0 --no-python "
+        f"ddp-hpc train {DIGITS}")
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
@@ -426,26 +451,52 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     assert [f.read_text() for f in (tmp_path / "runs").rglob("exit-*")] == ["1\n"]
 
 
-def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tmp_path):
+def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tmp_path, monkeypatch):
     """``ddp-hpc launch --hostfile``: comments and repeats are dropped; with spare hosts and
-    restarts the ranks run under the failure-recording wrapper and a restart rebuilds the
-    hostfile without the failed host; without spares neither is there."""
-    from ddp_hpc.launch.hosts import HostLaunch, read_hostfile, render_host_launch
+    restarts the ranks run under the failure-recording wrapper and a restart's hostfile
+    leaves out the host of the first rank that failed (recorded, rank 0's address moved);
+    without spares neither is there."""
+    import json
+    import shlex
+
+    from ddp_hpc.launch import hosts as hostfile_launch
+    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("h1\n# the spare:\nh2  # slow disk\nh1\n\n")
     hosts = read_hostfile(hostfile)
     assert hosts == ("h1", "h2")
-    spare = render_host_launch(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
-    every = render_host_launch(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "run", 1))
-    for script in (spare, every):
-        result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
-        assert result.returncode == 0, result.stderr
-    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in launch_line(spare)
-    assert "-n 2 -ppn 2 -f \"${DDP_HPC_HOSTFILE}\"" in launch_line(spare)
-    assert 'head -n 1 "$job_hosts" >"$DDP_HPC_HOSTFILE"' in spare and "left-out-hosts.jsonl" in spare
-    assert "ddp-hpc-rank" not in every and "job_hosts" not in every
-    assert "-x MASTER_ADDR -x MASTER_PORT -x DDP_HPC_RESTART_COUNT" in launch_line(every)
+    started: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(hostfile_launch, "start_all", lambda processes: started.extend(
+        (list(argv), dict(env)) for argv, env in processes) or [])
+
+    def attempt(steps: HostfileSteps, number: int) -> tuple[str, dict[str, str], str]:
+        steps.start(number)
+        argv, env = started[-1]
+        return shlex.join(argv), env, steps.hostfile.read_text()
+
+    run = tmp_path / "run"
+    run.mkdir()
+    spare = HostfileSteps(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
+    line, env, written = attempt(spare, 0)
+    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in line
+    assert f"-n 2 -ppn 2 -f {run / '.hosts'}" in line
+    assert written == "h1\n" and env["MASTER_ADDR"] == "h1" and env["DDP_HPC_RESTART_COUNT"] == "0"
+    (run / "rank-failures-0").write_text("1 137\n0 143\n")  # rank 1 failed first, on h1
+    line, env, written = attempt(spare, 1)
+    assert written == "h2\n" and env["MASTER_ADDR"] == "h2" and env["DDP_HPC_RESTART_COUNT"] == "1"
+    assert [json.loads(entry) for entry in (run / "left-out-hosts.jsonl").read_text().splitlines()] == [
+        {"host": "h1", "attempt": 0, "reason": "rank 1 exited with status 137"}]
+
+    every = HostfileSteps(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "every", 1),
+                          base_env={})
+    (tmp_path / "every").mkdir()
+    line, env, written = attempt(every, 0)
+    assert "ddp-hpc-rank" not in line and written == "h1\nh2\n"
+    assert "-x MASTER_ADDR -x MASTER_PORT -x DDP_HPC_RESTART_COUNT" in line
+    (tmp_path / "every" / "rank-failures-0").write_text("1 137\n")
+    line, env, written = attempt(every, 1)
+    assert written == "h1\nh2\n" and not (tmp_path / "every" / "left-out-hosts.jsonl").exists()
 
 
 # mpiexec -n N -ppn P -f HOSTFILE -genvall CMD...: the fan-out (one process per listed host)

@@ -17,7 +17,7 @@ import pytest
 from ddp_hpc.contract import PREEMPTED_MARKER, ExitStatus
 from ddp_hpc.launch.restart import Decision, RestartPolicy
 from ddp_hpc.launch.supervisor import Supervisor
-from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, end_of_job
+from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, TorchrunAgents, end_of_job
 
 #: Records the attempt and its arguments, one line per call; then does what ``$PLAN`` says for this call
 #: (its number, 1 first): a shell snippet per call, ``;;``-separated.
@@ -57,6 +57,73 @@ def test_each_attempt_is_one_srun_step_that_ends_on_a_failed_task():
     assert launch.step_argv([]) == ["srun", "--kill-on-bad-exit=1", "--wait=60", "--nodes=2", "--ntasks=8",
                                     "--ntasks-per-node=4", "ddp-hpc", "train", "c.yaml"]
     assert "--exclude=n1,n3" in launch.step_argv(["n1", "n3"])
+
+
+def test_with_torchrun_each_attempt_is_one_torchrun_per_node_that_never_restarts():
+    launch = SrunLaunch(2, 4, ("ddp-hpc", "train", "c.yaml"), Path("/r"), allocated=2,
+                        torchrun=TorchrunAgents("n1:29400", "7"))
+    assert launch.step_argv([]) == [
+        "srun", "--kill-on-bad-exit=1", "--wait=60", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+        "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400",
+        "--rdzv-id", "7", "--max-restarts", "0", "--no-python", "ddp-hpc", "train", "c.yaml"]
+
+
+def test_a_torchrun_stop_is_passed_on_once_the_step_runs(tmp_path, bin_dir):
+    """The stop that comes while the supervisor starts the step waits for it (the supervisor
+    passes it on then): the agents get SIGTERM once (a second one during their shutdown
+    would end them before their ranks)."""
+    (bin_dir / "scancel").write_text("#!/bin/sh\nprintf 'scancel %s\\n' \"$*\" >>\"$RECORD\"\n")
+    (bin_dir / "scancel").chmod(0o755)
+    launch = SrunLaunch(1, 2, ("true",), tmp_path, 1, TorchrunAgents("n1:29400", "7"))
+    srun = SrunSteps(launch, base_env={"PATH": f"{bin_dir}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"),
+                                       "SLURM_JOB_ID": "7"})
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    srun.forward_stop(signal.SIGTERM, [])
+    srun.forward_stop(signal.SIGTERM, [finished])  # the attempt before
+    assert not (tmp_path / "record").exists()
+    running = subprocess.Popen(["sleep", "5"])
+    try:
+        srun.forward_stop(signal.SIGTERM, [running])
+    finally:
+        running.kill()
+        running.wait()
+    assert calls(tmp_path) == ["scancel --signal=TERM 7"]
+
+
+#: The step as Slurm runs it when the stop signal reaches the batch shell (the launch): srun
+#: signals its parent, then records what reaches it. srun passes SIGUSR2 on to its tasks (here:
+#: they stop, 75); SIGTERM would make it kill them. scancel records its call and signals srun's
+#: tasks (here: USR1, they stop).
+SIGNALLED_SRUN = """#!/bin/sh
+echo $$ >"$RECORD.srun"
+trap 'echo srun USR2 >>"$RECORD"; kill $!; exit 75' USR2
+trap 'echo srun TERM >>"$RECORD"; kill $!; exit 137' TERM
+trap 'kill $!; exit 75' USR1
+sleep 20 >/dev/null 2>&1 &
+kill -USR2 "$PPID"
+wait; exit 1
+"""
+SIGNALLING_SCANCEL = "#!/bin/sh\nprintf 'scancel %s\\n' \"$*\" >>\"$RECORD\"\nkill -USR1 \"$(cat \"$RECORD.srun\")\"\n"
+
+
+@pytest.mark.parametrize("torchrun,passed_on", [([], "srun USR2"), (["--torchrun", "n1:29400"], "scancel --signal=TERM 7")],
+                         ids=["task-per-rank", "torchrun"])
+def test_the_stop_signal_reaches_the_ranks_without_srun_killing_them(tmp_path, bin_dir, torchrun, passed_on):
+    """srun passes SIGUSR2 on to its tasks, but kills them on SIGTERM: torchrun agents (which
+    SIGUSR2 kills) get SIGTERM from Slurm (scancel --signal, the job's steps), not through srun."""
+    for name, text in (("srun", SIGNALLED_SRUN), ("scancel", SIGNALLING_SCANCEL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PATH": f"{bin_dir}:/usr/bin:/bin",
+           "RECORD": str(tmp_path / "record"), "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "7"}
+    result = subprocess.run([sys.executable, "-m", "ddp_hpc", "launch", "--launcher", "srun", "--run-folder",
+                             str(tmp_path / "run"), "--max-restarts", "1", "--stop-signal", "USR2", "--requeue",
+                             *torchrun, "--", "ddp-hpc", "train", "c.yaml"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 75, result.stderr
+    assert calls(tmp_path) == [passed_on]  # once, and nothing restarted
+    assert (tmp_path / "record.scontrol").read_text() == "requeue 7\n"
 
 
 def test_a_failed_node_is_left_out_of_the_restart_when_the_allocation_has_a_spare(tmp_path, bin_dir):

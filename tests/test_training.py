@@ -125,6 +125,42 @@ def test_preference_job_learns(tmp_path):
     assert summary.final["val_pair_accuracy"] > 0.85
 
 
+def test_every_hook_receives_the_trainer_with_all_that_a_callback_may_read_as_documented(tmp_path):
+    """callbacks.TrainerView (what a callback may read) is what the hooks' trainer answers,
+    and docs/training.md names exactly that."""
+    from ddp_hpc.training.callbacks import Callback, TrainerView
+    from ddp_hpc.training.job import create_job
+
+    readable = sorted(name for name in vars(TrainerView) if not name.startswith("_"))
+    seen: dict[str, list[str]] = {}
+
+    class ReadsEverything(Callback):
+        def _read(self, hook: str, trainer) -> None:
+            seen[hook] = sorted(name for name in readable
+                                if getattr(trainer, name, AttributeError) is not AttributeError)
+            assert type(trainer).__name__ == "Trainer"
+
+        def on_fit_start(self, trainer) -> None:
+            self._read("fit start", trainer)
+
+        def on_step_end(self, trainer) -> None:
+            self._read("step end", trainer)
+
+        def on_fit_end(self, trainer, summary) -> None:
+            self._read("fit end", trainer)
+
+    config = load_config(None, [*SMALL_SYNTHETIC, "job.params.samples=64", "training.epochs=1",
+                                f"logging.run_dir={tmp_path}", "logging.name=r", "logging.plot=false"])
+    with process_group(environ={}) as ctx:
+        Trainer(create_job(config.job.name, config.job.params), config, ctx, RunFolder(tmp_path / "r"),
+                [ReadsEverything()]).fit()
+    assert seen == {hook: readable for hook in ("fit start", "step end", "fit end")}, \
+        {hook: sorted(set(readable) - set(names)) for hook, names in seen.items()}
+    documented = (REPO / "docs" / "training.md").read_text().split("what a callback may read of it is", 1)[1]
+    documented = documented.split(". A callback with", 1)[0]
+    assert sorted(re.findall(r"`(\w+)(?:\(\w*\))?`", documented)) == readable, documented
+
+
 # ----- real ranks -------------------------------------------------------------------------
 
 def torchrun_train(tmp_path: Path, nproc: int, overrides: list[str], *, name: str,

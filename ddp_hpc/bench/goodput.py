@@ -35,6 +35,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ddp_hpc.engine.recovery_record import RecoveryEvent
+
 Epoch = tuple[int, int, int]
 
 
@@ -69,17 +71,6 @@ class Fault:
 
 
 @dataclass(frozen=True)
-class Recovery:
-    """An in-job recovery record (the fields of ``engine/recovery.py``'s ``RecoveryEvent`` used here)."""
-
-    generation: int
-    detected_at: float
-    group_s: float
-    transfer_s: float
-    recover_s: float
-
-
-@dataclass(frozen=True)
 class ArmLogs:
     """What one arm's run left: every rank's lines, the faults, the launch's detections."""
 
@@ -87,7 +78,7 @@ class ArmLogs:
     events: tuple[Event, ...]
     faults: tuple[Fault, ...]
     detections: tuple[float, ...]
-    recoveries: tuple[Recovery, ...]
+    recoveries: tuple[RecoveryEvent, ...]
     started: float
     stopped: float
 

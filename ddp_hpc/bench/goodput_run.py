@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Recovery, Step, goodput, parse_line
+from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Step, goodput, parse_line
+from ddp_hpc.engine.recovery_record import read_recoveries
 from ddp_hpc.errors import UserError
 
 ARMS = ("in-job", "in-job-spare", "restart", "requeue")
@@ -228,16 +229,7 @@ def run_arm(arm: str, plan: GoodputPlan, run_dir: Path, progress) -> ArmLogs:
     follower.poll()
     return ArmLogs(steps=tuple(follower.steps), events=tuple(follower.events), faults=tuple(faults),
                    detections=tuple(t for launch in launches for t in launch.detections),
-                   recoveries=tuple(_recoveries(run_dir)), started=started, stopped=stopped)
-
-
-def _recoveries(run_dir: Path) -> list[Recovery]:
-    found = []
-    for path in sorted((run_dir / "record").glob("recovery-*.json")):
-        raw = json.loads(path.read_text())
-        found.append(Recovery(raw["generation"], raw["detected_at"], raw["group_s"], raw["transfer_s"],
-                              raw["recover_s"]))
-    return found
+                   recoveries=tuple(read_recoveries(run_dir)), started=started, stopped=stopped)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:

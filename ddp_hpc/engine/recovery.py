@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,11 +55,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.contract import (RECORD_DIR, RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
-                              RECOVERY_WAIT_VAR, atomic_write)
+from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
 from ddp_hpc.engine import recovery_store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
+from ddp_hpc.engine.recovery_record import RecoveryEvent, write_recovery
 from ddp_hpc.engine.rng import capture_rng, restore_rng
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
@@ -83,28 +83,6 @@ DEFAULT_WAIT_S = 120.0
 class RecoveryError(RuntimeError):
     """The job cannot recover in place (no new group in time, a lost RNG stream): the rank
     exits with a failure and the launch restarts in place from the newest checkpoint."""
-
-
-@dataclass(frozen=True)
-class RecoveryEvent:
-    """One recovery, as the run record keeps it (``record/recovery-<generation>.json``)."""
-
-    generation: int
-    #: The lost rank's slot (its rank in the first group), host and why it was lost.
-    rank: int
-    host: str
-    cause: str
-    replaced: bool
-    world_size: int
-    #: The step every rank continued from (the failed step is the next one).
-    step: int
-    #: ``time.time()`` when the launch saw the loss.
-    detected_at: float
-    #: Seconds from the launch seeing the loss to: the new group formed on this rank, the
-    #: state received, the first step after it completed (the time to recover).
-    group_s: float
-    transfer_s: float
-    recover_s: float
 
 
 class InJobRecovery:
@@ -178,7 +156,8 @@ class InJobRecovery:
 
     def run(self, train: Callable[[nn.Module], T], *, model: nn.Module, optimizer: torch.optim.Optimizer,
             sampler: Any = None, checkpointer: Checkpointer | None = None,
-            stop: StopAgreement | None = None) -> T:
+            stop: StopAgreement | None = None,
+            wrap: Callable[[nn.Module], DistributedDataParallel] | None = None) -> T:
         """``train(ddp_model)`` until it returns, recovering from lost ranks in between.
 
         ``model`` is the module itself (not wrapped: each group gets its own DDP);
@@ -191,6 +170,10 @@ class InJobRecovery:
         group, and ``step_done`` counts and saves through it (call it in place of
         ``checkpointer.step_done``). ``stop``: the loop's ``StopAgreement``, which follows
         each new group too (a stop requested on any rank still stops every rank).
+        ``wrap``: makes the DDP wrapper of ``model`` for each group (default:
+        ``DistributedDataParallel(model, **ddp_kwargs)``); one of the caller's own (device
+        ids, a communication hook) should keep ``find_unused_parameters=True`` for the
+        reason given in the class's ``__init__``.
         """
         refuse_sharded(model)
         if isinstance(model, DistributedDataParallel):
@@ -213,7 +196,7 @@ class InJobRecovery:
             try:
                 # Inside the try: DDP's constructor checks the parameters with a collective,
                 # which fails like any other when a peer is lost while the group is new.
-                wrapped = DistributedDataParallel(model, **self.ddp_kwargs)
+                wrapped = wrap(model) if wrap is not None else DistributedDataParallel(model, **self.ddp_kwargs)
                 return train(wrapped)
             except RuntimeError as exc:  # DistError is one
                 if not (self.enabled and is_collective_error(exc)):
@@ -225,11 +208,13 @@ class InJobRecovery:
             gc.collect()
             self._recover()
 
-    def step_done(self, batches: int = 1, *, epoch_ends: bool = False) -> None:
+    def step_done(self, batches: int = 1, *, epoch_ends: bool = False, save: bool = True) -> None:
         """One optimizer step is complete on this rank: counts it, advances the sampler (or,
         with a ``checkpointer``, its ``step_done``: the count, its samplers, then its cadence's
         save) and leaves this rank's RNG streams where a replacement finds them.
-        ``epoch_ends`` as in ``Checkpointer.step_done``."""
+        ``epoch_ends`` and ``save`` as in ``Checkpointer.step_done`` (``save=False``: the
+        caller calls ``checkpointer.save_due()`` itself, once the step's other bookkeeping,
+        its callbacks say, is done)."""
         self.step += 1
         checkpointer = self._checkpointer
         if checkpointer is not None:
@@ -239,7 +224,7 @@ class InJobRecovery:
         self._keep_rng()
         if self._pending is not None:
             self._finish_recovery()
-        if checkpointer is not None:  # a collective: a peer lost in it is recovered from this step on
+        if checkpointer is not None and save:  # a collective: a peer lost in it is recovered from this step on
             checkpointer.save_due()
 
     def close(self) -> None:
@@ -520,12 +505,3 @@ def refuse_sharded(model: nn.Module) -> None:
         raise UserError("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost "
                         "rank's part is gone; use --max-restarts (restart from the newest checkpoint)")
 
-
-def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
-    """The recovery in the run record: ``record/recovery-<generation>.json``."""
-    import json
-
-    path = run_dir / RECORD_DIR / f"recovery-{event.generation}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
-    return path

@@ -1,38 +1,41 @@
 """``ddp-hpc launch --hostfile``: mpiexec over the hosts of a file, outside any scheduler.
 
-The launch is a bash script built from the batch scripts' pieces (launch/script.py): the
-common launch loop restarts the ranks (``--max-restarts``), and when the file lists more
-hosts than ``--nodes`` the restart leaves out the host where a rank failed and takes a spare
-one (``hostfile_leave_out``), recorded in ``RUN/left-out-hosts.jsonl``. The CLI runs the
-script in the foreground as a ``local`` job (``schedulers/local``), so ``ddp-hpc status RUN``
-shows how it ended and what it left out.
+Each attempt is one mpiexec over the first ``--nodes`` hosts not left out, under the
+launch's one ``Supervisor`` and restart policy (launch/supervisor.py, launch/restart.py):
+``HostfileSteps`` starts it and reads its status. When the file lists more hosts than
+``--nodes`` and restarts are allowed, each rank runs under a wrapper that records how it
+failed (``RANK_FAILURE_WRAPPER``), and the restart leaves out the host of the first rank
+that failed, taking a spare one; each left-out host is recorded in
+``RUN/left-out-hosts.jsonl``. The launch is recorded as a ``local`` job in the run folder
+(its pid is the job id), so ``ddp-hpc status RUN`` shows how it ended and what it left out.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from dataclasses import dataclass
+import shlex
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc import __version__
-from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR
+from ddp_hpc.contract import RANK_FAILURES_PREFIX, RESTART_COUNT_VAR, RUN_FOLDER_VAR, atomic_write
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.specs.request import shell_quote
-from ddp_hpc.launch.script import (
-    ShellVar,
-    hostfile_leave_out,
-    launch_lines,
-    mpiexec_lookup,
-    recording_rank_failures,
-    render_argv,
-)
+from ddp_hpc.launch.restart import status_of_attempt
+from ddp_hpc.launch.script import recording_rank_failures
+from ddp_hpc.launch.supervisor import start_all
+
+log = logging.getLogger(__name__)
 
 HOSTFILE_LAUNCHERS = ("openmpi", "mpich")
-#: The launch script, kept in the run folder (rendered again by every launch).
-SCRIPT_NAME = "launch.sh"
+#: Each attempt's hosts, one per line, in the run folder (rewritten by every attempt).
+ATTEMPT_HOSTFILE = ".hosts"
 #: Rank 0's port when ``$MASTER_PORT`` is unset (torch's default).
 DEFAULT_MASTER_PORT = 29500
 #: What Open MPI must pass on to ranks on other hosts (MPICH passes the whole environment).
@@ -105,36 +108,71 @@ class HostLaunch:
         return self.max_restarts > 0 and self.spare_nodes > 0
 
 
-def render_host_launch(launch: HostLaunch) -> str:
-    """The bash script: rank 0's address is the first host of each attempt."""
-    argv = rank_command(launch.command)
-    if launch.leaves_out_failed_hosts:  # the first rank to fail names the host a restart leaves out
-        argv = recording_rank_failures(argv)
-    mpiexec = build_mpiexec(MpiLaunch(launch.flavour, launch.nodes, launch.per_node, argv,
-                                      hostfile=ShellVar(HOSTFILE_VAR), forward=FORWARDED,
-                                      allow_root=os.geteuid() == 0), program=ShellVar(MPIEXEC_VAR))
-    master = ["export MASTER_ADDR=\"$first_host\""]
-    leave_out = (hostfile_leave_out(HOSTFILE_VAR, launch.nodes, launch.per_node, master)
-                 if launch.leaves_out_failed_hosts else None)
-    lines = [
-        "#!/bin/bash",
-        f"# Rendered by ddp-hpc {__version__} for ddp-hpc launch --hostfile: {launch.world_size} ranks = "
-        f"{launch.nodes} host(s) x {launch.per_node}, {launch.spare_nodes} spare",
-        "set -euo pipefail",
-        f"export {RUN_FOLDER_VAR}={shell_quote(str(launch.run_folder))}",
-        f'mkdir -p "${RUN_FOLDER_VAR}"',
-        f"{HOSTFILE_VAR}=$(mktemp)",
-        f"trap 'rm -f \"${HOSTFILE_VAR}\"' EXIT",
-        f"printf '%s\\n' {' '.join(shell_quote(host) for host in launch.hosts)} >\"${HOSTFILE_VAR}\"",
-        f'first_host=$(head -n 1 "${HOSTFILE_VAR}")',
-        *master,
-        f'export MASTER_PORT="${{MASTER_PORT:-{DEFAULT_MASTER_PORT}}}"',
-        mpiexec_lookup(launch.flavour),
-        f'echo "ddp_hpc: launch $$: {launch.world_size} ranks on {launch.nodes} host(s), rank 0 at '
-        f'$MASTER_ADDR:$MASTER_PORT; run folder ${RUN_FOLDER_VAR}" >&2',
-        # The job id is this script's PID: the exit file is named after it, as for the local scheduler.
-        *launch_lines(launch.max_restarts, render_argv(mpiexec), "$$", requeue=None, trap_signals="USR2 TERM",
-                      leave_out=leave_out),
-        "",
-    ]
-    return "\n".join(lines)
+@dataclass
+class HostfileSteps:
+    """The attempts of one launch: ``start`` for the supervisor, ``read_status`` for its policy."""
+
+    launch: HostLaunch
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    excluded: list[str] = field(default_factory=list)
+    #: The hosts of the attempt started last, in rank order (``per_node`` ranks each).
+    hosts: tuple[str, ...] = ()
+    _started_at: float = 0.0
+
+    @property
+    def hostfile(self) -> Path:
+        return self.launch.run_folder / ATTEMPT_HOSTFILE
+
+    def argv(self) -> list[str]:
+        """Each attempt's mpiexec; with spares, every rank runs under the failure-recording wrapper."""
+        argv = rank_command(self.launch.command)
+        if self.launch.leaves_out_failed_hosts:
+            argv = recording_rank_failures(argv)
+        return build_mpiexec(MpiLaunch(self.launch.flavour, self.launch.nodes, self.launch.per_node, argv,
+                                       hostfile=str(self.hostfile), forward=FORWARDED,
+                                       allow_root=os.geteuid() == 0))
+
+    def describe(self) -> str:
+        """``--dry-run``: the hosts and each attempt's command."""
+        return (f"# {self.launch.world_size} ranks = {self.launch.nodes} host(s) x {self.launch.per_node}, "
+                f"{self.launch.spare_nodes} spare; rank 0 on the first host of each attempt "
+                f"({', '.join(self.launch.hosts[:self.launch.nodes])} first)\n{shlex.join(self.argv())}\n")
+
+    def start(self, attempt: int) -> list[subprocess.Popen]:
+        if attempt > 0 and self.launch.leaves_out_failed_hosts:
+            self._leave_out_failed_host(attempt - 1)
+        self.hosts = tuple(host for host in self.launch.hosts if host not in self.excluded)[:self.launch.nodes]
+        if len(self.hosts) < self.launch.nodes:
+            log.warning("no spare node left: the restart gets fewer than %d node(s)", self.launch.nodes)
+        atomic_write(self.hostfile, "".join(f"{host}\n" for host in self.hosts), durable=False)
+        port = self.base_env.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
+        env = {**self.base_env, "MASTER_ADDR": self.hosts[0], "MASTER_PORT": port,
+               RUN_FOLDER_VAR: str(self.launch.run_folder), RESTART_COUNT_VAR: str(attempt)}
+        if attempt == 0:
+            log.warning("launch %d: %d ranks on %d host(s), rank 0 at %s:%s; run folder %s", os.getpid(),
+                        self.launch.world_size, len(self.hosts), self.hosts[0], port, self.launch.run_folder)
+        elif self.excluded:
+            log.warning("next attempt on %s, rank 0 at %s", ",".join(self.hosts), self.hosts[0])
+        # The marker's time is the file system's, in whole seconds.
+        self._started_at = float(int(time.time()))
+        return start_all([(self.argv(), env)])
+
+    def read_status(self, attempt: int, status: int) -> int:
+        return status_of_attempt(self.launch.run_folder, self._started_at, status)
+
+    def _leave_out_failed_host(self, failed_attempt: int) -> None:
+        """The host of the first rank that failed (the wrapper's first line: ``RANK STATUS``)."""
+        try:
+            first = (self.launch.run_folder / f"{RANK_FAILURES_PREFIX}{failed_attempt}").read_text().split("\n")[0]
+        except OSError:
+            return
+        rank, _, status = first.partition(" ")
+        if not rank.isdigit() or int(rank) // self.launch.per_node >= len(self.hosts):
+            return
+        host = self.hosts[int(rank) // self.launch.per_node]
+        if host in self.excluded:
+            return
+        self.excluded.append(host)
+        reason = f"rank {rank} exited with status {status.strip()}"
+        record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, reason))
+        log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), reason)

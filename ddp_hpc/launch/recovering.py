@@ -42,7 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+from ddp_hpc.contract import (RECOVERY_GENERATION_VAR, RECOVERY_SHRINK_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
+                              RECOVERY_WAIT_VAR)
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.supervisor import LocalRanks, start_all
 
@@ -166,6 +167,8 @@ class Recoverer:
                     "TORCHELASTIC_USE_AGENT_STORE": "True"})
         if self.generation:
             env[RECOVERY_GENERATION_VAR] = str(self.generation)
+        if self.limits.shrink:
+            env[RECOVERY_SHRINK_VAR] = "1"
         return env
 
     def on_failure(self, index: int, status: int, children: list[subprocess.Popen]) -> bool:

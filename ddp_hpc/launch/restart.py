@@ -19,10 +19,13 @@ the same decision as bash tests; ``tests/test_restart_policy.py`` runs them agai
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
-from ddp_hpc.contract import AGREED_EXIT_STATUSES, ExitStatus
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, PREEMPTED_MARKER, ExitStatus, atomic_write, exit_file_name
 
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,25 @@ class RestartPolicy:
             ends=f'{ending} || [ "$stop_requested" = 1 ] || [ "$attempt" -ge {self.max_restarts} ]',
             requeues=(f'[ "$status" = {ExitStatus.REQUEUE:d} ] || '
                       f'{{ [ "$stop_requested" = 1 ] && [ "$status" != {ExitStatus.OK:d} ]; }}'))
+
+
+def status_of_attempt(run_folder: Path, started_at: float, status: int) -> int:
+    """``status`` as the policy must see it: 75 where rank 0 wrote the preempted marker
+    during the attempt that started at ``started_at`` (whole seconds, as the file system
+    stamps it). A launcher that ends the other ranks once one exits (srun's
+    ``--kill-on-bad-exit``, mpiexec) may report the ranks' stop as a kill."""
+    if status == ExitStatus.OK:
+        return status
+    try:
+        marked = (run_folder / PREEMPTED_MARKER).stat().st_mtime
+    except OSError:
+        return status
+    return ExitStatus.REQUEUE if int(marked) >= started_at else status
+
+
+def record_exit(run_folder: Path, job_id: str, status: int) -> None:
+    """The launch's exit status in ``RUN/exit-<job id>``, for ``--wait`` and ``status``."""
+    try:
+        atomic_write(run_folder / exit_file_name(job_id), f"{status}\n")
+    except OSError as exc:
+        log.error("cannot write the exit status to %s: %s", run_folder, exc.strerror or exc)

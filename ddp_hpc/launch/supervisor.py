@@ -44,6 +44,8 @@ POLL_S = 0.05
 
 #: Starts one attempt's processes: ``attempt`` (0 first) -> the children.
 StartAttempt = Callable[[int], Sequence[subprocess.Popen]]
+#: Passes a stop on to an attempt's processes, where signalling them is not the way: ``(signum, children)``.
+ForwardStop = Callable[[int, Sequence[subprocess.Popen]], None]
 #: What an attempt's status means, where the launcher hides it: ``(attempt, status)`` -> the
 #: status the policy sees (srun's ``--kill-on-bad-exit`` turns the ranks' 75 into a kill).
 ReadStatus = Callable[[int, int], int]
@@ -137,9 +139,10 @@ class Supervisor:
     """Attempts of a launch under one ``RestartPolicy``; ``run()`` returns the launch's status."""
 
     def __init__(self, start: StartAttempt, policy: RestartPolicy, end_grace_s: float = END_GRACE_S,
-                 in_job: InJob | None = None, read_status: ReadStatus | None = None) -> None:
+                 in_job: InJob | None = None, read_status: ReadStatus | None = None,
+                 forward_stop: ForwardStop | None = None) -> None:
         self._start, self.policy, self.end_grace_s, self.in_job = start, policy, end_grace_s, in_job
-        self._read_status = read_status
+        self._read_status, self._forward = read_status, forward_stop
         self._children: list[subprocess.Popen] = []
         self.stop_signal: int | None = None
 
@@ -224,6 +227,8 @@ class Supervisor:
     def _forward_stop(self, signum: int) -> None:
         if self.in_job is not None:
             self.in_job.forward(signum, self._children)
+        elif self._forward is not None:
+            self._forward(signum, self._children)
         else:
             self._signal_running(signum)
 

@@ -13,11 +13,11 @@ import gc
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,20 @@ class DistributedOptions:
             raise UserError(f"distributed.rendezvous_timeout_s={self.rendezvous_timeout_s} must be > 0")
 
 
+class GroupKeeper(Protocol):
+    """What started this rank's group in place of the rendezvous (``GroupStarter``), and
+    keeps it: ``close`` ends it."""
+
+    def close(self) -> None: ...
+
+
+#: Starts this rank's group in place of the rendezvous and ``init_process_group``, from the
+#: backend and the collective timeout; in-job recovery's ``InJobRecovery`` is one (it forms
+#: its groups on the store of ``ddp-hpc launch --recover``). ``startup`` never imports the
+#: engine: the caller hands the starter in.
+GroupStarter = Callable[[str, timedelta], GroupKeeper]
+
+
 @dataclass(frozen=True)
 class DistContext:
     """This rank's place in the job and its device, with collectives on Python values."""
@@ -72,6 +86,8 @@ class DistContext:
     env: DistEnv
     device: DeviceChoice
     group_initialized: bool
+    #: What ``process_group(start=...)`` started the group with (None: the rendezvous).
+    keeper: GroupKeeper | None = None
 
     @property
     def rank(self) -> int:
@@ -251,8 +267,11 @@ def create_store(dist_env: DistEnv, timeout: timedelta, environ: Mapping[str, st
 
 @contextmanager
 def process_group(options: DistributedOptions | None = None,
-                  environ: Mapping[str, str] | None = None) -> Iterator[DistContext]:
-    """Resolve, select, init; the group is destroyed on the way out, error or not."""
+                  environ: Mapping[str, str] | None = None, *,
+                  start: GroupStarter | None = None) -> Iterator[DistContext]:
+    """Resolve, select, init; the group is destroyed on the way out, error or not.
+    ``start``: starts the group in place of the rendezvous (see ``GroupStarter``); this
+    rank's place is then the group's (a warm spare learns its rank only there)."""
     options = options or DistributedOptions()
     environ = os.environ if environ is None else environ
     too_old = unsupported(installed())
@@ -271,6 +290,17 @@ def process_group(options: DistributedOptions | None = None,
     check_fabric(choice.backend, environ, this_host(environ),
                  where=where_label(dist_env.rank, dist_env.world_size))
     rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_VAR), options.rendezvous_timeout_s)
+    if start is not None:
+        keeper = start(choice.backend, timedelta(seconds=options.timeout_s))
+        try:
+            # A warm spare takes a lost rank's place (RANK, LOCAL_RANK) only once started.
+            dist_env = replace(resolve_env(environ, host_suffix=options.host_suffix, port_range=options.port_range),
+                               rank=dist.get_rank(), world_size=dist.get_world_size())
+            yield DistContext(dist_env, choice, True, keeper)
+        finally:
+            gc.collect()  # DDP wrappers before their group (see end_process_group)
+            keeper.close()
+        return
     initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
         # Before anything connects: a loopback name across nodes would only hang.

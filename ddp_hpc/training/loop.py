@@ -5,6 +5,8 @@ one's own does: the ``Checkpointer`` saves at its cadence (``save_due`` after ea
 ``epoch_done`` at each epoch's end), the ``StopAgreement`` decides a stop (a signal or the
 deadline) after each step, the watchdog is beaten at every step, evaluation batch and
 checkpoint. What else happens around a step (tracking, early stopping, ...) is the callbacks'.
+Each of these is handed to it by name (the Trainer builds them); it never sees the Trainer
+but as the ``TrainerView`` it passes on to the hooks.
 """
 
 from __future__ import annotations
@@ -21,29 +23,38 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from ddp_hpc.engine.watchdog import Watchdog
-from ddp_hpc.training.callbacks import Verdict
+from ddp_hpc.training.callbacks import CallbackList, TrainerView, Verdict
 from ddp_hpc.training.data import LoaderPlan, eval_loader, shard_padding_mask, train_loader
-from ddp_hpc.training.job import Datasets, StepOutput
+from ddp_hpc.training.job import Datasets, Job, StepOutput
 from ddp_hpc.training.metrics import MetricSums
 
 if TYPE_CHECKING:
-    from ddp_hpc.training.trainer import Trainer
+    from ddp_hpc.config import Config
+    from ddp_hpc.engine.recovery import InJobRecovery
+    from ddp_hpc.engine.stop_agreement import StopAgreement
+    from ddp_hpc.startup.distributed import DistContext
+    from ddp_hpc.training.precision import Precision
+    from ddp_hpc.training.run_folder import RunFolder
+    from ddp_hpc.training.state import TrainingState
 
 #: The lines users read in job logs keep the source name they always had.
 log = logging.getLogger("ddp_hpc.training.trainer")
 
 
 class TrainingLoop:
-    """Trains ``trainer.state`` on ``datasets`` from where it stands."""
+    """Trains ``state`` on ``datasets`` from where it stands. ``stop``: the stop every rank
+    agrees on, asked after each step; ``run``: the run folder (rank 0 appends each epoch's
+    row); ``recovery``: in-job recovery when it keeps the group (it counts the steps then);
+    ``callbacks``: their hooks receive ``view`` (the Trainer), which the loop only hands on."""
 
-    def __init__(self, trainer: Trainer, datasets: Datasets) -> None:
-        self.trainer = trainer
-        self.job, self.config, self.ctx = trainer.job, trainer.config, trainer.ctx
-        self.state, self.callbacks = trainer.state, trainer.callbacks
-        self.training = trainer.config.training
-        self.datasets = datasets
-        self.device = trainer.ctx.device.torch_device
-        self.precision = trainer.precision
+    def __init__(self, job: Job, config: Config, ctx: DistContext, precision: Precision, state: TrainingState,
+                 datasets: Datasets, *, callbacks: CallbackList, stop: StopAgreement, run: RunFolder,
+                 recovery: InJobRecovery | None, view: TrainerView) -> None:
+        self.job, self.config, self.ctx, self.precision = job, config, ctx, precision
+        self.state, self.datasets, self.callbacks = state, datasets, callbacks
+        self.stop, self.run_folder, self.recovery, self.view = stop, run, recovery, view
+        self.training = config.training
+        self.device = ctx.device.torch_device
         pin = self.config.data.pin_memory
         self.pin_memory = self.ctx.device.device_type == "cuda" if pin == "auto" else bool(pin)
         sampler = self.state.sampler
@@ -60,12 +71,15 @@ class TrainingLoop:
         self.preempted = False
         #: The engine's watchdog while training runs under ``distributed.watchdog_s`` (the Trainer's ``fit``).
         self.watchdog: Watchdog | None = None
+        #: Under in-job recovery: this rank's sums after the last two steps, by (epoch, step),
+        #: so that the epoch continued after a recovery (from either) keeps what it summed.
+        self._kept_sums: dict[tuple[int, int], MetricSums] = {}
 
     # ----- epochs -----------------------------------------------------------------------
 
     def run(self) -> str:
         """Train from where the state stands: "completed", "early_stopped" or "preempted"."""
-        state, trainer, checkpointer = self.state, self.trainer, self.state.checkpointer
+        state, view, checkpointer = self.state, self.view, self.state.checkpointer
         while state.progress.epoch < self.training.epochs:
             epoch = state.progress.epoch
             epoch_started = time.perf_counter()
@@ -90,15 +104,15 @@ class TrainingLoop:
             if val is not None and ((epoch + 1) % self.config.validation.every_n_epochs == 0 or last_epoch):
                 val_metrics, _ = self.evaluate(val)
                 row.update({f"val_{k}": v for k, v in val_metrics.items()})
-                verdict = self.callbacks.on_validation_end(trainer, val_metrics, epoch + 1)
+                verdict = self.callbacks.on_validation_end(view, val_metrics, epoch + 1)
             state.history.append(row)
             if self.ctx.is_rank_zero:
-                trainer.run.append_metrics(row)
+                self.run_folder.append_metrics(row)
                 log.info(self._epoch_line(row))
             checkpointer.epoch_done(epoch + 1, save=last_epoch or verdict.stop or verdict.improved,
                                     best=verdict.improved and self.config.checkpoint.save_best)
-            trainer.stop.epoch_ended()
-            self.callbacks.on_epoch_end(trainer, row)
+            self.stop.epoch_ended()
+            self.callbacks.on_epoch_end(view, row)
             if self.preempted and not last_epoch:
                 return "preempted"
             if verdict.stop:
@@ -116,12 +130,12 @@ class TrainingLoop:
         if self.watchdog is not None:
             self.watchdog.beat(phase, self.state.checkpointer.step,
                                self.step_compute_s if phase == "training" else None)
-        self.callbacks.on_progress(self.trainer, phase)
+        self.callbacks.on_progress(self.view, phase)
 
     # ----- steps ------------------------------------------------------------------------
 
     def _train_one_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
-        state, trainer, sampler, checkpointer = self.state, self.trainer, self.state.sampler, self.state.checkpointer
+        state, sampler, checkpointer = self.state, self.state.sampler, self.state.checkpointer
         model = state.ddp_model
         model.train()
         sampler.set_epoch(epoch)  # a new epoch starts whole, the restored one where its checkpoint left it
@@ -131,7 +145,9 @@ class TrainingLoop:
         # Reseeded per epoch so a resumed epoch gives workers the same seeds as the original.
         self.loader.generator.manual_seed(self.training.seed * 1_000_003 + epoch)
         accum, total_batches = self.training.grad_accum_steps, self.plan.batches
-        sums = self.epoch_sums = MetricSums(self.device)
+        kept = self._kept_sums.get((epoch, state.progress.global_step)) if start_batch else None
+        sums = self.epoch_sums = kept.copy() if kept is not None else MetricSums(self.device)
+        recovery = self.recovery
         batch_index = start_batch
         forward_s = 0.0
         for batch in self._progress_bar(self.loader, epoch, start_batch, total_batches):
@@ -151,20 +167,29 @@ class TrainingLoop:
             if not closes_window:
                 continue
             self._optimizer_step()
-            checkpointer.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
+            if recovery is not None:  # counts through the Checkpointer too, and keeps this step's RNG streams
+                recovery.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
                                    save=False)
+                self._keep_sums(epoch, state.progress.global_step, sums)
+            else:
+                checkpointer.step_done(batch_index - sampler.batches_done, epoch_ends=batch_index == total_batches,
+                                       save=False)
             self.step_compute_s, forward_s = forward_s, 0.0
             step = state.progress.global_step
             self.beat("training")
-            self.callbacks.on_step_end(trainer)
+            self.callbacks.on_step_end(self.view)
             self._maybe_log_step(sums, step)
             checkpointer.save_due()  # after the callbacks: their state of this step is in it
-            if trainer.stop.now(steps_left_in_epoch=math.ceil((total_batches - batch_index) / accum), quiet=True):
+            if self.stop.now(steps_left_in_epoch=math.ceil((total_batches - batch_index) / accum), quiet=True):
                 self.preempted = True
                 break
             if self.reached_max_steps():
                 break
         return sums.reduce(self.ctx)
+
+    def _keep_sums(self, epoch: int, step: int, sums: MetricSums) -> None:
+        self._kept_sums = {key: kept for key, kept in self._kept_sums.items() if key == (epoch, step - 1)}
+        self._kept_sums[(epoch, step)] = sums.copy()
 
     @staticmethod
     def _per_sample(output: StepOutput) -> dict[str, torch.Tensor]:
@@ -235,7 +260,7 @@ class TrainingLoop:
         if self.datasets.test is None:
             return None
         metrics, count = self.evaluate(self.datasets.test)
-        self.callbacks.on_test_end(self.trainer, metrics)
+        self.callbacks.on_test_end(self.view, metrics)
         if self.ctx.is_rank_zero:
             log.info("test: %s (%d samples)", "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())), count)
         return metrics

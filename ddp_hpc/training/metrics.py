@@ -30,6 +30,13 @@ class MetricSums:
         if first is not None:
             self.count += mask.sum() if mask is not None else first.reshape(-1).shape[0]
 
+    def copy(self) -> MetricSums:
+        """The sums as they are now (later ``add``s change only this object)."""
+        kept = MetricSums(self.device)
+        kept.sums = {name: total.clone() for name, total in self.sums.items()}
+        kept.count = self.count.clone()
+        return kept
+
     def reduce(self, ctx: DistContext) -> tuple[dict[str, float], int]:
         """(means over every sample of every rank, number of samples)."""
         names = sorted(self.sums)

@@ -9,20 +9,22 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
-from ddp_hpc.contract import CURVES_FILE
-from ddp_hpc.startup.distributed import DistributedOptions, process_group
+from ddp_hpc.config_loader import ConfigError
+from ddp_hpc.contract import CURVES_FILE, RECOVERY_SHRINK_VAR, RECOVERY_STORE_VAR
+from ddp_hpc.startup.distributed import DistributedOptions, GroupStarter, process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
-from ddp_hpc.training.callbacks import Callback, create_callbacks
+from ddp_hpc.training.callbacks import Callback, TrainerView, create_callbacks
 from ddp_hpc.training.job import Job, create_job
 from ddp_hpc.training.run_folder import RunFolder
-from ddp_hpc.training.strategy import check_supported
+from ddp_hpc.training.strategy import check_supported, recovery_refusal
 from ddp_hpc.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -75,11 +77,23 @@ def distributed_options(config: Config, device: str | None, backend: str | None)
                               host_suffix=dist.host_suffix or None)
 
 
+def recovering_start(run: RunFolder) -> GroupStarter:
+    """The group started through in-job recovery (``ddp-hpc launch --recover``), which
+    records each recovery in ``run``'s record."""
+
+    def start(backend: str, timeout: timedelta):
+        from ddp_hpc.engine.recovery import InJobRecovery
+
+        return InJobRecovery(backend, run_dir=run.path, collective_timeout_s=timeout.total_seconds())
+
+    return start
+
+
 class RankLine(Callback):
     """Each rank's first line in its log file: where it runs (written once set-up passed,
     so a run refused for bad input leaves no file)."""
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         ctx = trainer.ctx
         log.info("rank %d of %d on host %s (pid %d, local rank %d, device %s), run folder %s", ctx.rank,
                  ctx.world_size, socket.gethostname(), os.getpid(), ctx.local_rank, ctx.torch_device,
@@ -104,12 +118,17 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
         config = load_config(config_path, list(overrides))
     check_installed(config.logging.trackers, config.logging.mlflow.tracking_uri)
     check_supported(config)
+    recovering = RECOVERY_STORE_VAR in os.environ  # started by `ddp-hpc launch --recover`
+    refusal = recovery_refusal(config, shrink=os.environ.get(RECOVERY_SHRINK_VAR) == "1") if recovering else None
+    if refusal:
+        raise ConfigError(refusal)
     job = job if job is not None else create_job(config.job.name, config.job.params)
     callbacks = create_callbacks(config.callbacks)
     deadline = job_deadline(os.environ)
     run = RunFolder(Path(config.logging.run_dir) / config.run_name(config_path))
     run.check_creatable()
-    with process_group(distributed_options(config, options.device, options.backend)) as ctx:
+    with process_group(distributed_options(config, options.device, options.backend),
+                       start=recovering_start(run) if recovering else None) as ctx:
         if options.configure_logs:
             configure_logging(ctx.rank, verbose=options.verbose, console=options.console,
                               log_file=rank_log_path(run.path, ctx.rank))

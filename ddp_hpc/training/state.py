@@ -31,6 +31,7 @@ from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine import checkpoint_files as ckpt
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat, Checkpointer, ShardedFormat, make_format
+from ddp_hpc.engine.recovery import InJobRecovery
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import seed_everything
 from ddp_hpc.errors import UserError
@@ -108,15 +109,20 @@ class TrainingState:
     the background with ``checkpoint.async``). ``kept``: more objects with
     ``state_dict``/``load_state_dict`` that checkpoints hold under their keys.
     ``on_written``: rank 0 hears of each checkpoint once its file is complete;
-    ``on_saving``: every rank, before each save begins.
+    ``on_saving``: every rank, before each save begins. ``recovery``: the group is kept by
+    in-job recovery, which wraps the model in DDP for each group (``ddp_model`` is the bare
+    model until then); a replacement (``recovery.joining``) takes every object's state from
+    the survivors, so it neither checks the initial weights with them nor reads a checkpoint.
     """
 
     def __init__(self, job: Job, config: Config, ctx: DistContext, run: RunFolder, train_set: Dataset,
                  precision: Precision, *, checkpoint_format: CheckpointFormat | None = None,
                  kept: Mapping[str, Any] | None = None,
                  on_written: Callable[[WriteRecord], None] | None = None,
-                 on_saving: Callable[[], None] | None = None) -> None:
+                 on_saving: Callable[[], None] | None = None,
+                 recovery: InJobRecovery | None = None) -> None:
         self.config, self.ctx, self.run = config, ctx, run
+        joining = recovery is not None and recovery.joining
         training = config.training
         format_name = checkpoint_format_name(config, run.checkpoints)
         if config.checkpoint.format is None and format_name != checkpoint_format_name(config, None) \
@@ -126,8 +132,8 @@ class TrainingState:
         if checkpoint_format is None and format_name == "dcp" and training.zero_optimizer:
             raise UserError("checkpoint.format dcp cannot save training.zero_optimizer's state: use "
                             "checkpoint.format=file")
-        self.model = self._build_model(job)
-        self.ddp_model = wrap_model(self.model, config, ctx)
+        self.model = self._build_model(job, check=not joining)
+        self.ddp_model = self.model if recovery is not None else wrap_model(self.model, config, ctx)
         self.lr = scaled_lr(training, ctx.world_size)
         self.optimizer = build_optimizer(self.model.parameters(), training, self.lr,
                                          shard_state=training.zero_optimizer and ctx.group_initialized)
@@ -174,13 +180,15 @@ class TrainingState:
         #: Set when the checkpoint resumed from was written by another world size or batch.
         self.resharding: Resharding | None = None
         #: The checkpoint this run resumed from (None: a fresh start).
-        self.resumed_from = self._restore(len(train_set))
+        self.resumed_from = None if joining else self._restore(len(train_set))
 
     # ----- building -------------------------------------------------------------------
 
-    def _build_model(self, job: Job) -> nn.Module:
+    def _build_model(self, job: Job, check: bool = True) -> nn.Module:
         seed_everything(self.config.training.seed)  # the same initial weights on every rank
         model = job.build_model().to(self.ctx.device.torch_device)
+        if not check:
+            return model
         # Gathered to rank 0 only: each gather costs two collectives' latency, growing with the
         # ranks. (Each rank's host and PID reach rank 0 with the run record's facts.)
         checksums = self.ctx.gather_object(parameter_checksum(model)) or []

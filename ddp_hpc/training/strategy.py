@@ -35,6 +35,25 @@ def check_supported(config: Config) -> None:
         raise ConfigError(refusal)
 
 
+def recovery_refusal(config: Config, *, shrink: bool = False) -> str | None:
+    """Why in-job recovery (``ddp-hpc launch --recover``) cannot keep this run going, or
+    None: it rebuilds a lost rank from a survivor's memory, so every survivor must hold the
+    whole state. ``shrink``: the launch goes on with fewer ranks (``--shrink``)."""
+    if shrink:
+        return ("the Trainer does not yet go on with fewer ranks under --recover --shrink (the rest of the epoch, "
+                "the learning rate and the schedule would need re-planning): launch with --recover alone, where a "
+                "replacement takes the lost rank's place")
+    if config.training.strategy == "fsdp2":
+        return ("in-job recovery (--recover) covers training.strategy ddp only: under fsdp2 each rank holds one "
+                "shard of the model, so a lost rank's part is gone; launch without --recover (a failure then "
+                "restarts from the newest checkpoint)")
+    if config.training.zero_optimizer:
+        return ("in-job recovery (--recover) cannot keep training.zero_optimizer: each rank holds one shard of the "
+                "optimizer state, so a lost rank's part is gone; set training.zero_optimizer=false or launch "
+                "without --recover")
+    return None
+
+
 def wrap_model(model: nn.Module, config: Config, ctx: DistContext) -> nn.Module:
     """The module the training step calls: DDP around ``model``, or ``model`` itself
     sharded by FSDP2. Without a process group (one plain process) ``model`` unchanged."""
@@ -45,11 +64,15 @@ def wrap_model(model: nn.Module, config: Config, ctx: DistContext) -> nn.Module:
     return _wrap_ddp(model, config, ctx) if ctx.group_initialized else model
 
 
-def _wrap_ddp(model: nn.Module, config: Config, ctx: DistContext) -> DistributedDataParallel:
+def _wrap_ddp(model: nn.Module, config: Config, ctx: DistContext, *,
+              recovering: bool = False) -> DistributedDataParallel:
+    """``recovering``: for in-job recovery, which wraps the model anew on each group: with
+    ``find_unused_parameters`` the buckets keep their first layout, so a step redone after a
+    recovery sums its gradients in the same order (``engine/recovery.py``)."""
     dist = config.distributed
     wrapped = DistributedDataParallel(
         model, device_ids=ctx.device.ddp_device_ids,
-        find_unused_parameters=dist.find_unused_parameters, static_graph=dist.static_graph,
+        find_unused_parameters=dist.find_unused_parameters or recovering, static_graph=dist.static_graph,
         bucket_cap_mb=dist.bucket_cap_mb, gradient_as_bucket_view=dist.gradient_as_bucket_view)
     if dist.comm_hook == "bf16" and ctx.device.backend not in ("nccl", "xccl"):
         raise UserError(f"distributed.comm_hook=bf16 needs the nccl or xccl backend, not "
@@ -60,6 +83,11 @@ def _wrap_ddp(model: nn.Module, config: Config, ctx: DistContext) -> Distributed
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
         wrapped.register_comm_hook(state=None, hook=hook[dist.comm_hook])
     return wrapped
+
+
+def wrap_ddp_for_recovery(model: nn.Module, config: Config, ctx: DistContext) -> DistributedDataParallel:
+    """The DDP wrapper in-job recovery makes for each new group (``InJobRecovery.run``'s ``wrap``)."""
+    return _wrap_ddp(model, config, ctx, recovering=True)
 
 
 def shard_units(model: nn.Module, fsdp: FsdpConfig) -> list[nn.Module]:

@@ -3,10 +3,16 @@
 Built up front, here and nowhere else: the state (``state.py``: what a checkpoint holds, on
 a ``Checkpointer`` that owns the checkpoint cadence, with the data order a
 ``ResumableSampler``), the stop every rank agrees on (a ``StopAgreement``, whose deadline
-policy is the engine's), the loop (``loop.py``), and the callbacks (``callbacks.py``,
-assembled by ``build_callbacks``), through which the periodic services (``services/``:
-tracking, early stopping, the background prestage, the weights check) and the user's own
-hooks run. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
+policy is the engine's), the callbacks (``callbacks.py``, assembled by ``build_callbacks``),
+through which the periodic services (``services/``: tracking, early stopping, the background
+prestage, the weights check) and the user's own hooks run, and the loop (``loop.py``), each
+handed what it uses; the hooks receive the Trainer as a ``TrainerView``, so none of these
+imports this module. ``fit`` trains inside the engine's ``watchdog`` (``distributed.watchdog_s``).
+
+Under ``ddp-hpc launch --recover`` the group is kept by the engine's ``InJobRecovery``
+(the same part a loop of one's own uses): the loop is the function it runs, with the
+Checkpointer (whose objects are everything a checkpoint holds) and the StopAgreement handed
+to it, so a lost rank is replaced from the survivors' memory and the failed step redone.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_hpc.config import Config
+from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.background_writer import WriteRecord
 from ddp_hpc.engine.checkpointer import CheckpointFormat
 from ddp_hpc.engine.liveness import Straggler
+from ddp_hpc.engine.recovery import InJobRecovery
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.engine.watchdog import watchdog
@@ -37,6 +45,7 @@ from ddp_hpc.tracking import Tracking
 from ddp_hpc.training.callbacks import Callback, CallbackList
 from ddp_hpc.training.job import Datasets, Job
 from ddp_hpc.training.loop import TrainingLoop
+from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.services.early_stopping import EarlyStopping
@@ -44,7 +53,7 @@ from ddp_hpc.training.services.prestage import Prestage
 from ddp_hpc.training.services.tracking import TrackingService
 from ddp_hpc.training.services.weights_check import WeightsCheckCallback
 from ddp_hpc.training.state import Progress, TrainingState, parameter_checksum
-from ddp_hpc.training.strategy import state_bytes
+from ddp_hpc.training.strategy import recovery_refusal, state_bytes, wrap_ddp_for_recovery
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +61,15 @@ __all__ = ["Trainer", "Progress", "parameter_checksum", "build_callbacks"]
 
 
 def build_callbacks(config: Config, ctx: DistContext, run: RunFolder, early_stopping: EarlyStopping,
-                    callbacks: Sequence[Callback]) -> CallbackList:
+                    callbacks: Sequence[Callback], *, epoch_sums: Callable[[], MetricSums]) -> CallbackList:
     """Every callback of a run, in the order their hooks run: the services the config
-    turns on, early stopping, the caller's ``callbacks``, the weights check, tracking last."""
+    turns on, early stopping, the caller's ``callbacks``, the weights check, tracking last
+    (``epoch_sums``: the loop's running sums, which it tracks)."""
     services: list[Callback] = [Prestage()] if config.checkpoint.async_write else []
     checks = ([WeightsCheckCallback(config.distributed.weights_check_every)]
               if config.distributed.weights_check_every else [])
-    return CallbackList([*services, early_stopping, *callbacks, *checks, TrackingService(Tracking(config, ctx, run))])
+    tracking = TrackingService(Tracking(config, ctx, run), epoch_sums)
+    return CallbackList([*services, early_stopping, *callbacks, *checks, tracking])
 
 
 class Trainer:
@@ -76,14 +87,21 @@ class Trainer:
         self.job, self.config, self.ctx, self.run = job, config, ctx, run
         self.training = config.training
         self.precision = resolve_precision(config.training.precision, ctx.device.device_type)
+        #: In-job recovery keeps the group (``ddp-hpc launch --recover``); None otherwise.
+        self.recovery = ctx.keeper if isinstance(ctx.keeper, InJobRecovery) else None
+        refusal = recovery_refusal(config) if self.recovery is not None else None
+        if refusal:  # train() refused it before the group started; a Trainer built directly is checked here
+            raise ConfigError(refusal)
         self._setup_runtime()
         self.datasets = job.build_datasets()
         self._check_datasets(self.datasets)
         self.early_stopping = EarlyStopping(config.validation.early_stopping)
-        self.callbacks = build_callbacks(config, ctx, run, self.early_stopping, callbacks)
+        self.callbacks = build_callbacks(config, ctx, run, self.early_stopping, callbacks,
+                                         epoch_sums=lambda: self.loop.epoch_sums)
         self.state = TrainingState(job, config, ctx, run, self.datasets.train, self.precision,
                                    checkpoint_format=checkpoint_format, kept=self.callbacks.stateful(),
-                                   on_written=self._checkpoint_written, on_saving=self._saving)
+                                   on_written=self._checkpoint_written, on_saving=self._saving,
+                                   recovery=self.recovery)
         margin = config.checkpoint.deadline_margin_s
         #: The stop every rank agrees on: a signal handler calls ``request_stop``; rank 0
         #: requests it ahead of ``deadline``.
@@ -91,7 +109,9 @@ class Trainer:
                                   check_every_n_steps=config.checkpoint.preemption_check_every_n_steps,
                                   deadline=deadline if margin is not None else None,
                                   margin_s=margin if margin is not None else "auto", group=ctx, clock=clock)
-        self.loop = TrainingLoop(self, self.datasets)
+        self.loop = TrainingLoop(job, config, ctx, self.precision, self.state, self.datasets,
+                                 callbacks=self.callbacks, stop=self.stop, run=run, recovery=self.recovery,
+                                 view=self)
         #: Rank 0: the stragglers the watchdog's heartbeat named, by rank (kept in the run record).
         self.stragglers: dict[int, Straggler] = {}
 
@@ -119,6 +139,12 @@ class Trainer:
     @property
     def progress(self) -> Progress:
         return self.state.progress
+
+    @property
+    def joining(self) -> bool:
+        """This process replaces a lost rank: its state comes from the survivors once
+        training starts (nothing it holds before that counts)."""
+        return self.recovery is not None and self.recovery.joining
 
     @property
     def model(self) -> nn.Module:
@@ -185,7 +211,7 @@ class Trainer:
         self.callbacks.on_fit_start(self)
         self.stop.start()
         with self._watching(), self.callbacks.running(self), self.state.writes(self.loop.beat):
-            status = self.loop.run()
+            status = self._train()
             if status == "preempted":
                 self.ctx.barrier()  # no rank exits (REQUEUE) before rank 0's checkpoint is on disk
                 if self.ctx.is_rank_zero:
@@ -198,6 +224,30 @@ class Trainer:
         self.callbacks.on_fit_end(self, summary)
         return summary
 
+    def _train(self) -> str:
+        """The loop; under in-job recovery, the function ``InJobRecovery.run`` calls (again
+        after each recovery, with the state as the survivors held it after the last step
+        every rank completed)."""
+        recovery = self.recovery
+        if recovery is None:
+            return self.loop.run()
+        return recovery.run(self._train_from_here, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+                            checkpointer=self.state.checkpointer, stop=self.stop,
+                            wrap=lambda model: wrap_ddp_for_recovery(model, self.config, self.ctx))
+
+    def _train_from_here(self, wrapped: nn.Module) -> str:
+        if torch.distributed.get_world_size() != self.ctx.world_size:  # train() refuses --shrink first
+            raise UserError(f"the Trainer does not yet go on with fewer ranks ({self.ctx.world_size} -> "
+                            f"{torch.distributed.get_world_size()}): launch with --recover without --shrink")
+        self.state.ddp_model = wrapped
+        self.state.optimizer.zero_grad(set_to_none=True)  # what the failed step accumulated
+        try:
+            return self.loop.run()
+        except BaseException:
+            # InJobRecovery frees the wrapper (it holds the broken group) before leaving it.
+            self.state.ddp_model = self.model
+            raise
+
     @contextmanager
     def _watching(self) -> Iterator[None]:
         """``distributed.watchdog_s``: the engine's watchdog around training, watched from
@@ -208,7 +258,10 @@ class Trainer:
             yield
             return
         ctx = self.ctx
-        store = (ctx.env.master_addr, ctx.env.master_port) if ctx.group_initialized and ctx.world_size > 1 else None
+        # Under in-job recovery no store serves the master address; the launch watches each
+        # rank's heartbeat itself (--hang-timeout).
+        store = ((ctx.env.master_addr, ctx.env.master_port)
+                 if ctx.group_initialized and ctx.world_size > 1 and self.recovery is None else None)
         with watchdog(limit_s, heartbeat_store=store, on_straggler=self._straggler if ctx.is_rank_zero else None,
                       limit_name="distributed.watchdog_s") as self.loop.watchdog:
             try:

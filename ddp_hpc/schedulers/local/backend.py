@@ -12,12 +12,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddp_hpc.contract import ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest
 from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
@@ -90,32 +88,27 @@ class LocalScheduler(Scheduler):
 
     def cancel_jobs(self, job_ids: Sequence[str]) -> None:
         for job_id in job_ids:
+            pid = int(job_id)
             try:
-                os.killpg(int(job_id), signal.SIGTERM)
+                # A rendered script runs in a session of its own: its group holds every rank. A
+                # `launch --hostfile` runs in its caller's group: it ends its ranks itself.
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGTERM)
+                else:
+                    os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
 
 
-def run_in_foreground(script: str, script_path: Path, run_folder: Path, world_size: int,
-                      command_line: Sequence[str]) -> int:
-    """Write ``script`` (one that writes the ``exit-$$`` file, as ``render_local``'s does), run
-    it with bash until it ends, recorded as a ``local`` job in ``run_folder`` (``ddp-hpc
-    status``/``cancel`` work from the folder); return its exit status. ``ddp-hpc launch
-    --hostfile`` runs its script this way."""
-    write_script(script, script_path)
-    sys.stdout.flush()
-    # Its own session and process group: ``ddp-hpc cancel RUN`` ends the script and every rank it started.
-    process = subprocess.Popen(["bash", str(script_path)], start_new_session=True)
-    try:
-        Submission(scheduler=LocalScheduler.name, job_id=str(process.pid), run_folder=str(run_folder),
-                   workdir=str(Path.cwd()), world_size=world_size, submitted_at=time.time(), kind="command",
-                   script=str(script_path), command_line=tuple(command_line)).record()
-        return ExitStatus.of_returncode(process.wait())
-    except KeyboardInterrupt:  # Ctrl-C reaches this session only: stop the script's too
-        log.warning("interrupted: stopping the launch (process group %d)", process.pid)
-        LocalScheduler().cancel_jobs([str(process.pid)])
-        process.wait()
-        raise
+def record_this_launch(run_folder: Path, world_size: int, command_line: Sequence[str]) -> str:
+    """Record this process (``ddp-hpc launch --hostfile``, which writes ``exit-<pid>`` when it
+    ends) as a ``local`` job in ``run_folder``, so that ``ddp-hpc status``/``cancel`` work
+    from the folder; its job id, the pid."""
+    job_id = str(os.getpid())
+    Submission(scheduler=LocalScheduler.name, job_id=job_id, run_folder=str(run_folder), workdir=str(Path.cwd()),
+               world_size=world_size, submitted_at=time.time(), kind="command",
+               command_line=tuple(command_line)).record()
+    return job_id
 
 
 def _alive(pid: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
-from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+from ddp_hpc.launch.mpi import STOP_PASSED_ON, MpiLaunch, build_mpiexec
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
@@ -123,7 +123,9 @@ def render_pbs(request: SubmitRequest) -> str:
         deadline_line(request),
         # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
         # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.
+        # The stop goes to mpiexec as the signal it passes on (Hydra ends the job on SIGUSR2).
         *launch_lines(request.max_restarts, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
+                      forward_signal=STOP_PASSED_ON[request.profile.launcher].name.removeprefix("SIG"),
                       trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name))),
                       leave_out=hostfile_leave_out(HOSTFILE_VAR, request.nodes, request.per_node,
                                                    [f"export MASTER_ADDR={master}"])

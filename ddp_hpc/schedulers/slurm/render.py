@@ -113,9 +113,9 @@ def step_argv(request: SubmitRequest) -> list[str]:
 
 def supervised(request: SubmitRequest) -> bool:
     """Scripts whose attempts ``ddp-hpc launch --launcher srun`` runs (one restart loop, in
-    Python). The others (torchrun per node, a staged environment) keep the bash loop of
-    ``launch_lines`` until the launch supports them (NOTES-node-supervisor.md)."""
-    return not request.torchrun_per_node and not request.stage_env
+    Python). A staged environment keeps the bash loop of ``launch_lines`` until the launch
+    supports it (NOTES-node-supervisor.md)."""
+    return not request.stage_env
 
 
 def launch_call(request: SubmitRequest) -> list[str]:
@@ -126,6 +126,7 @@ def launch_call(request: SubmitRequest) -> list[str]:
     argv = ["ddp-hpc", "launch", "--launcher", "srun", "--nodes", str(request.nodes), "--nproc", str(request.per_node),
             "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
             "--stop-signal", request.stop_signal.name, *(["--requeue"] if request.chain == 1 else []),
+            *(["--torchrun", ShellVar("rdzv_endpoint")] if request.torchrun_per_node else []),
             "--", *rank_argv(request)]
     return [
         "# The attempts, the stop signal, leaving out a failed node, the requeue and the exit status: ddp-hpc launch",

@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ddp_hpc.contract import PREEMPTED_MARKER, RESTART_COUNT_VAR, ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
-from ddp_hpc.launch.restart import Decision
+from ddp_hpc.launch.restart import Decision, record_exit, status_of_attempt
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
 
-#: What srun passes on to the ranks as a stop (srun itself ends the step on SIGTERM).
+#: What srun passes on to the ranks as a stop, one task per rank (``SrunLaunch.forwarded_stop``).
 FORWARDED_STOP = signal.SIGUSR2
 #: The allocation's node count, as srun and sbatch export it.
 NODE_COUNT_VAR = "SLURM_JOB_NUM_NODES"
@@ -41,15 +41,31 @@ _FAILED_TASK = re.compile(r"^srun: error: ([^:\s]+): task [0-9]")
 
 
 @dataclass(frozen=True)
+class TorchrunAgents:
+    """One torchrun per node starts that node's ranks, with its c10d rendezvous at
+    ``endpoint`` (``HOST:PORT``). It never restarts (``--max-restarts 0``): its agent would
+    restart a stop (75) as a failure; the launch restarts, under the one policy."""
+
+    endpoint: str
+    rdzv_id: str
+
+    def argv(self, nodes: int, per_node: int) -> list[str]:
+        return ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id, "--max-restarts", "0", "--no-python"]
+
+
+@dataclass(frozen=True)
 class SrunLaunch:
     """``per_node`` ranks on each of ``nodes`` nodes of the allocation; the allocation's
-    other nodes (``allocated``) are spares that a restart takes in place of a failed one."""
+    other nodes (``allocated``) are spares that a restart takes in place of a failed one.
+    With ``torchrun``, srun starts one torchrun per node, which starts the node's ranks."""
 
     nodes: int
     per_node: int
     command: tuple[str, ...]
     run_folder: Path
     allocated: int
+    torchrun: TorchrunAgents | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.per_node < 1:
@@ -63,14 +79,27 @@ class SrunLaunch:
     def spare_nodes(self) -> int:
         return self.allocated - self.nodes
 
+    @property
+    def tasks_per_node(self) -> int:
+        return 1 if self.torchrun is not None else self.per_node
+
+    @property
+    def forwarded_stop(self) -> int:
+        """What the launch sends srun for a stop, which srun passes on to its tasks: SIGUSR2
+        to the ranks; SIGTERM to torchrun agents (SIGUSR2 kills them), which pass it on to
+        their ranks."""
+        return signal.SIGTERM if self.torchrun is not None else FORWARDED_STOP
+
     def step_argv(self, excluded: Sequence[str]) -> list[str]:
-        """One attempt's srun: a task per rank; a failed task ends the step (``--kill-on-bad-exit``),
-        and the others get 60 s to end after the first one exits (``--wait``)."""
+        """One attempt's srun: a task per rank (or per node, with torchrun); a failed task ends
+        the step (``--kill-on-bad-exit``), and the others get 60 s to end after the first one
+        exits (``--wait``)."""
         argv = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--nodes={self.nodes}",
-                f"--ntasks={self.nodes * self.per_node}", f"--ntasks-per-node={self.per_node}"]
+                f"--ntasks={self.nodes * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}"]
         if excluded:
             argv.append(f"--exclude={','.join(excluded)}")
-        return [*argv, *self.command]
+        agents = self.torchrun.argv(self.nodes, self.per_node) if self.torchrun is not None else []
+        return [*argv, *agents, *self.command]
 
 
 def allocated_nodes(environ: Mapping[str, str]) -> int:
@@ -135,18 +164,29 @@ class SrunSteps:
         self._step_log.start()
         return [step]
 
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
+        """A stop for a step of torchrun agents (one task per rank needs none of this: srun
+        passes SIGUSR2 on). srun answers its own SIGTERM by killing the step at once, and an
+        agent dies of SIGUSR2: Slurm signals the job's steps (``scancel --signal``, which
+        leaves out the batch shell, the launch), and each agent passes SIGTERM on to its ranks."""
+        if not any(child.returncode is None for child in children):
+            return  # the step is not started yet (the supervisor passes the stop on once it is)
+        job = self.base_env.get(JOB_ID_VAR, "")
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        try:
+            done = subprocess.run(["scancel", f"--signal={name}", job], env=dict(self.base_env),
+                                  check=False).returncode == 0
+        except OSError:
+            done = False
+        if not done:
+            log.error("cannot pass the stop on to the steps of job %s (scancel --signal=%s)", job, name)
+
     def read_status(self, attempt: int, status: int) -> int:
         """75 where rank 0 wrote the preempted marker during this attempt: srun's
         ``--kill-on-bad-exit`` ended the others, and srun's status says a kill."""
         if self._step_log is not None:
             self._step_log.finished()
-        if status == ExitStatus.OK:
-            return status
-        try:
-            marked = (self.launch.run_folder / PREEMPTED_MARKER).stat().st_mtime
-        except OSError:
-            return status
-        return ExitStatus.REQUEUE if int(marked) >= self._started_at else status
+        return status_of_attempt(self.launch.run_folder, self._started_at, status)
 
     def _leave_out_failed_node(self, failed_attempt: int) -> None:
         line = self._step_log.finished() if self._step_log is not None else None
@@ -173,7 +213,4 @@ def end_of_job(decision: Decision, run_folder: Path, environ: Mapping[str, str],
             log.error("requeue failed")
         return
     if key:
-        try:
-            atomic_write(run_folder / exit_file_name(key), f"{decision.status}\n")
-        except OSError as exc:
-            log.error("cannot write the exit status to %s: %s", run_folder, exc.strerror or exc)
+        record_exit(run_folder, key, decision.status)

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddp_hpc.config import EarlyStoppingConfig
 from ddp_hpc.errors import UserError
-from ddp_hpc.training.callbacks import Callback, Verdict
-
-if TYPE_CHECKING:
-    from ddp_hpc.training.trainer import Trainer
+from ddp_hpc.training.callbacks import Callback, TrainerView, Verdict
 
 #: The lines users read in job logs keep the source name they always had.
 log = logging.getLogger("ddp_hpc.training.trainer")
@@ -65,7 +62,7 @@ class EarlyStopping(Callback):
             return None
         return {"epoch": self.state.best_epoch, self.config.metric: self.state.best}
 
-    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float], epoch: int) -> Verdict:
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float], epoch: int) -> Verdict:
         if self.config.metric not in metrics:
             raise UserError(f"validation.early_stopping.metric {self.config.metric!r} is not reported by the "
                             f"job (it reports: {', '.join(sorted(metrics))})")

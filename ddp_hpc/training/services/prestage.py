@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ddp_hpc.training.callbacks import Callback
-
-if TYPE_CHECKING:
-    from ddp_hpc.training.trainer import Trainer
+from ddp_hpc.training.callbacks import Callback, TrainerView
 
 
 class Prestage(Callback):
@@ -18,7 +13,7 @@ class Prestage(Callback):
     def __init__(self) -> None:
         self.done = False
 
-    def on_step_end(self, trainer: Trainer) -> None:
+    def on_step_end(self, trainer: TrainerView) -> None:
         if not self.done:
             self.done = True
             trainer.state.prestage()

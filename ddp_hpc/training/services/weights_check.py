@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ddp_hpc.engine.consistency import WeightsCheck
-from ddp_hpc.training.callbacks import Callback
-
-if TYPE_CHECKING:
-    from ddp_hpc.training.trainer import Trainer
+from ddp_hpc.training.callbacks import Callback, TrainerView
 
 
 class WeightsCheckCallback(Callback):
@@ -18,5 +13,5 @@ class WeightsCheckCallback(Callback):
     def __init__(self, every: int) -> None:
         self.check = WeightsCheck(every)
 
-    def on_step_end(self, trainer: Trainer) -> None:
+    def on_step_end(self, trainer: TrainerView) -> None:
         self.check.after_step(trainer.ddp_model, trainer.progress.global_step)

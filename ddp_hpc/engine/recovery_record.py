@@ -1,0 +1,53 @@
+"""Each in-job recovery in the run record (``record/recovery-<generation>.json``): written by
+rank 0 of the new group, read by the goodput benchmark. Torch-free, so readers need no torch."""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ddp_hpc.contract import RECORD_DIR, atomic_write
+
+FILE_GLOB = "recovery-*.json"
+
+
+@dataclass(frozen=True)
+class RecoveryEvent:
+    """One recovery, as the run record keeps it."""
+
+    generation: int
+    #: The lost rank's slot (its rank in the first group), host and why it was lost.
+    rank: int
+    host: str
+    cause: str
+    replaced: bool
+    world_size: int
+    #: The step every rank continued from (the failed step is the next one).
+    step: int
+    #: ``time.time()`` when the launch saw the loss.
+    detected_at: float
+    #: Seconds from the launch seeing the loss to: the new group formed on this rank, the
+    #: state received, the first step after it completed (the time to recover).
+    group_s: float
+    transfer_s: float
+    recover_s: float
+
+
+def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
+    """``record/recovery-<generation>.json`` in ``run_dir``, written atomically."""
+    path = run_dir / RECORD_DIR / f"recovery-{event.generation}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
+    return path
+
+
+def read_recoveries(run_dir: Path) -> list[RecoveryEvent]:
+    """Every recovery recorded in ``run_dir``, by generation."""
+    names = {field.name for field in fields(RecoveryEvent)}
+    events = []
+    for path in (run_dir / RECORD_DIR).glob(FILE_GLOB):
+        raw = json.loads(path.read_text())
+        events.append(RecoveryEvent(**{name: value for name, value in raw.items() if name in names}))
+    return sorted(events, key=lambda event: event.generation)
