@@ -48,6 +48,8 @@ def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, cap
 
 def test_recover_under_the_default_launcher_recovers(caplog):
     from ddp_hpc.cli import _in_job_recovery
+    from ddp_hpc.contract import RECOVERY_SHRINK_VAR
+    from ddp_hpc.engine.recovery_store import LaunchStore
     from ddp_hpc.launch.local import LocalLaunch
     from ddp_hpc.launch.recovering import Recoverer
 
@@ -56,9 +58,6 @@ def test_recover_under_the_default_launcher_recovers(caplog):
     recoverer = _in_job_recovery(args, LocalLaunch(nproc=2, command=["true"]))
     assert isinstance(recoverer, Recoverer)
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
-    from ddp_hpc.contract import RECOVERY_SHRINK_VAR
-    from ddp_hpc.engine.recovery_store import LaunchStore
-
     recoverer._store = LaunchStore()  # each rank hears of --shrink (the Trainer refuses it)
     assert recoverer._environment(0)[RECOVERY_SHRINK_VAR] == "1"
     assert not caplog.records

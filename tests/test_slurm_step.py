@@ -200,6 +200,8 @@ def test_the_end_of_the_job_is_its_exit_file_or_its_requeue(tmp_path, bin_dir, m
 @pytest.mark.parametrize("argv,message", [
     ([], "$SLURM_JOB_NUM_NODES is not set"),
     (["--nodes", "3"], "--nodes 3: the allocation has 2 node(s)"),
+    (["--recover", "1", "--torchrun", "n1:29400"], "--torchrun and --recover"),
+    (["--recover", "1", "--shrink"], "--shrink works on one node only for now"),
 ])
 def test_bad_use_is_one_line_and_exit_2(tmp_path, bin_dir, argv, message):
     # The stand-in srun: a launch that went on would not reach the test cluster.
