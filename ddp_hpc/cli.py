@@ -325,11 +325,13 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
     from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.node import NodeSupervisors
     from ddp_hpc.launch.restart import RestartPolicy
-    from ddp_hpc.launch.supervisor import Supervisor
+    from ddp_hpc.launch.supervisor import MarkedAttempts, OneLauncher, Supervisor
 
     if args.node_supervisor:
         return _run_node_supervisor(args)
@@ -354,8 +356,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.flush()
     starter = attempt_starter(launch)
-    supervisor = Supervisor(in_job.start if in_job else starter.start, RestartPolicy(launch.max_restarts),
-                            in_job=in_job)
+    start, read_status = (in_job.start if in_job else starter.start), None
+    folder = os.environ.get(RUN_FOLDER_VAR)
+    if in_job is None and isinstance(starter, OneLauncher) and folder:  # mpiexec: its status through the marker
+        marked = MarkedAttempts(starter.start, Path(folder))
+        start, read_status = marked.start, marked.read_status
+    supervisor = Supervisor(start, RestartPolicy(launch.max_restarts), in_job=in_job, read_status=read_status)
     # A stop signal (preemption, the time limit) reaches the ranks through the
     # supervisor, which then restarts nothing: the launch exits with the ranks' 75. Through
     # mpiexec, as the signal it passes on to the ranks; to node supervisors through the store, as it came.

@@ -110,3 +110,18 @@ def test_ranks_see_torchruns_variables():
         "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "x",
         "TORCHELASTIC_RESTART_COUNT": "3", "DDP_HPC_RESTART_COUNT": "3", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("marked, expected", [(True, ExitStatus.REQUEUE), (False, ExitStatus.OK)])
+def test_an_attempt_whose_ranks_wrote_the_preempted_marker_is_a_stop_whatever_mpiexec_says(tmp_path, marked,
+                                                                                               expected):
+    """MPICH's Hydra, once it passed a SIGTERM on, may report its ranks' 75 as 0: the
+    preempted marker rank 0 wrote during the attempt says they stopped (75, never restarted),
+    and without it a 0 is the end of the run."""
+    from ddp_hpc.contract import PREEMPTED_MARKER
+    from ddp_hpc.launch.supervisor import MarkedAttempts
+
+    rank0 = f"touch {tmp_path / PREEMPTED_MARKER}; exit 0" if marked else "exit 0"
+    attempts = MarkedAttempts(sh(rank0, "exit 0").start, tmp_path)
+    decision = Supervisor(attempts.start, RestartPolicy(1), read_status=attempts.read_status).run_to_decision()
+    assert decision.status == expected and decision.requeue == marked and not decision.restart

@@ -71,10 +71,9 @@ class RestartPolicy:
 def status_of_attempt(run_folder: Path, started_at: float, status: int) -> int:
     """``status`` as the policy must see it: 75 where rank 0 wrote the preempted marker
     during the attempt that started at ``started_at`` (whole seconds, as the file system
-    stamps it). A launcher that ends the other ranks once one exits (srun's
-    ``--kill-on-bad-exit``, mpiexec) may report the ranks' stop as a kill."""
-    if status == ExitStatus.OK:
-        return status
+    stamps it): the ranks stopped, whatever the launcher says. One that ends the other
+    ranks once one exits (srun's ``--kill-on-bad-exit``) reports the stop as a kill; MPICH's
+    Hydra, having passed a SIGTERM on, may report the ranks' 75 as 0."""
     try:
         marked = (run_folder / PREEMPTED_MARKER).stat().st_mtime
     except OSError:

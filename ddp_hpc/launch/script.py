@@ -276,9 +276,10 @@ def launch_lines(restarts: int, command: str, job_key: str, requeue: str | None,
         # also ends with 128 + N, and a reaped child's status comes back from wait again).
         '  while [ "$interrupted" = 1 ]; do interrupted=0; again=0; wait "$step_pid" 2>/dev/null || again=$?; '
         '[ "$again" = 127 ] && break; status=$again; done',
-        # srun --kill-on-bad-exit turns the ranks' REQUEUE into SIGTERM: the marker rank 0 wrote says it.
+        # srun --kill-on-bad-exit turns the ranks' REQUEUE into SIGTERM, Hydra may turn it into 0
+        # (restart.status_of_attempt): the marker rank 0 wrote says it.
         f'  marker="${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"',
-        f'  if [ "$status" != 0 ] && [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
+        f'  if [ -f "$marker" ] && [ "$(stat -c %Y "$marker")" -ge "$step_started" ]; then '
         f'status={ExitStatus.REQUEUE:d}; fi',
         f"  if {policy.ends}; then break; fi",
         "  attempt=$((attempt + 1))",

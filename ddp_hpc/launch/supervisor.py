@@ -25,13 +25,14 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.restart import Decision, RestartPolicy
+from ddp_hpc.launch.restart import Decision, RestartPolicy, status_of_attempt
 from ddp_hpc.run.torchrun_env import torchrun_variables
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,24 @@ def start_all(processes: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> l
                 child.wait()
             raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
     return started
+
+
+@dataclass
+class MarkedAttempts:
+    """Starts each attempt (``start_attempt``) and reads its status through the preempted
+    marker rank 0 writes in ``run_folder`` (``restart.status_of_attempt``): for mpiexec on
+    this machine, whose Hydra may report the ranks' 75 as 0 once it passed a SIGTERM on."""
+
+    start_attempt: StartAttempt
+    run_folder: Path
+    started_at: float = 0.0
+
+    def start(self, attempt: int) -> Sequence[subprocess.Popen]:
+        self.started_at = float(int(time.time()))  # the file system's whole seconds
+        return self.start_attempt(attempt)
+
+    def read_status(self, attempt: int, status: int) -> int:
+        return status_of_attempt(self.run_folder, self.started_at, status)
 
 
 class InJob(Protocol):
