@@ -720,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --hostfile: hosts to run on (default: every host in the file); with --launcher "
                              "srun: nodes of the allocation (default: all of them)")
     launch.add_argument("--run-folder", metavar="DIR",
-                        help="with --hostfile: where the launch keeps its script, exit status and left-out hosts "
+                        help="with --hostfile: where the launch keeps each attempt's host file, its exit status and left-out hosts "
                              f"(ddp-hpc status DIR); with --launcher srun: the same (default: ${RUN_FOLDER_VAR})")
     launch.add_argument("--stop-signal", type=stop_signal_arg, default=None, metavar="NAME",
                         help="with --launcher srun: the signal that asks the ranks to stop (a batch script's "
