@@ -156,6 +156,9 @@ CORPUS = [
     ("--env without a value", {}, ["render", "slurm", DIGITS, "--env", "FOO"], {}, "--env 'FOO' is not NAME=VALUE"),
     ("--walltime a word", {}, ["render", "pbs", DIGITS, "--walltime", "soon"], {},
      "--walltime 'soon': use HH:MM:SS, MM:SS or whole minutes"),
+    ("--recover with submitit", {}, ["submit", "slurm", DIGITS, "--recover", "1", "--dry-run"], {},
+     "--recover runs the ranks under ddp-hpc launch's node supervisors in a batch script: use it with --sbatch"),
+    ("--recover negative", {}, ["render", "slurm", DIGITS, "--recover", "-1"], {}, "--recover -1 must be >= 0"),
     ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
      "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
     # Checkpoints: the format, and the checkpoint commands.

@@ -93,6 +93,20 @@ def test_slurm_script_srun_per_rank(tmp_path):
                                              f"--ntasks-per-node=4 ddp-hpc train {DIGITS}")
 
 
+def test_a_slurm_script_with_recover_runs_node_supervisors_under_the_launch(tmp_path):
+    """``submit slurm --sbatch --recover N``: the launch the script becomes recovers in place,
+    each attempt's step one node supervisor per node; refused with --torchrun and
+    --stage-env, whose ranks ddp-hpc launch does not start."""
+    script = render_sbatch(request("slurm-gpu", recover=2, max_restarts=1))
+    assert " --max-restarts 1 " in launch_line_of(script) and f" --recover 2 -- ddp-hpc train {DIGITS}" in script
+    step = dry_run_step(script, tmp_path)
+    assert step.startswith("srun --kill-on-bad-exit=1 --wait=60 --nodes=2 --ntasks=2 --ntasks-per-node=1 "), step
+    assert "--node-supervisor --nproc 4 --recover 2 " in step and step.endswith(f"-- ddp-hpc train {DIGITS}"), step
+    for refused in ({"torchrun_per_node": True}, {"stage_env": True}):
+        with pytest.raises(UserError, match=r"^--recover needs one srun task per rank under ddp-hpc launch"):
+            render_sbatch(request("slurm-gpu", recover=1, **refused))
+
+
 def dry_run_step(script: str, tmp_path: Path, **env: str) -> str:
     """The srun step of each attempt, as the script's ``exec ddp-hpc launch ...`` line runs it
     (``--dry-run``, with the script's variables from ``env``)."""

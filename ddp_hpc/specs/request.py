@@ -160,6 +160,9 @@ class SubmitRequest:
     max_restarts: int = 0
     #: SLURM: allocate this many extra nodes; a restart leaves out the node where a rank failed.
     spare_nodes: int = 0
+    #: SLURM batch script: in-job recovery (``ddp-hpc launch --recover N``): a lost rank is
+    #: replaced from the survivors' memory at most this often before a restart in place.
+    recover: int = 0
     #: Run ``ddp-hpc doctor --links`` (one rank per node) before the ranks; end the job if it fails.
     preflight: bool = False
     #: Run the cartesian product of these overrides as one array job.
@@ -182,6 +185,8 @@ class SubmitRequest:
         parse_walltime(self.walltime)
         for line in self.setup:
             check_single_line(line, "--setup line")
+        if self.recover < 0:
+            raise ConfigError(f"--recover {self.recover} must be >= 0")
         if self.spare_nodes < 0:
             raise ConfigError(f"--spare-nodes {self.spare_nodes} must be >= 0")
         if self.spare_nodes and not self.max_restarts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddp_hpc.contract import DEADLINE_VAR, RUN_FOLDER_VAR
+from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
     LeaveOut,
@@ -127,6 +128,7 @@ def launch_call(request: SubmitRequest) -> list[str]:
             "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
             "--stop-signal", request.stop_signal.name, *(["--requeue"] if request.chain == 1 else []),
             *(["--torchrun", ShellVar("rdzv_endpoint")] if request.torchrun_per_node else []),
+            *(["--recover", str(request.recover)] if request.recover else []),
             "--", *rank_argv(request)]
     return [
         "# The attempts, the stop signal, leaving out a failed node, the requeue and the exit status: ddp-hpc launch",
@@ -145,6 +147,9 @@ def _one_task_per_node(request: SubmitRequest, argv: Sequence[str], *, spare_too
 def render_sbatch(request: SubmitRequest) -> str:
     """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
     torchrun = request.torchrun_per_node
+    if request.recover and (torchrun or not supervised(request)):
+        raise UserError("--recover needs one srun task per rank under ddp-hpc launch: not with --torchrun (torchrun "
+                        "owns its ranks) or --stage-env (its script keeps the bash loop)")
     command = render_argv(step_argv(request))
     lines = [
         "#!/bin/bash",

@@ -47,6 +47,9 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         self.check_profile(request)
         if request.torchrun_per_node:
             raise UserError("--torchrun renders a batch script: use it with --sbatch")
+        if request.recover:
+            raise UserError("--recover runs the ranks under ddp-hpc launch's node supervisors in a batch script: use "
+                            "it with --sbatch")
         if request.spare_nodes:
             raise UserError("--spare-nodes allocates nodes for a batch script's restarts: use it with --sbatch "
                             "(submitit's --max-restarts submits the job again without the failed node)")
