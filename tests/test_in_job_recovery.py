@@ -268,13 +268,17 @@ def trainer_reference(tmp_path_factory) -> tuple[Path, float]:
 LOSSES = {
     "killed": ("KillRankAtStep", (), "exit 137 (SIGKILL)"),
     "frozen-warm-spare": ("FreezeRankAtStep", ("--hang-timeout", "5", "--warm-spare"), "frozen: no heartbeat for 5 s"),
+    # The Trainer under mpiexec: its ranks are a node supervisor's children (launch/node.py).
+    "killed-under-mpich": ("KillRankAtStep", ("--launcher", "mpich"), "exit 137 (SIGKILL)"),
 }
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identical(trainer_reference, tmp_path, loss):
+def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identical(trainer_reference, tmp_path, loss,
+                                                                                    request):
     """``ddp-hpc train`` of 4 ranks under ``ddp-hpc launch --recover 1``; rank 2 is SIGKILLed,
-    or frozen by SIGSTOP (ended on its silent heartbeat, its place taken by the warm spare),
+    or frozen by SIGSTOP (ended on its silent heartbeat, its place taken by the warm spare), or
+    SIGKILLed under ``--launcher mpich`` (its node supervisor replaces it),
     after step 6 of 32 (a checkpoint of step 4 is on disk). The survivors keep their
     processes, the replacement reads no checkpoint (its state comes from the survivors'
     memory), the failed step is redone, and the run ends with the weights, optimizer state
@@ -282,6 +286,8 @@ def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identica
     import torch
 
     fault, flags, cause = LOSSES[loss]
+    if "mpich" in flags:
+        request.getfixturevalue("mpich")  # skips where MPICH is not installed
     whole, whole_s = trainer_reference
     (tmp_path / "lost").mkdir()
     marker = tmp_path / "killed-at"
