@@ -115,7 +115,7 @@ def step_argv(request: SubmitRequest) -> list[str]:
 def supervised(request: SubmitRequest) -> bool:
     """Scripts whose attempts ``ddp-hpc launch --launcher srun`` runs (one restart loop, in
     Python). A staged environment keeps the bash loop of ``launch_lines`` until the launch
-    supports it (NOTES-node-supervisor.md)."""
+    supports it (the staged wrapper would be wrapped in `ddp-hpc run` from the shared environment)."""
     return not request.stage_env
 
 
