@@ -330,7 +330,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
     from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.node import NodeSupervisors
-    from ddp_hpc.launch.restart import RestartPolicy
+    from ddp_hpc.launch.restart import RestartPolicy, record_exit
     from ddp_hpc.launch.supervisor import MarkedAttempts, OneLauncher, Supervisor
 
     if args.node_supervisor:
@@ -343,9 +343,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return _launch_on_hosts(args)
     if args.launcher == "srun":
         return _launch_under_srun(args)
-    if args.nodes is not None or args.run_folder:
-        raise UserError("--nodes and --run-folder go with --hostfile or --launcher srun (a launch on this machine "
-                        "has one node)")
+    if args.nodes is not None:
+        raise UserError("--nodes goes with --hostfile or --launcher srun (a launch on this machine has one node)")
     if args.stop_signal is not None or args.requeue or args.torchrun is not None:
         raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
@@ -357,9 +356,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     starter = attempt_starter(launch)
     start, read_status = (in_job.start if in_job else starter.start), None
-    folder = os.environ.get(RUN_FOLDER_VAR)
-    if in_job is None and isinstance(starter, OneLauncher) and folder:  # mpiexec: its status through the marker
-        marked = MarkedAttempts(starter.start, Path(folder))
+    folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
+    if in_job is None and (isinstance(starter, OneLauncher) or args.run_folder) and folder:
+        marked = MarkedAttempts(starter.start, Path(folder))  # mpiexec's status through the marker
         start, read_status = marked.start, marked.read_status
     supervisor = Supervisor(start, RestartPolicy(launch.max_restarts), in_job=in_job, read_status=read_status)
     # A stop signal (preemption, the time limit) reaches the ranks through the
@@ -370,7 +369,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
-    return supervisor.run()
+    status = supervisor.run()
+    if args.run_folder:  # a `submit local` script exec's this launch: the job id is its pid
+        record_exit(Path(args.run_folder), str(os.getpid()), status)
+    return status
 
 
 def _run_node_supervisor(args: argparse.Namespace) -> int:
@@ -721,7 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "srun: nodes of the allocation (default: all of them)")
     launch.add_argument("--run-folder", metavar="DIR",
                         help="with --hostfile: where the launch keeps each attempt's host file, its exit status and left-out hosts "
-                             f"(ddp-hpc status DIR); with --launcher srun: the same (default: ${RUN_FOLDER_VAR})")
+                             f"(ddp-hpc status DIR); with --launcher srun: the same (default: ${RUN_FOLDER_VAR}); on "
+                             "this machine: where it writes exit-<its pid> and reads the ranks' preempted marker")
     launch.add_argument("--stop-signal", type=stop_signal_arg, default=None, metavar="NAME",
                         help="with --launcher srun: the signal that asks the ranks to stop (a batch script's "
                              "--signal; default: USR2); srun passes SIGUSR2 on to the ranks")

@@ -4,6 +4,8 @@ the real schedulers."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import ddp_hpc_command, run
@@ -18,12 +20,16 @@ def test_submit_local_runs_the_rendered_script_with_bash_and_waits_for_it(tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     folder = tmp_path / "hello"
     script = (folder / "job.sh").read_text()
-    assert script.startswith("#!/bin/bash") and "ddp-hpc launch --nproc 2 -- ddp-hpc run -- python" in script
+    # The script becomes the launch (exec): the one supervisor runs the attempts, and the
+    # exit file carries the job id the submission recorded (the script's pid, which exec keeps).
+    assert script.startswith("#!/bin/bash") and ('\nexec ddp-hpc launch --nproc 2 --max-restarts 0 --run-folder '
+                                                 '"${DDP_HPC_RUN_FOLDER}" -- ddp-hpc run -- python') in script
     submission = (folder / "submission.json").read_text()
     assert '"scheduler": "local"' in submission
+    job_id = json.loads(submission)["job_id"]
     log = (folder / "job.log").read_text()
     assert "rank 0 of 2" in log and "rank 1 of 2" in log, log
     exit_files = list(folder.glob("exit-*"))
-    assert len(exit_files) == 1 and exit_files[0].read_text().strip() == "0"
+    assert [f.name for f in exit_files] == [f"exit-{job_id}"] and exit_files[0].read_text().strip() == "0"
     status = run([*ddp_hpc_command(), "status", str(folder)], cwd=tmp_path)
     assert status.returncode == 0 and "completed" in status.stdout, status.stdout + status.stderr

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest
-from ddp_hpc.launch.script import environment_block, header_comment, launch_lines, rank_argv, render_argv, run_folder_lines
+from ddp_hpc.contract import RUN_FOLDER_VAR
+from ddp_hpc.launch.script import ShellVar, environment_block, header_comment, rank_argv, render_argv, run_folder_lines
 from ddp_hpc.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,11 @@ PROFILE_SCHEDULERS = ("local", "none")
 
 
 def render_local(request: SubmitRequest) -> str:
-    """A bash script that runs every rank on this machine with ``ddp-hpc launch`` (each rank's
-    own exit status, 75 included, reaches the script's loop; the loop restarts)."""
-    argv = ["ddp-hpc", "launch", "--nproc", str(request.per_node), "--", *rank_argv(request)]
+    """A bash script that becomes ``ddp-hpc launch`` (``exec``) for every rank on this machine:
+    the one supervisor and restart policy, and the exit file ``exit-<job id>`` (the script's
+    pid, which the launch keeps)."""
+    argv = ["ddp-hpc", "launch", "--nproc", str(request.per_node), "--max-restarts", str(request.max_restarts),
+            "--run-folder", ShellVar(RUN_FOLDER_VAR), "--", *rank_argv(request)]
     lines = [
         "#!/bin/bash",
         header_comment(request, "local"),
@@ -38,8 +41,9 @@ def render_local(request: SubmitRequest) -> str:
         *environment_block(request),
         "",
         *run_folder_lines(request, "PWD"),
-        # The job id is this script's PID: the exit file is named after it.
-        *launch_lines(request.max_restarts, render_argv(argv), "$$", requeue=None, trap_signals="USR2 TERM"),
+        # Ignored until the launch installs its own handlers (an ignored signal survives exec).
+        "trap '' USR2 TERM",
+        f"exec {render_argv(argv)}",
         "",
     ]
     return "\n".join(lines)
