@@ -482,7 +482,7 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
     from ddp_hpc.launch.mpi import STOP_PASSED_ON
     from ddp_hpc.launch.restart import RestartPolicy, record_exit
-    from ddp_hpc.launch.supervisor import Supervisor
+    from ddp_hpc.launch.supervisor import MarkedAttempts, Supervisor
     from ddp_hpc.schedulers.local.backend import record_this_launch
 
     if not args.run_folder:
@@ -498,7 +498,8 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     launch.run_folder.mkdir(parents=True, exist_ok=True)
     job_id = record_this_launch(launch.run_folder, launch.world_size, sys.argv)
     sys.stdout.flush()
-    supervisor = Supervisor(steps.start, RestartPolicy(launch.max_restarts), read_status=steps.read_status)
+    marked = MarkedAttempts(steps.start, launch.run_folder)  # mpiexec's status through the preempted marker
+    supervisor = Supervisor(marked.start, RestartPolicy(launch.max_restarts), read_status=marked.read_status)
     # A stop (preemption, the time limit, `ddp-hpc cancel RUN`) reaches the ranks as the signal
     # mpiexec passes on; a closed terminal ends the launch.
     for signum in (signal.SIGUSR2, signal.SIGTERM):

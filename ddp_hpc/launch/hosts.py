@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import subprocess
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,6 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
-from ddp_hpc.launch.restart import status_of_attempt
 from ddp_hpc.launch.script import recording_rank_failures
 from ddp_hpc.launch.supervisor import start_all
 
@@ -110,14 +108,14 @@ class HostLaunch:
 
 @dataclass
 class HostfileSteps:
-    """The attempts of one launch: ``start`` for the supervisor, ``read_status`` for its policy."""
+    """The attempts of one launch: ``start`` for the supervisor (whose status the CLI reads
+    through the preempted marker, ``supervisor.MarkedAttempts``)."""
 
     launch: HostLaunch
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     excluded: list[str] = field(default_factory=list)
     #: The hosts of the attempt started last, in rank order (``per_node`` ranks each).
     hosts: tuple[str, ...] = ()
-    _started_at: float = 0.0
 
     @property
     def hostfile(self) -> Path:
@@ -153,12 +151,7 @@ class HostfileSteps:
                         self.launch.world_size, len(self.hosts), self.hosts[0], port, self.launch.run_folder)
         elif self.excluded:
             log.warning("next attempt on %s, rank 0 at %s", ",".join(self.hosts), self.hosts[0])
-        # The marker's time is the file system's, in whole seconds.
-        self._started_at = float(int(time.time()))
         return start_all([(self.argv(), env)])
-
-    def read_status(self, attempt: int, status: int) -> int:
-        return status_of_attempt(self.launch.run_folder, self._started_at, status)
 
     def _leave_out_failed_host(self, failed_attempt: int) -> None:
         """The host of the first rank that failed (the wrapper's first line: ``RANK STATUS``)."""
