@@ -325,6 +325,7 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    import tempfile
     from pathlib import Path
 
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
@@ -354,9 +355,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(in_job.describe() if isinstance(in_job, NodeSupervisors) else describe(launch), end="")
         return 0
     sys.stdout.flush()
-    starter = attempt_starter(launch)
-    start, read_status = (in_job.start if in_job else starter.start), None
     folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
+    scratch = None
+    if in_job is None and launch.launcher != "torchrun" and not folder:
+        # mpiexec's status may lose the ranks' 75 (mpi.STOP_STATUS_LOST): they say they stopped here
+        scratch = tempfile.TemporaryDirectory(prefix="ddp-hpc-launch-")
+        folder = scratch.name
+    starter = attempt_starter(launch, Path(folder) if folder else None)
+    start, read_status = (in_job.start if in_job else starter.start), None
     if in_job is None and (isinstance(starter, OneLauncher) or args.run_folder) and folder:
         marked = MarkedAttempts(starter.start, Path(folder))  # mpiexec's status through the marker
         start, read_status = marked.start, marked.read_status
@@ -369,7 +375,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
-    status = supervisor.run()
+    try:
+        status = supervisor.run()
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     if args.run_folder:  # a `submit local` script exec's this launch: the job id is its pid
         record_exit(Path(args.run_folder), str(os.getpid()), status)
     return status

@@ -25,7 +25,7 @@ from ddp_hpc.contract import RANK_FAILURES_PREFIX, RESTART_COUNT_VAR, RUN_FOLDER
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.local import rank_command
-from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.script import recording_rank_failures
 from ddp_hpc.launch.supervisor import start_all
 
@@ -122,9 +122,10 @@ class HostfileSteps:
         return self.launch.run_folder / ATTEMPT_HOSTFILE
 
     def argv(self) -> list[str]:
-        """Each attempt's mpiexec; with spares, every rank runs under the failure-recording wrapper."""
+        """Each attempt's mpiexec; with spares, or under MPICH (``mpi.STOP_STATUS_LOST``), every
+        rank runs under the wrapper that records how it ended."""
         argv = rank_command(self.launch.command)
-        if self.launch.leaves_out_failed_hosts:
+        if self.launch.leaves_out_failed_hosts or self.launch.flavour in STOP_STATUS_LOST:
             argv = recording_rank_failures(argv)
         return build_mpiexec(MpiLaunch(self.launch.flavour, self.launch.nodes, self.launch.per_node, argv,
                                        hostfile=str(self.hostfile), forward=FORWARDED,

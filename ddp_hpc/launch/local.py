@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+from ddp_hpc.contract import RUN_FOLDER_VAR
+from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
+from ddp_hpc.launch.script import recording_rank_failures
 from ddp_hpc.launch.supervisor import LocalRanks, OneLauncher
 
 LOCAL_LAUNCHERS = ("torchrun", "openmpi", "mpich")
@@ -49,15 +51,21 @@ def rank_command(command: Sequence[str]) -> list[str]:
     return list(command) if own else ["ddp-hpc", "run", "--", *command]
 
 
-def attempt_starter(launch: LocalLaunch) -> LocalRanks | OneLauncher:
+def attempt_starter(launch: LocalLaunch, run_folder: Path | None = None) -> LocalRanks | OneLauncher:
     """What starts each attempt's ranks: ddp-hpc itself (``torchrun``: torchrun's variables,
-    no torchrun), or one mpiexec."""
+    no torchrun), or one mpiexec, whose ranks see ``run_folder`` as ``$DDP_HPC_RUN_FOLDER``
+    (and under MPICH each says there that it stopped: ``mpi.STOP_STATUS_LOST``)."""
     command = rank_command(launch.command)
     if launch.launcher == "torchrun":
         return LocalRanks(launch.nproc, command)
+    env = dict(os.environ)
+    if run_folder is not None:
+        env[RUN_FOLDER_VAR] = str(run_folder)
+        if launch.launcher in STOP_STATUS_LOST:
+            command = recording_rank_failures(command)
     return OneLauncher(build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
                                                command=command, oversubscribe=True,
-                                               allow_root=os.geteuid() == 0)))
+                                               allow_root=os.geteuid() == 0)), env)
 
 
 def describe(launch: LocalLaunch) -> str:
