@@ -51,7 +51,7 @@ def pbs_launch(script: str, tmp_path: Path, hosts: str = "x1\nx2\n", job_id: str
     words = launch_line_of(script).replace("exec ddp-hpc launch ",
                                            f"printf '%s\\0' launch {'--dry-run ' if dry_run else ''}", 1)
     argv = subprocess.run(["bash", "-c", words], capture_output=True, text=True, check=True, env={
-        "PATH": "/usr/bin:/bin", "DDP_HPC_HOSTFILE": str(tmp_path / "hosts"), "DDP_HPC_MPIEXEC": "mpiexec",
+        "PATH": "/usr/bin:/bin", "DDP_HPC_HOSTFILE": str(tmp_path / "hosts"), "DDP_HPC_MPIEXEC": "/opt/pals/mpiexec",
         "DDP_HPC_RUN_FOLDER": str(tmp_path / "run"), "PBS_JOBID": job_id}).stdout.split("\0")[:-1]
     return cli.parse(argv)
 
@@ -116,11 +116,13 @@ def test_a_pbs_script_passes_a_stop_to_mpiexec_as_the_signal_it_passes_on(cluste
                                                              signal.SIGHUP)}
     monkeypatch.setattr(supervisor, "Supervisor", Signalled)
     try:
+        for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):  # one the launch leaves alone says so
+            signal.signal(signum, lambda signum, frame: passed.append(-signum))
         assert args.func(args) == 75
     finally:
         for signum, handler in kept.items():
             signal.signal(signum, handler)
-    assert [signal.Signals(s).name for s in passed] == [f"SIG{passed_on}"] * 3
+    assert passed == [signal.Signals[f"SIG{passed_on}"]] * 3, passed
     run = tmp_path / "run"
     assert (run / "exit-8[3].server").read_text() == "75\n"  # the PBS job's, as the script keyed it
     assert not list(run.glob("submission*"))  # the qsub submission's record stays
@@ -159,7 +161,7 @@ def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_
     assert [env["MASTER_ADDR"] for _, env in started] == ["x1.hsn.cm.aurora.alcf.anl.gov",
                                                          "x2.hsn.cm.aurora.alcf.anl.gov"]
     line = shlex.join(started[-1][0])
-    assert line.startswith("mpiexec -n 12 -ppn 12 --cpu-bind list:1-8:9-16:"), line
+    assert line.startswith("/opt/pals/mpiexec -n 12 -ppn 12 --cpu-bind list:1-8:9-16:"), line
 
 
 def test_polaris_script(tmp_path, capsys):
@@ -547,6 +549,7 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     # The rank's command, run as the launcher would on node n2: `ddp-hpc` is the node's copy's.
     wrapped = ranks[ranks.index("bash"):]
     assert wrapped[3:5] == ["ddp-hpc-staged", "ddp-hpc"] and "train" in wrapped
+    assert "ddp-hpc" not in ranks[:ranks.index("bash")]  # nothing from the shared environment runs first
     job_root = tmp_path / "local" / ("ddp_hpc-env-1.server" if scheduler == "pbs" else "ddp_hpc-env-7")
     (job_root / "n2" / "bin").mkdir(parents=True)
     (job_root / "n2" / "bin" / "ddp-hpc").write_text('#!/bin/sh\necho "copy of $VIRTUAL_ENV: $*"\n')
