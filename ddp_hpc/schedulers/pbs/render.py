@@ -23,6 +23,10 @@ from ddp_hpc.launch.script import (
     sweep_block,
 )
 
+#: The job's nodes (each once, in ``$PBS_NODEFILE``'s order) in the run folder: what the
+#: script's ``ddp-hpc launch --hostfile`` reads (each attempt's own host file is ``.hosts``).
+JOB_HOSTFILE = ".job-hosts"
+
 # Slurm's PBS wrappers (slurm-wlm-torque) run the script with Slurm's variables only:
 # derive what PBS Pro would have set, so the same script works on both.
 _PBS_FROM_SLURM = r'''
@@ -132,6 +136,9 @@ def render_pbs(request: SubmitRequest) -> str:
         f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
         *(sweep_block(request, "PBS_ARRAY_INDEX", "PBS_O_WORKDIR") if request.sweep is not None
           else run_folder_lines(request, "PBS_O_WORKDIR")),
+        # The job's nodes move to the run folder: the launch the script becomes (exec) leaves no
+        # EXIT trap behind to remove a temporary file.
+        f'mv "${HOSTFILE_VAR}" "${RUN_FOLDER_VAR}/{JOB_HOSTFILE}" && {HOSTFILE_VAR}="${RUN_FOLDER_VAR}/{JOB_HOSTFILE}"',
         *(preflight_lines(render_argv(per_node_mpiexec(request, PREFLIGHT_ARGV)), "${PBS_JOBID}")
           if request.preflight else []),
         # The spare nodes get their copy too: a restart swaps one in for a failed node.
