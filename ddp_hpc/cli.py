@@ -354,7 +354,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.nodes is not None:
         raise UserError("--nodes goes with --hostfile or --launcher srun (a launch on this machine has one node)")
     if args.stop_signal is not None or args.requeue or args.torchrun is not None:
-        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun")
+        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun (--stop-signal also with "
+                        "--hostfile)")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
     in_job = _in_job_recovery(args, launch)
@@ -539,7 +540,8 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     stop = {signal.SIGUSR2, signal.SIGTERM} | ({args.stop_signal.signal} if args.stop_signal else set())
     for signum in stop:
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(STOP_PASSED_ON[launch.flavour]))
-    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+    if signal.SIGHUP not in stop:
+        signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     status = supervisor.run()
     record_exit(launch.run_folder, job_id, status)
     return status
