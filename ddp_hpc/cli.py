@@ -342,12 +342,20 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                 "in-job recovery is off with --hostfile (mpiexec ends every rank when one fails): a failure restarts "
                 "in place (--max-restarts)")
         return _launch_on_hosts(args)
+    given = _hostfile_options(args)
+    if given:
+        raise UserError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with --hostfile (mpiexec over "
+                        "listed hosts)")
+    if args.launcher == "pals":
+        raise UserError("--launcher pals starts ranks over the hosts of a --hostfile (a PBS job's nodes): give "
+                        "--hostfile FILE")
     if args.launcher == "srun":
         return _launch_under_srun(args)
     if args.nodes is not None:
         raise UserError("--nodes goes with --hostfile or --launcher srun (a launch on this machine has one node)")
     if args.stop_signal is not None or args.requeue or args.torchrun is not None:
-        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun")
+        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun (--stop-signal also with "
+                        "--hostfile)")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
     in_job = _in_job_recovery(args, launch)
@@ -484,9 +492,17 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
     return decision.status
 
 
+def _hostfile_options(args: argparse.Namespace) -> list[str]:
+    """The options given that only a launch over a hostfile reads."""
+    return [flag for flag, value in (("--mpiexec", args.mpiexec), ("--cpu-bind", args.cpu_bind),
+                                     ("--depth", args.depth), ("--host-suffix", args.host_suffix),
+                                     ("--job-id", args.job_id)) if value is not None]
+
+
 def _launch_on_hosts(args: argparse.Namespace) -> int:
     """mpiexec over the hosts of a file, each attempt under the one restart policy
-    (launch/hosts.py); recorded as a ``local`` job in the run folder."""
+    (launch/hosts.py); recorded as a ``local`` job in the run folder, or, with ``--job-id``
+    (a PBS script's launch), written as that job's exit file."""
     from pathlib import Path
 
     from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
@@ -498,23 +514,34 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     if not args.run_folder:
         raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
                         "it leaves out")
+    if args.requeue or args.torchrun is not None:
+        raise UserError("--requeue and --torchrun go with --launcher srun (a launch over a hostfile requeues nothing: "
+                        "it exits 75 after a stop)")
+    if args.job_id is not None and not args.job_id.strip():
+        raise UserError("--job-id is empty: give the scheduler's job id (a PBS script passes \"$PBS_JOBID\")")
     hosts = read_hostfile(Path(args.hostfile))
     launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
-                        tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts)
+                        tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts,
+                        host_suffix=args.host_suffix or "", program=args.mpiexec, cpu_bind=args.cpu_bind,
+                        depth=args.depth)
     steps = HostfileSteps(launch)
     if args.dry_run:
         print(steps.describe(), end="")
         return 0
     launch.run_folder.mkdir(parents=True, exist_ok=True)
-    job_id = record_this_launch(launch.run_folder, launch.world_size, sys.argv)
+    # Inside a scheduler's job (a PBS script passes its job id) the job is the scheduler's, whose
+    # submission is already recorded: the launch only writes its exit file.
+    job_id = args.job_id or record_this_launch(launch.run_folder, launch.world_size, sys.argv)
     sys.stdout.flush()
     marked = MarkedAttempts(steps.start, launch.run_folder)  # mpiexec's status through the preempted marker
     supervisor = Supervisor(marked.start, RestartPolicy(launch.max_restarts), read_status=marked.read_status)
-    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`) reaches the ranks as the signal
-    # mpiexec passes on; a closed terminal ends the launch.
-    for signum in (signal.SIGUSR2, signal.SIGTERM):
+    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`, a batch script's --stop-signal)
+    # reaches the ranks as the signal mpiexec passes on; a closed terminal ends the launch.
+    stop = {signal.SIGUSR2, signal.SIGTERM} | ({args.stop_signal.signal} if args.stop_signal else set())
+    for signum in stop:
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(STOP_PASSED_ON[launch.flavour]))
-    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+    if signal.SIGHUP not in stop:
+        signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     status = supervisor.run()
     record_exit(launch.run_folder, job_id, status)
     return status
@@ -695,9 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich", "srun"),
+    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich", "pals", "srun"),
                         help="torchrun (default): ddp-hpc starts the ranks itself with torchrun's variables; "
-                             "openmpi, mpich: mpiexec starts them; srun: one srun step per attempt, inside a "
+                             "openmpi, mpich: mpiexec starts them; pals: Cray PALS's mpiexec, with --hostfile "
+                             "only (a PBS job's nodes); srun: one srun step per attempt, inside a "
                              "SLURM allocation (--nodes of its nodes, --nproc ranks each; its other nodes are "
                              "spares a restart takes in place of a node where a rank failed)")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
@@ -738,7 +766,24 @@ def build_parser() -> argparse.ArgumentParser:
                              "this machine: where it writes exit-<its pid> and reads the ranks' preempted marker")
     launch.add_argument("--stop-signal", type=stop_signal_arg, default=None, metavar="NAME",
                         help="with --launcher srun: the signal that asks the ranks to stop (a batch script's "
-                             "--signal; default: USR2); srun passes SIGUSR2 on to the ranks")
+                             "--signal; default: USR2); srun passes SIGUSR2 on to the ranks. With --hostfile: a "
+                             "stop signal besides USR2 and TERM (a PBS script's --stop-signal), passed on as the "
+                             "signal mpiexec passes on")
+    launch.add_argument("--mpiexec", metavar="PROGRAM", default=None,
+                        help="with --hostfile: the mpiexec to run (default: the --launcher flavour's first on PATH; "
+                             "a PBS script passes the one it looked up)")
+    launch.add_argument("--cpu-bind", metavar="VALUE", default=None,
+                        help="with --hostfile and --launcher pals: mpiexec's --cpu-bind (a cluster profile's cpu_bind)")
+    launch.add_argument("--depth", type=int, metavar="N", default=None,
+                        help="with --hostfile and --launcher pals: mpiexec's --depth, cores per rank (a cluster "
+                             "profile's depth)")
+    launch.add_argument("--host-suffix", metavar="SUFFIX", default=None,
+                        help="with --hostfile: rank 0's address is its host's short name followed by SUFFIX (a "
+                             "cluster profile's host_suffix: the high-speed network's name), at every attempt")
+    launch.add_argument("--job-id", metavar="ID", default=None,
+                        help="with --hostfile: the scheduler's job this launch runs in (a PBS script passes "
+                             "\"$PBS_JOBID\"): the launch writes RUN/exit-ID and records no job of its own "
+                             "(without it: a local job, its pid the job id)")
     launch.add_argument("--requeue", action="store_true",
                         help="with --launcher srun: after a stop (75), requeue this SLURM job (scontrol requeue) "
                              "instead of writing its exit status")

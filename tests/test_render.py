@@ -31,23 +31,47 @@ def request(cluster: str, nodes: int = 2, **kwargs) -> SubmitRequest:
 
 
 def launch_line(script: str) -> str:
-    """What starts the ranks: the line in the background of the bash restart loop, or the
-    step of ``exec ddp-hpc launch ... -- STEP`` (the supervising launch)."""
-    [line] = [line.strip() for line in script.splitlines() if line.endswith(" &") or line.startswith("exec ddp-hpc ")]
-    return line.partition(" -- ")[2] if line.startswith("exec ") else line.removesuffix(" &")
+    """What each rank runs: the command of ``exec ddp-hpc launch ... -- COMMAND``, the line
+    every rendered script ends in."""
+    [line] = [line.strip() for line in script.splitlines() if line.startswith("exec ddp-hpc ")]
+    return line.partition(" -- ")[2]
 
 
 #: The real ``ddp-hpc`` of this checkout (scripts run under a stub PATH).
 REAL_DDP_HPC = str(Path(sys.executable).with_name("ddp-hpc"))
 
 
-def test_aurora_script():
+def pbs_launch(script: str, tmp_path: Path, hosts: str = "x1\nx2\n", job_id: str = "1.server", *,
+               dry_run: bool = False):
+    """The PBS script's ``exec ddp-hpc launch --hostfile ...`` line, parsed as the launch would
+    (the script's variables from a stand-in job: the hosts, mpiexec, the run folder)."""
+    from ddp_hpc import cli
+
+    (tmp_path / "hosts").write_text(hosts)
+    words = launch_line_of(script).replace("exec ddp-hpc launch ",
+                                           f"printf '%s\\0' launch {'--dry-run ' if dry_run else ''}", 1)
+    argv = subprocess.run(["bash", "-c", words], capture_output=True, text=True, check=True, env={
+        "PATH": "/usr/bin:/bin", "DDP_HPC_HOSTFILE": str(tmp_path / "hosts"), "DDP_HPC_MPIEXEC": "/opt/pals/mpiexec",
+        "DDP_HPC_RUN_FOLDER": str(tmp_path / "run"), "PBS_JOBID": job_id}).stdout.split("\0")[:-1]
+    return cli.parse(argv)
+
+
+def pbs_attempt(script: str, tmp_path: Path, capsys, hosts: str = "x1\nx2\n") -> str:
+    """Each attempt's mpiexec, as the PBS script's launch line runs it (``--dry-run``, in
+    this process)."""
+    args = pbs_launch(script, tmp_path, hosts, dry_run=True)
+    assert args.func(args) == 0
+    return capsys.readouterr().out.splitlines()[-1]
+
+
+def test_aurora_script(tmp_path, capsys):
     script = render_pbs(request("aurora", account="ABC"))
     assert "#PBS -l select=2\n" in script and "#PBS -A ABC\n" in script
     assert "#PBS -l walltime=00:30:00" in script and "#PBS -l filesystems=home:flare" in script
     launch = launch_line(script)
-    assert '-n 24 -ppn 12' in launch and '--hostfile "${DDP_HPC_HOSTFILE}" --envall' in launch
-    assert "--cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100" in launch
+    attempt = pbs_attempt(script, tmp_path, capsys)
+    assert '-n 24 -ppn 12' in attempt and f'--hostfile {tmp_path / "run" / ".hosts"} --envall' in attempt
+    assert "--cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100" in attempt
     for preset in ("CCL_PROCESS_LAUNCHER=pmix", "CCL_ATL_TRANSPORT=mpi", "CCL_KVS_MODE=mpi",
                    "FI_MR_CACHE_MONITOR=userfaultfd", "ZE_FLAT_DEVICE_HIERARCHY=FLAT",
                    "DDP_HPC_DEVICE=xpu", "DDP_HPC_BACKEND=xccl"):
@@ -60,17 +84,89 @@ def test_aurora_script():
 
 
 @pytest.mark.parametrize("cluster, passed_on", [("pbs-generic", "TERM"), ("aurora", "USR2")])
-def test_a_pbs_script_passes_a_stop_to_mpiexec_as_the_signal_it_passes_on(cluster, passed_on):
+def test_a_pbs_script_passes_a_stop_to_mpiexec_as_the_signal_it_passes_on(cluster, passed_on, tmp_path, monkeypatch):
     """MPICH's Hydra ends the whole job on SIGUSR2 and passes SIGTERM on to the ranks (which
-    stop on either); the PBS script traps both and sends mpiexec the one its flavour passes on."""
-    script = render_pbs(request(cluster))
-    assert "trap on_stop_signal USR2 TERM" in script
-    assert f'  kill -{passed_on} "$step_pid" 2>/dev/null || true' in script
+    stop on either); the PBS script's launch takes both (and the request's stop signal, here
+    USR1) and sends mpiexec the one its flavour passes on. Inside the PBS job it records no
+    job of its own: it writes the PBS job's exit file (``--job-id``)."""
+    import signal
+
+    from ddp_hpc import cli
+    from ddp_hpc.launch import supervisor
+    from ddp_hpc.stop import parse_stop_signal
+
+    script = render_pbs(request(cluster, stop_signal=parse_stop_signal("USR1@60")))
+    assert "trap '' USR2 TERM USR1\nexec ddp-hpc launch --launcher " in script
+    args = pbs_launch(script, tmp_path, job_id="8[3].server")
+    passed: list[int] = []
+
+    class Signalled:  # the supervisor, as the launch's stop signals reach it; the ranks stop (75)
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def request_stop(self, signum: int) -> None:
+            passed.append(signum)
+
+        def run(self) -> int:
+            for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1):
+                signal.raise_signal(signum)
+            return 75
+
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM,
+                                                             signal.SIGHUP)}
+    monkeypatch.setattr(supervisor, "Supervisor", Signalled)
+    try:
+        for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):  # one the launch leaves alone says so
+            signal.signal(signum, lambda signum, frame: passed.append(-signum))
+        assert args.func(args) == 75
+    finally:
+        for signum, handler in kept.items():
+            signal.signal(signum, handler)
+    assert passed == [signal.Signals[f"SIG{passed_on}"]] * 3, passed
+    run = tmp_path / "run"
+    assert (run / "exit-8[3].server").read_text() == "75\n"  # the PBS job's, as the script keyed it
+    assert not list(run.glob("submission*"))  # the qsub submission's record stays
 
 
-def test_polaris_script():
+def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_path, monkeypatch):
+    """Aurora with a spare node: every attempt's ``MASTER_ADDR`` is its first host's short name
+    with the profile's host suffix (the script's own line for the first), also after a
+    restart left out the node where rank 0 failed; the attempt runs the mpiexec the script
+    looked up, with the profile's CPU binding."""
+    import shlex
+
+    from ddp_hpc.launch import hosts, supervisor
+
+    script = render_pbs(request("aurora", nodes=1, spare_nodes=1, max_restarts=1))
+    assert 'export MASTER_ADDR="${first_host%%.*}".hsn.cm.aurora.alcf.anl.gov' in script
+    args = pbs_launch(script, tmp_path, "x1.site\nx2.site\n")
+    started: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(hosts, "start_all", lambda processes: started.extend(processes) or [])
+
+    class TwoAttempts:  # rank 0 fails on x1 in the first attempt
+        def __init__(self, start, *args, **kwargs) -> None:
+            self.start = start
+
+        def request_stop(self, signum: int) -> None:
+            pass
+
+        def run(self) -> int:
+            self.start(0)
+            (tmp_path / "run" / "rank-failures-0").write_text("0 137\n")
+            self.start(1)
+            return 0
+
+    monkeypatch.setattr(supervisor, "Supervisor", TwoAttempts)
+    assert args.func(args) == 0
+    assert [env["MASTER_ADDR"] for _, env in started] == ["x1.hsn.cm.aurora.alcf.anl.gov",
+                                                         "x2.hsn.cm.aurora.alcf.anl.gov"]
+    line = shlex.join(started[-1][0])
+    assert line.startswith("/opt/pals/mpiexec -n 12 -ppn 12 --cpu-bind list:1-8:9-16:"), line
+
+
+def test_polaris_script(tmp_path, capsys):
     script = render_pbs(request("polaris", nodes=3))
-    launch = launch_line(script)
+    launch = pbs_attempt(script, tmp_path, capsys, "x1\nx2\nx3\n")
     assert "#PBS -l select=3:system=polaris" in script
     assert "-n 12 -ppn 4 --depth 8 --cpu-bind depth" in launch
     assert "--envall" in launch
@@ -357,6 +453,10 @@ def launch_line_of(script: str) -> str:
     return line
 
 
+#: The stand-in ``ddp-hpc`` of the scripts run below, but ``ddp-hpc launch`` (where each script
+#: ends) is the real one: it runs the recording launcher stubs.
+LAUNCH_THROUGH = f'\n[ "$1" = launch ] && exec {REAL_DDP_HPC} "$@"\nprintf'
+
 PREFLIGHT_STUB = ("#!/bin/sh\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" >>\"$RECORD\"\n"
                   "case \"$*\" in *--links*) exit \"${PREFLIGHT_EXIT:-0}\";; esac\n")
 
@@ -368,9 +468,8 @@ def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no
     for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra", "srun", "scontrol"):
         (folder / name).write_text(PREFLIGHT_STUB)
         (folder / name).chmod(0o755)
-    # The launch is the real one (it runs the srun stub): the stub records the other calls.
-    launch_through = f'\n[ "$1" = launch ] && exec {REAL_DDP_HPC} "$@"\nprintf'
-    (folder / "ddp-hpc").write_text(PORT_STUB.replace("\nprintf", launch_through))
+    # The launch is the real one (it runs the srun or mpiexec stub): the stub records the other calls.
+    (folder / "ddp-hpc").write_text(PORT_STUB.replace("\nprintf", LAUNCH_THROUGH))
     (folder / "ddp-hpc").chmod(0o755)
     req = request("pbs-generic" if scheduler == "pbs" else "slurm-cpu", nodes=2, ranks_per_node=2, preflight=True,
                   overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
@@ -419,14 +518,14 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra", "srun", "scontrol"):
         (folder / name).write_text(PREFLIGHT_STUB.replace("*--links*", "*fan-out*"))
         (folder / name).chmod(0o755)
-    (folder / "ddp-hpc").write_text(PORT_STUB)
+    (folder / "ddp-hpc").write_text(PORT_STUB.replace("\nprintf", LAUNCH_THROUGH))  # the launch: the real one
     (folder / "ddp-hpc").chmod(0o755)
     req = request("pbs-generic" if scheduler == "pbs" else "slurm-cpu", nodes=2, ranks_per_node=2, stage_env=True,
                   stage_dir=str(tmp_path / "local"), overrides=[f"logging.run_dir={tmp_path / 'runs'}"])
     script = (render_pbs if scheduler == "pbs" else render_sbatch)(req)
     env = {"PATH": f"{folder}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "HOME": str(tmp_path),
            "PBS_NODEFILE": str(tmp_path / "nodefile"), "PBS_O_WORKDIR": str(tmp_path), "PBS_JOBID": "1.server",
-           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)}
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NUM_NODES": "2"}
     (tmp_path / "nodefile").write_text("n1\nn2\n")
 
     def calls(fan_out_exit: int) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
@@ -450,6 +549,7 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     # The rank's command, run as the launcher would on node n2: `ddp-hpc` is the node's copy's.
     wrapped = ranks[ranks.index("bash"):]
     assert wrapped[3:5] == ["ddp-hpc-staged", "ddp-hpc"] and "train" in wrapped
+    assert "ddp-hpc" not in ranks[:ranks.index("bash")]  # nothing from the shared environment runs first
     job_root = tmp_path / "local" / ("ddp_hpc-env-1.server" if scheduler == "pbs" else "ddp_hpc-env-7")
     (job_root / "n2" / "bin").mkdir(parents=True)
     (job_root / "n2" / "bin" / "ddp-hpc").write_text('#!/bin/sh\necho "copy of $VIRTUAL_ENV: $*"\n')
@@ -565,7 +665,8 @@ def test_stage_env_reaches_the_spare_node_a_pbs_restart_swaps_in(tmp_path):
     for name in ("mpiexec", "mpiexec.mpich", "mpiexec.hydra"):
         (folder / name).write_text(SPARE_STUB)
         (folder / name).chmod(0o755)
-    (folder / "ddp-hpc").write_text(PORT_STUB.replace('printf \'%s\\0\' ddp-hpc "$@"', 'echo "shared ddp-hpc $*"'))
+    (folder / "ddp-hpc").write_text(PORT_STUB.replace("\nprintf", LAUNCH_THROUGH)  # the launch: the real one
+                                    .replace('printf \'%s\\0\' ddp-hpc "$@"', 'echo "shared ddp-hpc $*"'))
     (folder / "ddp-hpc").chmod(0o755)
     req = request("pbs-generic", nodes=2, ranks_per_node=2, stage_env=True, spare_nodes=1, max_restarts=1,
                   stage_dir=str(tmp_path / "local"), overrides=[f"logging.run_dir={tmp_path / 'runs'}"])

@@ -68,6 +68,24 @@ def test_with_torchrun_each_attempt_is_one_torchrun_per_node_that_never_restarts
         "--rdzv-id", "7", "--max-restarts", "0", "--no-python", "ddp-hpc", "train", "c.yaml"]
 
 
+def test_a_staged_command_runs_from_the_node_s_copy_with_what_the_launch_puts_before_it():
+    """``--stage-env`` scripts end in ``ddp-hpc launch ... -- bash -c WRAPPER ddp-hpc-staged
+    COMMAND``: the launch keeps the wrapper outermost, so ``ddp-hpc run`` (a foreign command)
+    and torchrun (``--torchrun``) come from the node's copy on ``PATH``, not from the shared
+    environment the launch runs from."""
+    from ddp_hpc.launch.local import rank_command
+    from ddp_hpc.launch.script import STAGED_PREFIX
+
+    staged = [*STAGED_PREFIX, "python", "train.py"]
+    assert rank_command(staged) == [*STAGED_PREFIX, "ddp-hpc", "run", "--", "python", "train.py"]
+    assert rank_command([*STAGED_PREFIX, "ddp-hpc", "train", "c.yaml"]) == [*STAGED_PREFIX, "ddp-hpc", "train",
+                                                                             "c.yaml"]
+    launch = SrunLaunch(2, 4, tuple(rank_command([*STAGED_PREFIX, "ddp-hpc", "train", "c.yaml"])), Path("/r"),
+                        allocated=2, torchrun=TorchrunAgents("n1:29400", "7"))
+    step = launch.step_argv([])
+    assert step[6:11] == [*STAGED_PREFIX, "torchrun"] and step[-4:] == ["--no-python", "ddp-hpc", "train", "c.yaml"]
+
+
 def test_a_torchrun_stop_is_passed_on_once_the_step_runs(tmp_path, bin_dir):
     """The stop that comes while the supervisor starts the step waits for it (the supervisor
     passes it on then): the agents get SIGTERM once (a second one during their shutdown
@@ -128,7 +146,7 @@ def test_the_stop_signal_reaches_the_ranks_without_srun_killing_them(tmp_path, b
 
 def test_a_failed_node_is_left_out_of_the_restart_when_the_allocation_has_a_spare(tmp_path, bin_dir):
     """srun names the node of the failed task; the restart runs without it, and the run folder
-    records it as the bash loop did (``ddp-hpc status`` reads it)."""
+    records it as the scripts' bash loop did (``ddp-hpc status`` reads it)."""
     srun = steps(tmp_path, bin_dir, "echo 'srun: error: n1: task 1: Killed' >&2; exit 137;; exit 0", allocated=2)
     assert Supervisor(srun.start, RestartPolicy(1), read_status=srun.read_status).run() == 0
     first, second = calls(tmp_path)

@@ -5,8 +5,9 @@
   ``ddp-hpc`` itself with torchrun's variables, or one ``mpiexec`` per attempt, built by
   ``mpi.py``), ``recovering.py`` (``--recover``: in-job recovery, the launch side) and
   ``hosts.py`` (``launch --hostfile``: mpiexec over listed hosts).
-- The same launch in rendered scripts: ``script.py`` (the common launch loop every family
-  renders), ``left_out.py`` (nodes left out after a failure).
+- The rendered scripts: ``script.py`` (the pieces every family renders; each script ends in
+  ``exec ddp-hpc launch``, and the rank wrappers the launch uses), ``left_out.py`` (nodes
+  left out after a failure).
 - ``restart.py``: the one restart policy and exit-status contract, asked by all of them.
 
 What is submitted (the request, cluster profiles, sweeps) is in ``ddp_hpc/specs/``; the

@@ -6,8 +6,10 @@ launch's one ``Supervisor`` and restart policy (launch/supervisor.py, launch/res
 ``--nodes`` and restarts are allowed, each rank runs under a wrapper that records how it
 failed (``RANK_FAILURE_WRAPPER``), and the restart leaves out the host of the first rank
 that failed, taking a spare one; each left-out host is recorded in
-``RUN/left-out-hosts.jsonl``. The launch is recorded as a ``local`` job in the run folder
-(its pid is the job id), so ``ddp-hpc status RUN`` shows how it ended and what it left out.
+``RUN/left-out-hosts.jsonl``. Outside a scheduler the launch is recorded as a ``local`` job
+in the run folder (its pid is the job id), so ``ddp-hpc status RUN`` shows how it ended and
+what it left out; a rendered PBS script ends in this launch with its job id (``--job-id``),
+and the launch writes that job's exit file instead.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ddp_hpc.launch.supervisor import start_all
 
 log = logging.getLogger(__name__)
 
-HOSTFILE_LAUNCHERS = ("openmpi", "mpich")
+HOSTFILE_LAUNCHERS = ("openmpi", "mpich", "pals")
 #: Each attempt's hosts, one per line, in the run folder (rewritten by every attempt).
 ATTEMPT_HOSTFILE = ".hosts"
 #: Rank 0's port when ``$MASTER_PORT`` is unset (torch's default).
@@ -79,6 +81,14 @@ class HostLaunch:
     command: tuple[str, ...]
     run_folder: Path
     max_restarts: int = 0
+    #: Rank 0's address is its host's short name followed by this (a cluster profile's
+    #: ``host_suffix``: the high-speed network's name); empty: the host's name as listed.
+    host_suffix: str = ""
+    #: The mpiexec to run (a script looked it up); None: the flavour's first installed one.
+    program: str | None = None
+    #: Cray PALS: ``--cpu-bind`` and ``--depth`` (a cluster profile's ``cpu_bind``, ``depth``).
+    cpu_bind: str | None = None
+    depth: int | None = None
 
     def __post_init__(self) -> None:
         if self.flavour not in HOSTFILE_LAUNCHERS:
@@ -92,6 +102,12 @@ class HostLaunch:
             raise UserError(f"--max-restarts {self.max_restarts} must be >= 0")
         if not self.command:
             raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
+        if self.depth is not None and self.depth < 1:
+            raise UserError(f"--depth {self.depth} must be >= 1")
+
+    def master_addr(self, host: str) -> str:
+        """Rank 0's address on ``host``."""
+        return host.split(".", 1)[0] + self.host_suffix if self.host_suffix else host
 
     @property
     def spare_nodes(self) -> int:
@@ -129,7 +145,8 @@ class HostfileSteps:
             argv = recording_rank_failures(argv)
         return build_mpiexec(MpiLaunch(self.launch.flavour, self.launch.nodes, self.launch.per_node, argv,
                                        hostfile=str(self.hostfile), forward=FORWARDED,
-                                       allow_root=os.geteuid() == 0))
+                                       cpu_bind=self.launch.cpu_bind, depth=self.launch.depth,
+                                       allow_root=os.geteuid() == 0), program=self.launch.program)
 
     def describe(self) -> str:
         """``--dry-run``: the hosts and each attempt's command."""
@@ -145,13 +162,14 @@ class HostfileSteps:
             log.warning("no spare node left: the restart gets fewer than %d node(s)", self.launch.nodes)
         atomic_write(self.hostfile, "".join(f"{host}\n" for host in self.hosts), durable=False)
         port = self.base_env.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
-        env = {**self.base_env, "MASTER_ADDR": self.hosts[0], "MASTER_PORT": port,
+        master = self.launch.master_addr(self.hosts[0])
+        env = {**self.base_env, "MASTER_ADDR": master, "MASTER_PORT": port,
                RUN_FOLDER_VAR: str(self.launch.run_folder), RESTART_COUNT_VAR: str(attempt)}
         if attempt == 0:
             log.warning("launch %d: %d ranks on %d host(s), rank 0 at %s:%s; run folder %s", os.getpid(),
-                        self.launch.world_size, len(self.hosts), self.hosts[0], port, self.launch.run_folder)
+                        self.launch.world_size, len(self.hosts), master, port, self.launch.run_folder)
         elif self.excluded:
-            log.warning("next attempt on %s, rank 0 at %s", ",".join(self.hosts), self.hosts[0])
+            log.warning("next attempt on %s, rank 0 at %s", ",".join(self.hosts), master)
         return start_all([(self.argv(), env)])
 
     def _leave_out_failed_host(self, failed_attempt: int) -> None:

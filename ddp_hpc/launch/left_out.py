@@ -1,8 +1,8 @@
 """The nodes a batch script left out of a restart, as ``ddp-hpc status`` shows them.
 
-The common launch loop (launch/script.py) appends one JSON line per node to
-``RUN/left-out-hosts.jsonl`` when a restart runs without it (``--spare-nodes``); a submitit
-command job's restart appends it with ``record_left_out``.
+``ddp-hpc launch`` (over a hostfile, or in srun steps: where a batch script with
+``--spare-nodes`` ends) appends one JSON line per node to ``RUN/left-out-hosts.jsonl`` when a
+restart runs without it, with ``record_left_out``; so does a submitit command job's restart.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class LeftOutHost:
 
 
 def record_left_out(run_folder: Path, host: LeftOutHost) -> None:
-    """Append ``host`` as the launch loop's shell does: one JSON line, in one write."""
+    """Append ``host``: one JSON line, in one write."""
     line = json.dumps({"host": host.host, "attempt": host.attempt, "reason": host.reason}) + "\n"
     with open(run_folder / LEFT_OUT_FILE, "a") as handle:
         handle.write(line)

@@ -13,7 +13,7 @@ from pathlib import Path
 from ddp_hpc.errors import UserError
 from ddp_hpc.contract import RUN_FOLDER_VAR
 from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
-from ddp_hpc.launch.script import recording_rank_failures
+from ddp_hpc.launch.script import recording_rank_failures, split_staged
 from ddp_hpc.launch.supervisor import LocalRanks, OneLauncher
 
 LOCAL_LAUNCHERS = ("torchrun", "openmpi", "mpich")
@@ -46,9 +46,11 @@ def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
 
 def rank_command(command: Sequence[str]) -> list[str]:
     """Every rank runs a foreign command through ``ddp-hpc run`` (torchrun's variables under
-    any launcher); ddp-hpc's own verbs resolve their rank by themselves."""
-    own = Path(command[0]).name == "ddp-hpc" or list(command[1:3]) == ["-m", "ddp_hpc"]
-    return list(command) if own else ["ddp-hpc", "run", "--", *command]
+    any launcher); ddp-hpc's own verbs resolve their rank by themselves. A command in the
+    staged wrapper (``--stage-env``) keeps it outermost: ``ddp-hpc run`` is the node's copy's."""
+    staged, command = split_staged(command)
+    own = not command or Path(command[0]).name == "ddp-hpc" or list(command[1:3]) == ["-m", "ddp_hpc"]
+    return [*staged, *(command if own else ["ddp-hpc", "run", "--", *command])]
 
 
 def attempt_starter(launch: LocalLaunch, run_folder: Path | None = None) -> LocalRanks | OneLauncher:

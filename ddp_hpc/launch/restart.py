@@ -1,8 +1,8 @@
 """The one restart policy: what an attempt's exit status means for the launch.
 
 Every path that restarts or requeues asks it: ``ddp-hpc launch`` (its supervisor, under each
-launcher), the rendered PBS, SLURM and local scripts (their loop's condition is rendered
-from ``contract.AGREED_EXIT_STATUSES``) and a submitit command job. docs/reliability.md has the table.
+launcher, over a hostfile and in srun steps; every rendered PBS, SLURM and local script ends
+in that launch) and a submitit command job. docs/reliability.md has the table.
 
 - 0 ends the launch.
 - ``ExitStatus.REQUEUE`` (75) is a stop on request (a signal, the job's deadline): the ranks
@@ -12,9 +12,6 @@ from ``contract.AGREED_EXIT_STATUSES``) and a submitit command job. docs/reliabi
   newest checkpoint; the last failure's status is handed back.
 - Once a stop was requested (a stop signal reached the launch), nothing is restarted, and a
   launch that can requeue does so unless the ranks finished (0).
-
-The rendered scripts cannot call Python between attempts cheaply, so ``shell_tests`` renders
-the same decision as bash tests; ``tests/test_restart_policy.py`` runs them against ``decide``.
 """
 
 from __future__ import annotations
@@ -39,17 +36,6 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class ShellTests:
-    """``decide`` as bash conditions over the script's ``$status``, ``$attempt`` (0 first) and
-    ``$stop_requested`` (0 or 1)."""
-
-    #: True when the loop ends (no restart).
-    ends: str
-    #: True when the ended launch asks for a requeue.
-    requeues: str
-
-
-@dataclass(frozen=True)
 class RestartPolicy:
     max_restarts: int = 0
 
@@ -59,13 +45,6 @@ class RestartPolicy:
             requeue = status == ExitStatus.REQUEUE or (stop_requested and status != ExitStatus.OK)
             return Decision(restart=False, status=status, requeue=requeue)
         return Decision(restart=True, status=status)
-
-    def shell_tests(self) -> ShellTests:
-        ending = " || ".join(f'[ "$status" = {status:d} ]' for status in sorted(AGREED_EXIT_STATUSES))
-        return ShellTests(
-            ends=f'{ending} || [ "$stop_requested" = 1 ] || [ "$attempt" -ge {self.max_restarts} ]',
-            requeues=(f'[ "$status" = {ExitStatus.REQUEUE:d} ] || '
-                      f'{{ [ "$stop_requested" = 1 ] && [ "$status" != {ExitStatus.OK:d} ]; }}'))
 
 
 def status_of_attempt(run_folder: Path, started_at: float, status: int) -> int:

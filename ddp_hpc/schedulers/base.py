@@ -150,7 +150,7 @@ class Submission:
 
     @property
     def exit_file(self) -> Path:
-        """Written by the rendered script when the job ends (see ``script.launch_lines``)."""
+        """Written by the rendered script when the job ends (``ddp-hpc launch``'s ``restart.record_exit``)."""
         return Path(self.run_folder) / exit_file_name(self.job_id)
 
     @property

@@ -3,4 +3,4 @@ payload, a training config or a command, plus a cluster profile and the job's sh
 shell-quoting function ``shell_quote``), ``profiles.py`` (cluster profiles, the YAML files in
 ``ddp_hpc/clusters/``, and their loader) and ``sweep.py`` (``--sweep``: one array element per
 combination). Nothing here renders a script, starts a process or imports torch; the
-scheduler families (``ddp_hpc/schedulers/``) and the launch loop (``ddp_hpc/launch/``) read it."""
+scheduler families (``ddp_hpc/schedulers/``) and the launch (``ddp_hpc/launch/``) read it."""

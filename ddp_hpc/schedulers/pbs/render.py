@@ -4,27 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ddp_hpc.contract import HOSTFILE_VAR, MPIEXEC_VAR, ExitStatus
-from ddp_hpc.launch.mpi import STOP_PASSED_ON, MpiLaunch, build_mpiexec
+from ddp_hpc.contract import DEADLINE_VAR, HOSTFILE_VAR, MPIEXEC_VAR, RUN_FOLDER_VAR, ExitStatus
+from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
     deadline_line,
     environment_block,
     header_comment,
-    hostfile_leave_out,
     PREFLIGHT_ARGV,
-    launch_lines,
     preflight_lines,
     mpiexec_lookup,
     rank_argv,
-    recording_rank_failures,
     render_argv,
     run_folder_lines,
     stage_lines,
     STAGE_FAN_OUT_ARGV,
     sweep_block,
 )
+
+#: The job's nodes (each once, in ``$PBS_NODEFILE``'s order) in the run folder: what the
+#: script's ``ddp-hpc launch --hostfile`` reads (each attempt's own host file is ``.hosts``).
+JOB_HOSTFILE = ".job-hosts"
 
 # Slurm's PBS wrappers (slurm-wlm-torque) run the script with Slurm's variables only:
 # derive what PBS Pro would have set, so the same script works on both.
@@ -69,20 +70,40 @@ def pbs_directives(request: SubmitRequest) -> list[str]:
     return lines
 
 
-def mpiexec_argv(request: SubmitRequest, *, per_node: Sequence[str] | None = None,
-                 spare_too: bool = False) -> list[str]:
-    """The ranks' mpiexec line; with ``per_node``, that command once per node instead (the
-    pre-flight check, the environment's fan-out), ``spare_too``: on the spare nodes as well."""
-    profile = request.profile
-    argv = rank_argv(request)
-    if request.spare_nodes:  # the first rank to fail names the node a restart leaves out
-        argv = recording_rank_failures(argv)
+def per_node_mpiexec(request: SubmitRequest, argv: Sequence[str], *, spare_too: bool = False) -> list[str]:
+    """``argv`` once per node through the job's mpiexec (the pre-flight check, the
+    environment's fan-out); ``spare_too``: on the spare nodes as well."""
     nodes = request.nodes + (request.spare_nodes if spare_too else 0)
-    launch = MpiLaunch(profile.launcher, nodes, 1 if per_node else request.per_node,
-                       list(per_node) if per_node else argv,
-                       hostfile=ShellVar(HOSTFILE_VAR), cpu_bind=profile.cpu_bind,
-                       depth=None if per_node else profile.depth)
+    launch = MpiLaunch(request.profile.launcher, nodes, 1, list(argv), hostfile=ShellVar(HOSTFILE_VAR),
+                       cpu_bind=request.profile.cpu_bind)
     return build_mpiexec(launch, program=ShellVar(MPIEXEC_VAR))
+
+
+def launch_call(request: SubmitRequest) -> list[str]:
+    """The script's last lines: the launch becomes the job's shell (``exec``), so PBS's SIGTERM
+    at the walltime and the stop signal reach it. It runs every attempt as one mpiexec over
+    the job's nodes under the one restart policy (``ddp-hpc launch --hostfile``), leaves out
+    the node where a rank failed (the spares are the hostfile's last nodes), moves rank 0's
+    address with it, passes a stop on as the signal the flavour's mpiexec passes on, and
+    writes ``RUN/exit-$PBS_JOBID``. PBS has no requeue a user may ask for: a stopped run exits
+    75 and continues when submitted again."""
+    profile = request.profile
+    argv = ["ddp-hpc", "launch", "--launcher", profile.launcher, "--hostfile", ShellVar(HOSTFILE_VAR),
+            "--nodes", str(request.nodes), "--nproc", str(request.per_node),
+            "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
+            "--stop-signal", request.stop_signal.name, "--mpiexec", ShellVar(MPIEXEC_VAR),
+            *(["--cpu-bind", profile.cpu_bind] if profile.cpu_bind else []),
+            *(["--depth", str(profile.depth)] if profile.depth else []),
+            *(["--host-suffix", profile.host_suffix] if profile.host_suffix else []),
+            "--job-id", ShellVar("PBS_JOBID"), "--", *rank_argv(request)]
+    signals = " ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name)))
+    return [
+        "# The attempts, the stop signal, leaving out a failed node and the exit status: ddp-hpc launch (the one",
+        "# restart policy). A stop signal while it starts up (under a second) is ignored: the ranks still stop",
+        f"# ahead of ${DEADLINE_VAR}.",
+        f"trap '' {signals}",
+        f"exec {render_argv(argv)}",
+    ]
 
 
 def render_pbs(request: SubmitRequest) -> str:
@@ -115,21 +136,17 @@ def render_pbs(request: SubmitRequest) -> str:
         f'rank 0 at $MASTER_ADDR:$MASTER_PORT"',
         *(sweep_block(request, "PBS_ARRAY_INDEX", "PBS_O_WORKDIR") if request.sweep is not None
           else run_folder_lines(request, "PBS_O_WORKDIR")),
-        *(preflight_lines(render_argv(mpiexec_argv(request, per_node=PREFLIGHT_ARGV)), "${PBS_JOBID}")
+        # The job's nodes move to the run folder: the launch the script becomes (exec) leaves no
+        # EXIT trap behind to remove a temporary file.
+        f'mv "${HOSTFILE_VAR}" "${RUN_FOLDER_VAR}/{JOB_HOSTFILE}" && {HOSTFILE_VAR}="${RUN_FOLDER_VAR}/{JOB_HOSTFILE}"',
+        *(preflight_lines(render_argv(per_node_mpiexec(request, PREFLIGHT_ARGV)), "${PBS_JOBID}")
           if request.preflight else []),
         # The spare nodes get their copy too: a restart swaps one in for a failed node.
-        *stage_lines(request, render_argv(mpiexec_argv(request, per_node=STAGE_FAN_OUT_ARGV, spare_too=True)),
+        *stage_lines(request, render_argv(per_node_mpiexec(request, STAGE_FAN_OUT_ARGV, spare_too=True)),
                      "PBS_JOBID", "${PBS_JOBID}"),
         deadline_line(request),
-        # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay) and has no
-        # requeue a user may ask for: a run stopped with REQUEUE continues when submitted again.
-        # The stop goes to mpiexec as the signal it passes on (Hydra ends the job on SIGUSR2).
-        *launch_lines(request.max_restarts, render_argv(mpiexec_argv(request)), "${PBS_JOBID}", requeue=None,
-                      forward_signal=STOP_PASSED_ON[request.profile.launcher].name.removeprefix("SIG"),
-                      trap_signals=" ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name))),
-                      leave_out=hostfile_leave_out(HOSTFILE_VAR, request.nodes, request.per_node,
-                                                   [f"export MASTER_ADDR={master}"])
-                      if request.spare_nodes else None),
+        # PBS sends SIGTERM at the walltime (SIGKILL follows after its kill_delay).
+        *launch_call(request),
         "",
     ]
     return "\n".join(lines)

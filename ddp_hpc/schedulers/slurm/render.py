@@ -8,45 +8,22 @@ from ddp_hpc.contract import DEADLINE_VAR, RUN_FOLDER_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime
 from ddp_hpc.launch.script import (
-    LeaveOut,
-    ShellArray,
     ShellVar,
     deadline_line,
     environment_block,
     header_comment,
     PREFLIGHT_ARGV,
-    launch_lines,
     preflight_lines,
     rank_argv,
     render_argv,
     run_folder_lines,
     stage_lines,
     STAGE_FAN_OUT_ARGV,
-    staged_argv,
     sweep_block,
 )
 from ddp_hpc.schedulers.slurm.job_key import script_job_key
 
 LOG_DIR = "logs"
-
-#: The shell array of srun options that leave failed nodes out (``--spare-nodes``).
-EXCLUDE_ARGS = "exclude_args"
-
-#: srun names the node of the failed task first in ``srun: error: NODE: task N: ...``.
-SRUN_LEAVE_OUT = LeaveOut(
-    setup=(f"{EXCLUDE_ARGS}=()",),
-    find=('  failed=$(sed -n \'s/^srun: error: \\([^:]*\\): task [0-9].*/\\1/p\' "$step_log" | head -n 1)',
-          '  reason=$(grep -m 1 "^srun: error: $failed: task" "$step_log" || true)'),
-    apply=(f'    {EXCLUDE_ARGS}=(--exclude="$excluded")',),
-    capture_stderr=True,
-)
-
-# The batch shell gets the stop signal (SIGUSR2, 90 s ahead by default; --signal) before the time limit (or on
-# preemption with a grace time). It passes the signal to the ranks, which agree on a step,
-# write a checkpoint and exit; only then is the job requeued (requeueing a running job
-# kills it), and the requeued job resumes from that checkpoint. Without a trap, bash
-# would die on SIGUSR2 at once.
-REQUEUE = 'scontrol requeue "$SLURM_JOB_ID"'
 
 
 def job_key(request: SubmitRequest) -> str:
@@ -95,35 +72,13 @@ def sbatch_directives(request: SubmitRequest) -> list[str]:
     return lines
 
 
-def step_argv(request: SubmitRequest) -> list[str]:
-    srun = ["srun", "--kill-on-bad-exit=1", "--wait=60"]
-    if request.spare_nodes:
-        # The allocation has spare nodes: the step takes the nodes it needs, not the failed ones.
-        tasks_per_node = 1 if request.torchrun_per_node else request.per_node
-        srun += [f"--nodes={request.nodes}", f"--ntasks={request.nodes * tasks_per_node}",
-                 f"--ntasks-per-node={tasks_per_node}", ShellArray(EXCLUDE_ARGS)]
-    if not request.torchrun_per_node:
-        return [*srun, *rank_argv(request)]
-    # torchrun never restarts (--max-restarts 0): it would restart a stop (75) as a failure. The
-    # script's loop restarts the step under the one restart policy (launch/restart.py).
-    return [*srun, *staged_argv(request, ["torchrun"]), "--nnodes", str(request.nodes), "--nproc-per-node", str(request.per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", ShellVar("rdzv_endpoint"),
-            "--rdzv-id", ShellVar("SLURM_JOB_ID"), "--max-restarts", "0",
-            "--no-python", *rank_argv(request)]
-
-
-def supervised(request: SubmitRequest) -> bool:
-    """Scripts whose attempts ``ddp-hpc launch --launcher srun`` runs (one restart loop, in
-    Python). A staged environment keeps the bash loop of ``launch_lines`` until the launch
-    supports it (the staged wrapper would be wrapped in `ddp-hpc run` from the shared environment)."""
-    return not request.stage_env
-
-
 def launch_call(request: SubmitRequest) -> list[str]:
     """The script's last lines: the launch becomes the batch shell (``exec``), so Slurm's stop
     signal (``--signal=B:``) reaches it; it runs every attempt as an srun step under the one
     restart policy, leaves out a failed node (the allocation's spares), requeues after a stop
-    and writes the exit status."""
+    and writes the exit status. With ``--stage-env`` the command after ``--`` starts with the
+    staged wrapper, which the launch keeps outermost (``launch.script.split_staged``): each
+    task (or torchrun) runs from its node's copy of the environment."""
     argv = ["ddp-hpc", "launch", "--launcher", "srun", "--nodes", str(request.nodes), "--nproc", str(request.per_node),
             "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
             "--stop-signal", request.stop_signal.name, *(["--requeue"] if request.chain == 1 else []),
@@ -147,10 +102,9 @@ def _one_task_per_node(request: SubmitRequest, argv: Sequence[str], *, spare_too
 def render_sbatch(request: SubmitRequest) -> str:
     """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
     torchrun = request.torchrun_per_node
-    if request.recover and (torchrun or not supervised(request)):
+    if request.recover and (torchrun or request.stage_env):
         raise UserError("--recover needs one srun task per rank under ddp-hpc launch: not with --torchrun (torchrun "
-                        "owns its ranks) or --stage-env (its script keeps the bash loop)")
-    command = render_argv(step_argv(request))
+                        "owns its ranks) or --stage-env (the node supervisors would run from the shared environment)")
     lines = [
         "#!/bin/bash",
         *sbatch_directives(request),
@@ -176,12 +130,7 @@ def render_sbatch(request: SubmitRequest) -> str:
                      job_key(request)),
         deadline_line(request),
         *SLURM_DEADLINE_LINES,
-        # torchrun passes SIGTERM (not SIGUSR2, which would kill the agent) on to its workers.
-        *(launch_call(request) if supervised(request) else
-          launch_lines(request.max_restarts, command, job_key(request),
-                       requeue=REQUEUE if request.chain == 1 else None, forward_signal="TERM" if torchrun else "USR2",
-                       trap_signals=request.stop_signal.name,
-                       leave_out=SRUN_LEAVE_OUT if request.spare_nodes else None)),
+        *launch_call(request),
         "",
     ]
     return "\n".join(lines)

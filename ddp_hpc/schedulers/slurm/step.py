@@ -1,7 +1,7 @@
 """``ddp-hpc launch --launcher srun``: the ranks of each attempt as one ``srun`` step, inside a
 SLURM allocation, under the launch's one ``Supervisor`` (launch/supervisor.py).
 
-What the rendered sbatch script's bash loop did around its step, the launch does here: the
+What a rendered sbatch script's bash loop once did around its step, the launch does here: the
 step's status read through the preempted marker (``--kill-on-bad-exit`` turns the ranks' 75
 into a kill of the others), the node where a rank failed left out of the next step with
 ``--exclude`` when the allocation has spare nodes (srun names it in
@@ -28,6 +28,7 @@ from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.restart import Decision, record_exit, status_of_attempt
+from ddp_hpc.launch.script import split_staged
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ class SrunLaunch:
         if excluded:
             argv.append(f"--exclude={','.join(excluded)}")
         agents = self.torchrun.argv(self.nodes, self.per_node) if self.torchrun is not None else []
-        return [*argv, *agents, *self.command]
+        staged, command = split_staged(self.command)  # --stage-env: torchrun from the node's copy too
+        return [*argv, *staged, *agents, *command]
 
 
 def allocated_nodes(environ: Mapping[str, str]) -> int:
