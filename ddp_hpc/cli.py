@@ -337,10 +337,6 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.node_supervisor:
         return _run_node_supervisor(args)
     if args.hostfile:
-        if args.recover:
-            logging.getLogger("ddp_hpc").warning(
-                "in-job recovery is off with --hostfile (mpiexec ends every rank when one fails): a failure restarts "
-                "in place (--max-restarts)")
         return _launch_on_hosts(args)
     given = _hostfile_options(args)
     if given:
@@ -502,11 +498,13 @@ def _hostfile_options(args: argparse.Namespace) -> list[str]:
 def _launch_on_hosts(args: argparse.Namespace) -> int:
     """mpiexec over the hosts of a file, each attempt under the one restart policy
     (launch/hosts.py); recorded as a ``local`` job in the run folder, or, with ``--job-id``
-    (a PBS script's launch), written as that job's exit file."""
+    (a PBS script's launch), written as that job's exit file. With ``--recover``, mpiexec
+    starts a node supervisor per host around the recovery store this launch serves."""
     from pathlib import Path
 
-    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
+    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile, recovery_store_host
     from ddp_hpc.launch.mpi import STOP_PASSED_ON
+    from ddp_hpc.launch.node import NodeSupervisors
     from ddp_hpc.launch.restart import RestartPolicy, record_exit
     from ddp_hpc.launch.supervisor import MarkedAttempts, Supervisor
     from ddp_hpc.schedulers.local.backend import record_this_launch
@@ -523,7 +521,7 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
                         tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts,
                         host_suffix=args.host_suffix or "", program=args.mpiexec, cpu_bind=args.cpu_bind,
-                        depth=args.depth)
+                        depth=args.depth, recovery=_recovery_limits(args) if args.recover else None)
     steps = HostfileSteps(launch)
     if args.dry_run:
         print(steps.describe(), end="")
@@ -534,12 +532,22 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     job_id = args.job_id or record_this_launch(launch.run_folder, launch.world_size, sys.argv)
     sys.stdout.flush()
     marked = MarkedAttempts(steps.start, launch.run_folder)  # mpiexec's status through the preempted marker
-    supervisor = Supervisor(marked.start, RestartPolicy(launch.max_restarts), read_status=marked.read_status)
+    in_job = None
+    if launch.recovery is not None:
+        def start_attempt(attempt: int, extra: Any) -> Any:
+            steps.attempt_env = extra  # the attempt's recovery store
+            return marked.start(attempt)
+
+        in_job = NodeSupervisors(start_attempt, host=recovery_store_host(launch, os.environ), argv=steps.argv())
+    supervisor = Supervisor(in_job.start if in_job else marked.start, RestartPolicy(launch.max_restarts),
+                            in_job=in_job, read_status=marked.read_status)
     # A stop (preemption, the time limit, `ddp-hpc cancel RUN`, a batch script's --stop-signal)
-    # reaches the ranks as the signal mpiexec passes on; a closed terminal ends the launch.
+    # reaches the ranks as the signal mpiexec passes on, or, to node supervisors, through the
+    # store as it came; a closed terminal ends the launch.
     stop = {signal.SIGUSR2, signal.SIGTERM} | ({args.stop_signal.signal} if args.stop_signal else set())
     for signum in stop:
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(STOP_PASSED_ON[launch.flavour]))
+        signal.signal(signum, lambda signum, frame: supervisor.request_stop(
+            signum if in_job else STOP_PASSED_ON[launch.flavour]))
     if signal.SIGHUP not in stop:
         signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
     status = supervisor.run()

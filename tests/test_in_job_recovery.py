@@ -152,17 +152,24 @@ def assert_recovered_in_place(run_dir: Path, pids: dict[int, int], reference: li
     return record
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpich", "openmpi", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich-hostfile", "openmpi", "srun"])
 def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_identical(launcher, reference,
                                                                                          tmp_path, request):
     """Under mpiexec and srun the launcher's task is a node supervisor per node (launch/node.py),
-    the ranks its children: the launcher sees no failure, the survivors stay up. Under srun 2
-    nodes x 2 ranks: the lost rank (2) is the second node's first. Compared with the same
-    reference (4 ranks under the default launcher)."""
+    the ranks its children: the launcher sees no failure, the survivors stay up. MPICH runs
+    over a hostfile (what a PBS script's launch does; MPICH on this machine alone is the
+    Trainer's case in this file). Under srun 2 nodes x 2 ranks: the lost rank (2) is the
+    second node's first. Compared with the same reference (4 ranks under the default launcher)."""
+    import socket
+
     flags: tuple[str, ...] = ()
-    if launcher in ("mpich", "openmpi"):
+    if launcher == "openmpi":
         request.getfixturevalue(launcher)  # skips where that MPI is not installed
         flags = ("--launcher", launcher)
+    elif launcher == "mpich-hostfile":
+        request.getfixturevalue("mpich")
+        (tmp_path / "hosts").write_text(socket.gethostname() + "\n")
+        flags = ("--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--run-folder", str(tmp_path / "launch"))
     elif launcher == "srun":
         request.getfixturevalue("slurm_cluster")
         flags = ("--launcher", "srun", "--run-folder", str(tmp_path / "launch"))

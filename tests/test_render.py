@@ -173,6 +173,19 @@ def test_polaris_script(tmp_path, capsys):
     assert "export DDP_HPC_BACKEND=nccl" in script and "export DDP_HPC_DEVICE=cuda" in script
 
 
+def test_a_pbs_script_with_recover_runs_a_node_supervisor_per_node_under_the_launch(tmp_path, capsys):
+    """``submit pbs --recover N``: the launch over the job's nodes recovers in place, each
+    attempt's mpiexec one unbound node supervisor per node (its ranks would inherit a
+    binding meant for one rank); refused with --stage-env."""
+    script = render_pbs(request("polaris", nodes=3, recover=2))
+    assert " --recover 2 --job-id " in launch_line_of(script)
+    attempt = pbs_attempt(script, tmp_path, capsys, "x1\nx2\nx3\n")
+    assert " -n 3 -ppn 1 " in attempt and "--depth" not in attempt and "--cpu-bind" not in attempt, attempt
+    assert "--node-supervisor --nproc 4 --recover 2 " in attempt and attempt.endswith(f"-- ddp-hpc train {DIGITS}")
+    with pytest.raises(UserError, match=r"^--recover with --stage-env"):
+        render_pbs(request("polaris", recover=1, stage_env=True))
+
+
 def test_slurm_script_srun_per_rank(tmp_path):
     script = render_sbatch(request("slurm-gpu", account="proj", queue="a100"))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",

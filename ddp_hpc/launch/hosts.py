@@ -18,16 +18,19 @@ import logging
 import os
 import re
 import shlex
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.contract import RANK_FAILURES_PREFIX, RESTART_COUNT_VAR, RUN_FOLDER_VAR, atomic_write
+from ddp_hpc.contract import HOST_SUFFIX_VAR, RANK_FAILURES_PREFIX, RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, atomic_write
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
+from ddp_hpc.launch.node import node_supervisor_command, store_host
+from ddp_hpc.launch.recovering import RecoveryLimits
 from ddp_hpc.launch.script import recording_rank_failures
 from ddp_hpc.launch.supervisor import start_all
 
@@ -89,6 +92,9 @@ class HostLaunch:
     #: Cray PALS: ``--cpu-bind`` and ``--depth`` (a cluster profile's ``cpu_bind``, ``depth``).
     cpu_bind: str | None = None
     depth: int | None = None
+    #: ``--recover``: mpiexec starts one node supervisor per host (``launch/node.py``), which
+    #: starts that host's ranks and replaces a lost one in place.
+    recovery: RecoveryLimits | None = None
 
     def __post_init__(self) -> None:
         if self.flavour not in HOSTFILE_LAUNCHERS:
@@ -104,6 +110,8 @@ class HostLaunch:
             raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
         if self.depth is not None and self.depth < 1:
             raise UserError(f"--depth {self.depth} must be >= 1")
+        if self.recovery is not None and self.recovery.shrink and self.nodes > 1:
+            raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
 
     def master_addr(self, host: str) -> str:
         """Rank 0's address on ``host``."""
@@ -121,6 +129,21 @@ class HostLaunch:
     def leaves_out_failed_hosts(self) -> bool:
         return self.max_restarts > 0 and self.spare_nodes > 0
 
+    @property
+    def tasks_per_host(self) -> int:
+        """mpiexec's tasks on each host: the ranks, or one node supervisor under ``--recover``."""
+        return 1 if self.recovery is not None else self.per_node
+
+
+def recovery_store_host(launch: HostLaunch, environ: Mapping[str, str]) -> str:
+    """Where the node supervisors reach the launch's recovery store: loopback where the one
+    host (and no spare) is this machine, else this machine's name with the host suffix
+    (``node.store_host``)."""
+    here = launch.nodes == 1 and launch.spare_nodes == 0 and (
+        launch.hosts[0].split(".")[0] == socket.gethostname().split(".")[0])
+    suffix = {HOST_SUFFIX_VAR: launch.host_suffix} if launch.host_suffix else {}
+    return store_host({**environ, **suffix}, 1 if here else launch.nodes + launch.spare_nodes)
+
 
 @dataclass
 class HostfileSteps:
@@ -132,6 +155,8 @@ class HostfileSteps:
     excluded: list[str] = field(default_factory=list)
     #: The hosts of the attempt started last, in rank order (``per_node`` ranks each).
     hosts: tuple[str, ...] = ()
+    #: Variables the next attempt adds (under ``--recover``: the recovery store's address).
+    attempt_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def hostfile(self) -> Path:
@@ -139,14 +164,20 @@ class HostfileSteps:
 
     def argv(self) -> list[str]:
         """Each attempt's mpiexec; with spares, or under MPICH (``mpi.STOP_STATUS_LOST``), every
-        rank runs under the wrapper that records how it ended."""
-        argv = rank_command(self.launch.command)
-        if self.launch.leaves_out_failed_hosts or self.launch.flavour in STOP_STATUS_LOST:
+        task runs under the wrapper that records how it ended. Under ``--recover`` the task is a
+        node supervisor, unbound (its ranks would inherit a binding meant for one rank)."""
+        launch, recovery = self.launch, self.launch.recovery
+        argv = (rank_command(launch.command) if recovery is None
+                else node_supervisor_command(launch.per_node, recovery, launch.command))
+        if launch.leaves_out_failed_hosts or launch.flavour in STOP_STATUS_LOST:
             argv = recording_rank_failures(argv)
-        return build_mpiexec(MpiLaunch(self.launch.flavour, self.launch.nodes, self.launch.per_node, argv,
-                                       hostfile=str(self.hostfile), forward=FORWARDED,
-                                       cpu_bind=self.launch.cpu_bind, depth=self.launch.depth,
-                                       allow_root=os.geteuid() == 0), program=self.launch.program)
+        bound = recovery is None
+        return build_mpiexec(MpiLaunch(launch.flavour, launch.nodes, launch.tasks_per_host, argv,
+                                       hostfile=str(self.hostfile),
+                                       forward=FORWARDED if bound else (*FORWARDED, RECOVERY_STORE_VAR),
+                                       cpu_bind=launch.cpu_bind if bound else None,
+                                       depth=launch.depth if bound else None,
+                                       allow_root=os.geteuid() == 0), program=launch.program)
 
     def describe(self) -> str:
         """``--dry-run``: the hosts and each attempt's command."""
@@ -164,7 +195,7 @@ class HostfileSteps:
         port = self.base_env.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
         master = self.launch.master_addr(self.hosts[0])
         env = {**self.base_env, "MASTER_ADDR": master, "MASTER_PORT": port,
-               RUN_FOLDER_VAR: str(self.launch.run_folder), RESTART_COUNT_VAR: str(attempt)}
+               RUN_FOLDER_VAR: str(self.launch.run_folder), RESTART_COUNT_VAR: str(attempt), **self.attempt_env}
         if attempt == 0:
             log.warning("launch %d: %d ranks on %d host(s), rank 0 at %s:%s; run folder %s", os.getpid(),
                         self.launch.world_size, len(self.hosts), master, port, self.launch.run_folder)
@@ -178,13 +209,15 @@ class HostfileSteps:
             first = (self.launch.run_folder / f"{RANK_FAILURES_PREFIX}{failed_attempt}").read_text().split("\n")[0]
         except OSError:
             return
-        rank, _, status = first.partition(" ")
-        if not rank.isdigit() or int(rank) // self.launch.per_node >= len(self.hosts):
+        task, _, status = first.partition(" ")
+        per_host = self.launch.tasks_per_host
+        if not task.isdigit() or int(task) // per_host >= len(self.hosts):
             return
-        host = self.hosts[int(rank) // self.launch.per_node]
+        host = self.hosts[int(task) // per_host]
         if host in self.excluded:
             return
         self.excluded.append(host)
-        reason = f"rank {rank} exited with status {status.strip()}"
+        failed = f"rank {task}" if self.launch.recovery is None else f"the node supervisor of host {task}"
+        reason = f"{failed} exited with status {status.strip()}"
         record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, reason))
         log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), reason)

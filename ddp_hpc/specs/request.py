@@ -160,8 +160,8 @@ class SubmitRequest:
     max_restarts: int = 0
     #: SLURM: allocate this many extra nodes; a restart leaves out the node where a rank failed.
     spare_nodes: int = 0
-    #: SLURM batch script: in-job recovery (``ddp-hpc launch --recover N``): a lost rank is
-    #: replaced from the survivors' memory at most this often before a restart in place.
+    #: SLURM batch script or PBS script: in-job recovery (``ddp-hpc launch --recover N``): a lost
+    #: rank is replaced from the survivors' memory at most this often before a restart in place.
     recover: int = 0
     #: Run ``ddp-hpc doctor --links`` (one rank per node) before the ranks; end the job if it fails.
     preflight: bool = False

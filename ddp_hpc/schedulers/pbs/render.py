@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddp_hpc.contract import DEADLINE_VAR, HOSTFILE_VAR, MPIEXEC_VAR, RUN_FOLDER_VAR, ExitStatus
+from ddp_hpc.errors import UserError
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
@@ -95,6 +96,7 @@ def launch_call(request: SubmitRequest) -> list[str]:
             *(["--cpu-bind", profile.cpu_bind] if profile.cpu_bind else []),
             *(["--depth", str(profile.depth)] if profile.depth else []),
             *(["--host-suffix", profile.host_suffix] if profile.host_suffix else []),
+            *(["--recover", str(request.recover)] if request.recover else []),
             "--job-id", ShellVar("PBS_JOBID"), "--", *rank_argv(request)]
     signals = " ".join(dict.fromkeys(("USR2", "TERM", request.stop_signal.name)))
     return [
@@ -108,6 +110,9 @@ def launch_call(request: SubmitRequest) -> list[str]:
 
 def render_pbs(request: SubmitRequest) -> str:
     """The complete PBS script for ``request`` (pure: nothing is read or run)."""
+    if request.recover and request.stage_env:
+        raise UserError("--recover with --stage-env: the node supervisors would run from the shared environment "
+                        "(give one of them)")
     suffix = request.profile.host_suffix
     master = f'"${{first_host%%.*}}"{shell_quote(suffix)}' if suffix else '"$first_host"'
     lines = [
