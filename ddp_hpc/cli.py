@@ -300,10 +300,10 @@ def _recovery_limits(args: argparse.Namespace) -> Any:
                           warm_spare=args.warm_spare)
 
 
-def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
+def _in_job_recovery(args: argparse.Namespace, launch: Any, run_folder: Any) -> Any:
     """``--recover N``: a ``Recoverer`` around this launch's own ranks (the default
     launcher), or, under mpiexec, ``NodeSupervisors``: one mpiexec task per node, each a
-    node supervisor (launch/node.py) with its ranks."""
+    node supervisor (launch/node.py) with its ranks, which see ``run_folder``."""
     from ddp_hpc.launch.local import attempt_starter
     from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
     from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command
@@ -318,21 +318,19 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any) -> Any:
         return Recoverer(starter, limits)
     argv = build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=1,
                                    command=node_supervisor_command(launch.nproc, limits, launch.command),
-                                   forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR), oversubscribe=True,
+                                   forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR), oversubscribe=True,
                                    allow_root=os.geteuid() == 0))
+    env = {**os.environ, **({RUN_FOLDER_VAR: str(run_folder)} if run_folder is not None else {})}
     return NodeSupervisors(lambda attempt, extra: start_all(
-        [(argv, {**os.environ, RESTART_COUNT_VAR: str(attempt), **extra})]), argv=argv)
+        [(argv, {**env, RESTART_COUNT_VAR: str(attempt), **extra})]), argv=argv)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    import contextlib
     import tempfile
-    from pathlib import Path
 
-    from ddp_hpc.launch.local import LocalLaunch, attempt_starter, describe
-    from ddp_hpc.launch.mpi import STOP_PASSED_ON
-    from ddp_hpc.launch.node import NodeSupervisors
-    from ddp_hpc.launch.restart import RestartPolicy, record_exit
-    from ddp_hpc.launch.supervisor import MarkedAttempts, OneLauncher, Supervisor
+    from ddp_hpc.launch.local import LocalLaunch
+    from ddp_hpc.launch.mpi import STOP_STATUS_LOST
 
     if args.node_supervisor:
         return _run_node_supervisor(args)
@@ -354,21 +352,37 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                         "--hostfile)")
     launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
                          max_restarts=args.max_restarts)
-    in_job = _in_job_recovery(args, launch)
+    folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
+    # mpiexec's status may lose the ranks' 75 (mpi.STOP_STATUS_LOST): they say they stopped in
+    # a folder of the launch's own where it has none.
+    scratch = (tempfile.TemporaryDirectory(prefix="ddp-hpc-launch-")
+               if launch.launcher in STOP_STATUS_LOST and not folder else contextlib.nullcontext(folder))
+    with scratch as folder:
+        return _launch_here(args, launch, folder)
+
+
+def _launch_here(args: argparse.Namespace, launch: Any, folder: str | None) -> int:
+    """``ddp-hpc launch`` on this machine; mpiexec's ranks see ``folder`` as their run folder,
+    where the launch reads their preempted marker."""
+    from pathlib import Path
+
+    from ddp_hpc.launch.local import attempt_starter, describe
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
+    from ddp_hpc.launch.node import NodeSupervisors
+    from ddp_hpc.launch.restart import RestartPolicy, record_exit
+    from ddp_hpc.launch.supervisor import MarkedAttempts, OneLauncher, Supervisor
+
+    run_folder = Path(folder) if folder else None
+    in_job = _in_job_recovery(args, launch, run_folder)
+    starter = attempt_starter(launch, run_folder)
     if args.dry_run:
-        print(in_job.describe() if isinstance(in_job, NodeSupervisors) else describe(launch), end="")
+        print(in_job.describe() if isinstance(in_job, NodeSupervisors) else describe(starter, launch), end="")
         return 0
     sys.stdout.flush()
-    folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
-    scratch = None
-    if in_job is None and launch.launcher != "torchrun" and not folder:
-        # mpiexec's status may lose the ranks' 75 (mpi.STOP_STATUS_LOST): they say they stopped here
-        scratch = tempfile.TemporaryDirectory(prefix="ddp-hpc-launch-")
-        folder = scratch.name
-    starter = attempt_starter(launch, Path(folder) if folder else None)
     start, read_status = (in_job.start if in_job else starter.start), None
-    if in_job is None and (isinstance(starter, OneLauncher) or args.run_folder) and folder:
-        marked = MarkedAttempts(starter.start, Path(folder))  # mpiexec's status through the marker
+    mpiexec = isinstance(in_job, NodeSupervisors) or (in_job is None and isinstance(starter, OneLauncher))
+    if run_folder is not None and (mpiexec or args.run_folder):
+        marked = MarkedAttempts(start, run_folder)  # mpiexec's status through the marker
         start, read_status = marked.start, marked.read_status
     supervisor = Supervisor(start, RestartPolicy(launch.max_restarts), in_job=in_job, read_status=read_status)
     # A stop signal (preemption, the time limit) reaches the ranks through the
@@ -379,11 +393,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
     # A closed terminal ends the ranks with the launch, as Ctrl-C does.
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
-    try:
-        status = supervisor.run()
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
+    status = supervisor.run()
     if args.run_folder:  # a `submit local` script exec's this launch: the job id is its pid
         record_exit(Path(args.run_folder), str(os.getpid()), status)
     return status
@@ -474,7 +484,7 @@ def _launch_under_srun(args: argparse.Namespace) -> int:
             steps.base_env = {**base_env, **extra}  # the attempt's store
             return steps.start(attempt)
 
-        in_job = NodeSupervisors(start_step, host=store_host(os.environ, nodes), argv=launch.step_argv([]))
+        in_job = NodeSupervisors(start_step, host=store_host(os.environ, local=nodes == 1), argv=launch.step_argv([]))
     supervisor = Supervisor(in_job.start if in_job else steps.start, RestartPolicy(args.max_restarts),
                             in_job=in_job, read_status=steps.read_status,
                             forward_stop=steps.forward_stop if torchrun is not None else None)
@@ -502,12 +512,7 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
     starts a node supervisor per host around the recovery store this launch serves."""
     from pathlib import Path
 
-    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile, recovery_store_host
-    from ddp_hpc.launch.mpi import STOP_PASSED_ON
-    from ddp_hpc.launch.node import NodeSupervisors
-    from ddp_hpc.launch.restart import RestartPolicy, record_exit
-    from ddp_hpc.launch.supervisor import MarkedAttempts, Supervisor
-    from ddp_hpc.schedulers.local.backend import record_this_launch
+    from ddp_hpc.launch.restart import record_exit
 
     if not args.run_folder:
         raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
@@ -517,6 +522,24 @@ def _launch_on_hosts(args: argparse.Namespace) -> int:
                         "it exits 75 after a stop)")
     if args.job_id is not None and not args.job_id.strip():
         raise UserError("--job-id is empty: give the scheduler's job id (a PBS script passes \"$PBS_JOBID\")")
+    try:
+        return _run_on_hosts(args)
+    except (UserError, OSError):
+        if args.job_id:  # the job's end, for `--wait` and `status`, as a launch that ran would write it
+            record_exit(Path(args.run_folder).resolve(), args.job_id, ExitStatus.FAILED)
+        raise
+
+
+def _run_on_hosts(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile, recovery_store_host
+    from ddp_hpc.launch.mpi import STOP_PASSED_ON
+    from ddp_hpc.launch.node import NodeSupervisors
+    from ddp_hpc.launch.restart import RestartPolicy, record_exit
+    from ddp_hpc.launch.supervisor import MarkedAttempts, Supervisor
+    from ddp_hpc.schedulers.local.backend import record_this_launch
+
     hosts = read_hostfile(Path(args.hostfile))
     launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
                         tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts,

@@ -116,10 +116,11 @@ def test_examples_under_torchrun_without_ddp_hpc_run(script, tmp_path):
     _results(result.stdout, 2)
 
 
+# Each example under one MPI and each MPI once: the plain example under MPICH runs in
+# tests/test_stacks.py on every torch, the API's launcher detection in test_launch_real.py's doctors.
 @pytest.mark.mpi
 @pytest.mark.multiproc
-@pytest.mark.parametrize("script", [PLAIN, WITH_API], ids=["plain", "api"])
-@pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
+@pytest.mark.parametrize("launcher, script", [("openmpi", PLAIN), ("mpich", WITH_API)], ids=["openmpi-plain", "mpich-api"])
 def test_examples_under_mpiexec(launcher, script, request, tmp_path):
     program = request.getfixturevalue(launcher)
     shim = [*ddp_hpc_command(), "run", "--"] if script == PLAIN else []

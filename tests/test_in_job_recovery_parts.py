@@ -37,7 +37,7 @@ def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, cap
     args = argparse.Namespace(recover=1, recovery_wait=120.0, shrink=False, hang_timeout=10.0, launcher=launcher,
                               warm_spare=True)
     with caplog.at_level(logging.WARNING, logger="ddp_hpc"):
-        supervisors = _in_job_recovery(args, LocalLaunch(nproc=4, command=["python", "train.py"], launcher=launcher))
+        supervisors = _in_job_recovery(args, LocalLaunch(nproc=4, command=["python", "train.py"], launcher=launcher), None)
     assert isinstance(supervisors, NodeSupervisors) and not caplog.records
     argv = list(supervisors.argv)
     assert argv[argv.index("-n") + 1] == "1"  # one task: the node supervisor, which starts the 4 ranks
@@ -55,7 +55,7 @@ def test_recover_under_the_default_launcher_recovers(caplog):
 
     args = argparse.Namespace(recover=2, recovery_wait=60.0, shrink=True, hang_timeout=5.0, launcher="torchrun",
                               warm_spare=False)
-    recoverer = _in_job_recovery(args, LocalLaunch(nproc=2, command=["true"]))
+    recoverer = _in_job_recovery(args, LocalLaunch(nproc=2, command=["true"]), None)
     assert isinstance(recoverer, Recoverer)
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
     recoverer._store = LaunchStore()  # each rank hears of --shrink (the Trainer refuses it)

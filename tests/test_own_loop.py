@@ -63,24 +63,6 @@ def assert_bit_identical(expected: dict, actual: dict) -> None:
         assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
 
 
-def test_mpich_sigkill_of_one_rank_mid_epoch_restarts_bit_identical(tmp_path, uninterrupted, mpich):
-    """``ddp-hpc launch --launcher mpich --max-restarts 1``: rank 1 SIGKILLs itself after step
-    35 (epoch 2; checkpoints every 10 steps), the launch starts both ranks again, they
-    resume from step 30."""
-    marker = tmp_path / "killed"
-    command = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--nproc", "2", "--max-restarts", "1", "--",
-               "python", FAULTS, EXAMPLE]
-    done = run(command, timeout=300, env={
-        "RUN_DIR": str(tmp_path / "run"), "FAULT_KILL_RANK": "1", "FAULT_AT_STEP": "35",
-        "FAULT_MARKER": str(marker)})
-    assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "[rank" in line)[-6000:]
-    assert marker.exists(), "rank 1 was not killed"
-    for rank in (0, 1):
-        assert f"rank {rank}: restored None at step 0" in done.stderr
-        assert re.search(rf"rank {rank}: restored \S+step-00000030\.pt at step 30", done.stderr), done.stderr[-3000:]
-    assert_bit_identical(uninterrupted, final_state(tmp_path / "run"))
-
-
 def test_torchrun_rank_0_killed_half_way_through_a_checkpoint_write_restarts_bit_identical(tmp_path, uninterrupted):
     """``torchrun --max-restarts 1`` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/api.md):
     rank 0 SIGKILLs itself inside the (synchronous) write of step 20's checkpoint, with part
@@ -88,7 +70,7 @@ def test_torchrun_rank_0_killed_half_way_through_a_checkpoint_write_restarts_bit
     collective; the agent stops rank 1 (SIGTERM, which the example's handler turns into a
     stop request) and starts both again; they resume from step 10, never from the
     half-written file, whose temporary the restart removes, and end as the uninterrupted
-    run does. (Rank 1 SIGKILLed after a step: the mpich test above.)
+    run does. (Rank 1 SIGKILLed after a step, under each launcher: tests/test_launch_contract.py.)
 
     Why the variable: torch's DynamicRendezvousHandler (elastic/rendezvous/
     dynamic_rendezvous.py: use_agent_store, _shared_tcp_store_server) creates the TCPStore

@@ -186,6 +186,39 @@ def test_a_pbs_script_with_recover_runs_a_node_supervisor_per_node_under_the_lau
         render_pbs(request("polaris", recover=1, stage_env=True))
 
 
+def test_a_pbs_launch_that_cannot_start_still_writes_the_job_s_exit_file(tmp_path):
+    """The launch a PBS script becomes refuses a bad node file in one line, and the job's
+    exit file says it failed (``--wait`` and ``status`` read it once qstat forgets the job)."""
+    from ddp_hpc.cli import build_parser
+    from ddp_hpc.contract import exit_file_name
+
+    (tmp_path / "hosts").write_text("node_1\n")
+    args = build_parser().parse_args(["launch", "--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"),
+                                      "--run-folder", str(tmp_path), "--job-id", "8.server", "--", "true"])
+    with pytest.raises(UserError, match="is not a host name"):
+        args.func(args)
+    assert (tmp_path / exit_file_name("8.server")).read_text() == "1\n"
+
+
+def test_the_recovery_store_is_on_loopback_only_where_every_node_supervisor_runs_here(monkeypatch, tmp_path):
+    """``--hostfile --recover``: a node supervisor on another host (the only one listed, or a
+    spare a restart may take) must reach the launch's store: loopback only when the one
+    host is this machine."""
+    import socket
+
+    from ddp_hpc.launch.hosts import HostLaunch, recovery_store_host
+    from ddp_hpc.launch.recovering import RecoveryLimits
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "here.site")
+
+    def store(*listed: str) -> str:
+        launch = HostLaunch("mpich", listed, 1, 2, ("true",), tmp_path, recovery=RecoveryLimits(1))
+        return recovery_store_host(launch, {})
+
+    assert store("here") == "127.0.0.1"
+    assert store("far") != "127.0.0.1" and store("here", "spare") != "127.0.0.1"
+
+
 def test_slurm_script_srun_per_rank(tmp_path):
     script = render_sbatch(request("slurm-gpu", account="proj", queue="a100"))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
@@ -739,7 +772,33 @@ def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_sta
     assert "got USR2" in result.stdout and result.returncode == rank_exit, result
     failures = list(tmp_path.glob(f"{RANK_FAILURES_PREFIX}*"))
     assert [p.read_text() for p in failures] == ([f"1 {rank_exit}\n"] if rank_exit not in (0, 75) else [])
-    assert (tmp_path / "preempted").exists() == (rank_exit == 75)  # a stop says so (Hydra may report 0)
+    assert not (tmp_path / "preempted").exists()  # rank 1's: only rank 0 says the ranks stopped
+
+
+def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_interrupt(tmp_path):
+    """Rank 0's 75 touches the preempted marker (Hydra may report it as 0), another rank's
+    does not; the rank, a background job of sh (SIGINT ignored, stdin /dev/null), still
+    reads the wrapper's stdin, and a SIGINT to the wrapper reaches it as SIGTERM."""
+    import signal
+    import time
+
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    env = {"PATH": "/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(tmp_path)}
+    for rank in ("1", "0"):
+        result = subprocess.run(recording_rank_failures(["sh", "-c", "exit 75"]), env={**env, "PMI_RANK": rank},
+                                timeout=30)
+        assert result.returncode == 75 and (tmp_path / "preempted").exists() == (rank == "0")
+    result = subprocess.run(recording_rank_failures(["cat"]), input="to rank 0\n", capture_output=True, text=True,
+                            env=env, timeout=30)
+    assert result.stdout == "to rank 0\n", result
+    rank = "trap 'exit 75' TERM; touch ready; while :; do sleep 0.05; done"
+    process = subprocess.Popen(recording_rank_failures(["sh", "-c", rank]), cwd=tmp_path, env=env)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=20) == 75
 
 
 def test_the_rank_wrapper_reports_a_rank_killed_by_a_signal_and_exits(tmp_path):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR, RANK_FAILURES_PREFIX, RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, atomic_write
+from ddp_hpc.environment.hosts import with_suffix
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.launch.local import rank_command
@@ -110,12 +111,15 @@ class HostLaunch:
             raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
         if self.depth is not None and self.depth < 1:
             raise UserError(f"--depth {self.depth} must be >= 1")
+        if (self.cpu_bind is not None or self.depth is not None) and self.flavour != "pals":
+            raise UserError(f"--cpu-bind and --depth are Cray PALS's mpiexec options: give --launcher pals "
+                            f"(not {self.flavour}), or leave them out")
         if self.recovery is not None and self.recovery.shrink and self.nodes > 1:
             raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
 
     def master_addr(self, host: str) -> str:
         """Rank 0's address on ``host``."""
-        return host.split(".", 1)[0] + self.host_suffix if self.host_suffix else host
+        return with_suffix(host, self.host_suffix) if self.host_suffix else host
 
     @property
     def spare_nodes(self) -> int:
@@ -142,7 +146,7 @@ def recovery_store_host(launch: HostLaunch, environ: Mapping[str, str]) -> str:
     here = launch.nodes == 1 and launch.spare_nodes == 0 and (
         launch.hosts[0].split(".")[0] == socket.gethostname().split(".")[0])
     suffix = {HOST_SUFFIX_VAR: launch.host_suffix} if launch.host_suffix else {}
-    return store_host({**environ, **suffix}, 1 if here else launch.nodes + launch.spare_nodes)
+    return store_host({**environ, **suffix}, local=here)
 
 
 @dataclass

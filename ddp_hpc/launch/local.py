@@ -70,9 +70,8 @@ def attempt_starter(launch: LocalLaunch, run_folder: Path | None = None) -> Loca
                                                allow_root=os.geteuid() == 0)), env)
 
 
-def describe(launch: LocalLaunch) -> str:
-    """``--dry-run``: what each attempt starts, and the restarts."""
-    starter = attempt_starter(launch)
+def describe(starter: LocalRanks | OneLauncher, launch: LocalLaunch) -> str:
+    """``--dry-run``: what each attempt starts (``attempt_starter``'s), and the restarts."""
     restarts = f"at most {launch.max_restarts} restart(s) after a failure, none after a stop (75)"
     if isinstance(starter, OneLauncher):
         return f"{shlex.join(starter.argv)}\n# {restarts}\n"

@@ -72,14 +72,14 @@ def node_supervisor_command(nproc: int, limits: RecoveryLimits, command: Sequenc
     return [*argv, "--", *command]
 
 
-def store_host(environ: Mapping[str, str], nodes: int) -> str:
-    """Where the node supervisors reach the outer launch's store: loopback on one node;
-    else this host's name (with the cluster's ``$DDP_HPC_HOST_SUFFIX``), or, where that
+def store_host(environ: Mapping[str, str], local: bool) -> str:
+    """Where the node supervisors reach the outer launch's store: loopback when they all run
+    on this machine (``local``); else this host's name (with the cluster's ``$DDP_HPC_HOST_SUFFIX``), or, where that
     name means loopback (Debian's /etc/hosts), its first address on another interface."""
     from ddp_hpc.environment.hosts import with_suffix
     from ddp_hpc.environment.netcheck import is_loopback, local_interfaces, resolve_addresses
 
-    if nodes == 1:
+    if local:
         return "127.0.0.1"
     name = with_suffix(socket.gethostname(), environ.get(HOST_SUFFIX_VAR, ""))
     if not all(is_loopback(address) for address in resolve_addresses(name) or ("127.0.0.1",)):

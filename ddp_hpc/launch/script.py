@@ -173,23 +173,28 @@ def deadline_line(request: SubmitRequest) -> str:
 #: Wraps a rank's command under mpiexec: records ``RANK STATUS`` when it fails (SIGKILL
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
-#: others only after this wrapper has exited. A rank that stopped (75) touches the preempted
-#: marker (``restart.status_of_attempt``): MPICH's Hydra, having passed a stop on, reports
-#: the ranks' 75 as 0 about one time in six, whatever the ranks run. Nothing is recorded
-#: without a run folder. A passed-on signal ends ``wait`` early
+#: others only after this wrapper has exited. Rank 0 stopping (75) touches the preempted
+#: marker (``restart.status_of_attempt``), as ``StopAgreement``'s rank 0 writes it: MPICH's
+#: Hydra, having passed a stop on, reports the ranks' 75 as 0 about one time in six,
+#: whatever the ranks run. Nothing is recorded without a run folder. The rank runs as a
+#: background job, which a non-interactive sh starts with SIGINT ignored and stdin from
+#: /dev/null: stdin is handed on, and SIGINT or SIGHUP reach it as SIGTERM. A passed-on
+#: signal ends ``wait`` early
 #: (128 + its number): the trap says so, and the wrapper waits again for the rank's own
 #: status. (Only the trap can say so: a rank killed by a signal also ends with 128 + N, and
 #: a second ``wait`` for a reaped child gives bash's saved status again, not 127.)
 RANK_FAILURE_WRAPPER = (
-    '"$@" & child=$!; interrupted=0; '
+    'exec 3<&0; "$@" <&3 3<&- & child=$!; exec 3<&-; interrupted=0; '
+    'rank="${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}"; '
     'trap \'interrupted=1; kill -USR2 "$child" 2>/dev/null\' USR2; '
-    'trap \'interrupted=1; kill -TERM "$child" 2>/dev/null\' TERM; '
+    'trap \'interrupted=1; kill -TERM "$child" 2>/dev/null\' TERM INT HUP; '
     'status=0; wait "$child" || status=$?; '
     'while [ "$interrupted" = 1 ]; do interrupted=0; again=0; wait "$child" 2>/dev/null || again=$?; '
     '[ "$again" = 127 ] && break; status=$again; done; '
     f'if [ -z "${RUN_FOLDER_VAR}" ] || [ "$status" = 0 ]; then :; '
-    f'elif [ "$status" = {ExitStatus.REQUEUE:d} ]; then touch "${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"; '
-    'else printf \'%s %s\\n\' "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}" "$status" '
+    f'elif [ "$status" = {ExitStatus.REQUEUE:d} ]; then '
+    f'[ "$rank" != 0 ] || touch "${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"; '
+    'else printf \'%s %s\\n\' "$rank" "$status" '
     f'>>"${RUN_FOLDER_VAR}/{RANK_FAILURES_PREFIX}${{{RESTART_COUNT_VAR}:-0}}"; fi; '
     'exit "$status"')
 

@@ -91,13 +91,18 @@ class LocalRanks:
 
 @dataclass(frozen=True)
 class OneLauncher:
-    """One process per attempt that starts the ranks itself (``mpiexec``)."""
+    """One process per attempt that starts the ranks itself (``mpiexec`` on this machine).
+    Each attempt's ranks meet on a free port (unless ``MASTER_PORT`` is set): a rank of
+    one machine otherwise derives it from its parent, which the rank wrapper replaces."""
 
     argv: Sequence[str]
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
     def start(self, attempt: int) -> list[subprocess.Popen]:
-        return start_all([(self.argv, {**self.base_env, RESTART_COUNT_VAR: str(attempt)})])
+        env = {**self.base_env, RESTART_COUNT_VAR: str(attempt)}
+        if not env.get("MASTER_PORT", "").strip():
+            env["MASTER_PORT"] = str(free_port())
+        return start_all([(self.argv, env)])
 
 
 def start_all(processes: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> list[subprocess.Popen]:
