@@ -48,7 +48,8 @@ class RestartPolicy:
 
 
 def status_of_attempt(run_folder: Path, started_at: float, status: int) -> int:
-    """``status`` as the policy must see it: 75 where rank 0 wrote the preempted marker
+    """``status`` as the policy must see it: 75 where rank 0 (or, under MPICH, its wrapper)
+    wrote the preempted marker
     during the attempt that started at ``started_at`` (whole seconds, as the file system
     stamps it): the ranks stopped, whatever the launcher says. One that ends the other
     ranks once one exits (srun's ``--kill-on-bad-exit``) reports the stop as a kill; MPICH's
