@@ -52,7 +52,10 @@ def test_render_with_a_shipped_profile_from_an_empty_folder(installed, tmp_path)
     result = in_venv(installed, ["ddp-hpc", "render", "pbs", "--cluster", "aurora", "--nodes", "2", "--no-venv",
                                  "--", "python", "train.py"], tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "#PBS -l select=2" in result.stdout and "ddp-hpc run -- python train.py &" in result.stdout
+    assert "#PBS -l select=2" in result.stdout, result.stdout
+    [launch] = [line for line in result.stdout.splitlines() if line.startswith("exec ddp-hpc launch ")]
+    assert launch.startswith("exec ddp-hpc launch --launcher pals ") and launch.endswith(
+        " -- ddp-hpc run -- python train.py"), launch
 
 
 def test_train_the_built_in_digits_job_and_run_a_command(installed, tmp_path):
