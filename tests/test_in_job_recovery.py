@@ -249,7 +249,8 @@ def launch_trainer(folder: Path, *callbacks: str, flags: Sequence[str] = ()) -> 
     result and seconds. Every rank records its process (``fault_injection:RecordProcess``)."""
     listed = ", ".join([f"{{target: 'fault_injection:RecordProcess', params: {{folder: '{folder / 'processes'}'}}}}",
                         *callbacks])
-    argv = [*ddp_hpc_command(), "launch", "--nproc", str(RANKS), "--recover", "1", *flags, "--", *ddp_hpc_command(),
+    inside, nproc = (SRUN, RANKS // 2) if "srun" in flags else ((), RANKS)
+    argv = [*inside, *ddp_hpc_command(), "launch", "--nproc", str(nproc), "--recover", "1", *flags, "--", *ddp_hpc_command(),
             *TRAINER, f"logging.run_dir={folder / 'runs'}", "job.name=synthetic", f"callbacks=[{listed}]"]
     started = time.monotonic()
     result = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=folder,
@@ -277,15 +278,25 @@ LOSSES = {
     "frozen-warm-spare": ("FreezeRankAtStep", ("--hang-timeout", "5", "--warm-spare"), "frozen: no heartbeat for 5 s"),
     # The Trainer under mpiexec: its ranks are a node supervisor's children (launch/node.py).
     "killed-under-mpich": ("KillRankAtStep", ("--launcher", "mpich"), "exit 137 (SIGKILL)"),
+    "killed-under-openmpi": ("KillRankAtStep", ("--launcher", "openmpi"), "exit 137 (SIGKILL)"),
+    "killed-under-srun": ("KillRankAtStep", ("--launcher", "srun", "--run-folder", "launch"), "exit 137 (SIGKILL)"),
 }
 
 
-@pytest.mark.parametrize("loss", list(LOSSES))
+#: The Trainer under Open MPI and srun goes through the same node supervisor as under MPICH:
+#: run by `scripts/test.sh -m acceptance` (about 25 s each), not in CI.
+BY_HAND = ("killed-under-openmpi", "killed-under-srun")
+
+
+@pytest.mark.parametrize("loss", [
+    pytest.param(loss, marks=[pytest.mark.acceptance, *([pytest.mark.slurm] if "srun" in loss else [])])
+    if loss in BY_HAND else loss for loss in LOSSES])
 def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identical(trainer_reference, tmp_path, loss,
                                                                                     request):
     """``ddp-hpc train`` of 4 ranks under ``ddp-hpc launch --recover 1``; rank 2 is SIGKILLed,
     or frozen by SIGSTOP (ended on its silent heartbeat, its place taken by the warm spare), or
-    SIGKILLed under ``--launcher mpich`` (its node supervisor replaces it),
+    SIGKILLed under ``--launcher mpich|openmpi|srun`` (its node supervisor replaces it; srun:
+    2 nodes x 2 ranks of the SLURM test cluster),
     after step 6 of 32 (a checkpoint of step 4 is on disk). The survivors keep their
     processes, the replacement reads no checkpoint (its state comes from the survivors'
     memory), the failed step is redone, and the run ends with the weights, optimizer state
@@ -293,8 +304,9 @@ def test_the_trainer_replaces_a_lost_rank_from_the_survivors_memory_bit_identica
     import torch
 
     fault, flags, cause = LOSSES[loss]
-    if "mpich" in flags:
-        request.getfixturevalue("mpich")  # skips where MPICH is not installed
+    for needed, fixture in (("mpich", "mpich"), ("openmpi", "openmpi"), ("srun", "slurm_cluster")):
+        if needed in flags:
+            request.getfixturevalue(fixture)  # skips where it is not there
     whole, whole_s = trainer_reference
     (tmp_path / "lost").mkdir()
     marker = tmp_path / "killed-at"
