@@ -152,6 +152,24 @@ def assert_recovered_in_place(run_dir: Path, pids: dict[int, int], reference: li
     return record
 
 
+def launcher_flags(launcher: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """``ddp-hpc launch``'s flags for ``launcher``: the default one, MPICH over a hostfile of
+    this machine, Open MPI, or srun on the SLURM test cluster (skipped where it is missing)."""
+    import socket
+
+    if launcher == "openmpi":
+        request.getfixturevalue(launcher)
+        return ("--launcher", launcher)
+    if launcher == "mpich-hostfile":
+        request.getfixturevalue("mpich")
+        (tmp_path / "hosts").write_text(socket.gethostname() + "\n")
+        return ("--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--run-folder", str(tmp_path / "launch"))
+    if launcher == "srun":
+        request.getfixturevalue("slurm_cluster")
+        return ("--launcher", "srun", "--run-folder", str(tmp_path / "launch"))
+    return ()
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "mpich-hostfile", "openmpi", "srun"])
 def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_identical(launcher, reference,
                                                                                          tmp_path, request):
@@ -160,20 +178,7 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_i
     over a hostfile (what a PBS script's launch does; MPICH on this machine alone is the
     Trainer's case in this file). Under srun 2 nodes x 2 ranks: the lost rank (2) is the
     second node's first. Compared with the same reference (4 ranks under the default launcher)."""
-    import socket
-
-    flags: tuple[str, ...] = ()
-    if launcher == "openmpi":
-        request.getfixturevalue(launcher)  # skips where that MPI is not installed
-        flags = ("--launcher", launcher)
-    elif launcher == "mpich-hostfile":
-        request.getfixturevalue("mpich")
-        (tmp_path / "hosts").write_text(socket.gethostname() + "\n")
-        flags = ("--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--run-folder", str(tmp_path / "launch"))
-    elif launcher == "srun":
-        request.getfixturevalue("slurm_cluster")
-        flags = ("--launcher", "srun", "--run-folder", str(tmp_path / "launch"))
-    pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGKILL, *flags)
+    pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGKILL, *launcher_flags(launcher, tmp_path, request))
     record = assert_recovered_in_place(tmp_path, pids, reference, sent_at)
     assert record["cause"] == "exit 137 (SIGKILL)"
     assert "in-job recovery is off" not in output
@@ -184,13 +189,18 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_i
                    f"received {record['transfer_s']:.1f} s after the launch saw it)")
 
 
-def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm_spare(reference, tmp_path):
-    pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGSTOP, "--hang-timeout", "5", "--warm-spare")
+# Under node supervisors (mpiexec, srun) too: run by `scripts/test.sh -m acceptance`, not in CI.
+@pytest.mark.parametrize("launcher", ["torchrun", *(pytest.param(name, marks=[
+    pytest.mark.acceptance, *([pytest.mark.slurm] if name == "srun" else [])]) for name in ("mpich-hostfile", "openmpi", "srun"))])
+def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm_spare(launcher, reference, tmp_path,
+                                                                                       request):
+    pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGSTOP, "--hang-timeout", "5", "--warm-spare",
+                                        *launcher_flags(launcher, tmp_path, request))
     record = assert_recovered_in_place(tmp_path, pids, reference, sent_at)
     assert record["cause"] == "frozen: no heartbeat for 5 s"
     # Its place went to the spare process (torch imported, waiting in InJobRecovery), not to a new one.
     assert "rank 2 lost (frozen: no heartbeat for 5 s): the warm spare (pid" in output
-    FIGURES.append(f"in-job recovery, SIGSTOP of 1 of 4 ranks (--hang-timeout 5 --warm-spare): "
+    FIGURES.append(f"in-job recovery ({launcher}), SIGSTOP of 1 of 4 ranks (--hang-timeout 5 --warm-spare): "
                    f"{kill_to_next_step(record, sent_at):.1f} "
                    f"s from the stop to the next completed step ({record['recover_s']:.1f} s after the launch ended it)")
 
