@@ -304,11 +304,12 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any, run_folder: Any) -> 
     """``--recover N``: a ``Recoverer`` around this launch's own ranks (the default
     launcher), or, under mpiexec, ``NodeSupervisors``: one mpiexec task per node, each a
     node supervisor (launch/node.py) with its ranks, which see ``run_folder``."""
-    from ddp_hpc.launch.local import attempt_starter
-    from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+    import dataclasses
+
+    from ddp_hpc.launch.local import attempt_starter, mpiexec_here
     from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command
     from ddp_hpc.launch.recovering import Recoverer
-    from ddp_hpc.launch.supervisor import LocalRanks, start_all
+    from ddp_hpc.launch.supervisor import LocalRanks
 
     if not args.recover:
         return None
@@ -316,13 +317,10 @@ def _in_job_recovery(args: argparse.Namespace, launch: Any, run_folder: Any) -> 
     starter = attempt_starter(launch)
     if isinstance(starter, LocalRanks):
         return Recoverer(starter, limits)
-    argv = build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=1,
-                                   command=node_supervisor_command(launch.nproc, limits, launch.command),
-                                   forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR), oversubscribe=True,
-                                   allow_root=os.geteuid() == 0))
-    env = {**os.environ, **({RUN_FOLDER_VAR: str(run_folder)} if run_folder is not None else {})}
-    return NodeSupervisors(lambda attempt, extra: start_all(
-        [(argv, {**env, RESTART_COUNT_VAR: str(attempt), **extra})]), argv=argv)
+    one = mpiexec_here(launch.launcher, 1, node_supervisor_command(launch.nproc, limits, launch.command), run_folder,
+                       forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR))
+    return NodeSupervisors(lambda attempt, extra: dataclasses.replace(
+        one, base_env={**one.base_env, **extra}).start(attempt), argv=one.argv)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

@@ -55,18 +55,25 @@ def rank_command(command: Sequence[str]) -> list[str]:
 
 def attempt_starter(launch: LocalLaunch, run_folder: Path | None = None) -> LocalRanks | OneLauncher:
     """What starts each attempt's ranks: ddp-hpc itself (``torchrun``: torchrun's variables,
-    no torchrun), or one mpiexec, whose ranks see ``run_folder`` as ``$DDP_HPC_RUN_FOLDER``
-    (and under MPICH each says there that it stopped: ``mpi.STOP_STATUS_LOST``)."""
+    no torchrun), or one mpiexec (``mpiexec_here``)."""
     command = rank_command(launch.command)
     if launch.launcher == "torchrun":
         return LocalRanks(launch.nproc, command)
+    return mpiexec_here(launch.launcher, launch.nproc, command, run_folder)
+
+
+def mpiexec_here(flavour: str, tasks: int, command: Sequence[str], run_folder: Path | None,
+                 forward: Sequence[str] = ()) -> OneLauncher:
+    """One mpiexec of ``tasks`` tasks on this machine (the ranks, or a node supervisor), which
+    see ``run_folder`` as ``$DDP_HPC_RUN_FOLDER``; under MPICH each runs in the wrapper that
+    says there that rank 0 stopped (``mpi.STOP_STATUS_LOST``)."""
     env = dict(os.environ)
     if run_folder is not None:
         env[RUN_FOLDER_VAR] = str(run_folder)
-        if launch.launcher in STOP_STATUS_LOST:
+        if flavour in STOP_STATUS_LOST:
             command = recording_rank_failures(command)
-    return OneLauncher(build_mpiexec(MpiLaunch(launch.launcher, nodes=1, ranks_per_node=launch.nproc,
-                                               command=command, oversubscribe=True,
+    return OneLauncher(build_mpiexec(MpiLaunch(flavour, nodes=1, ranks_per_node=tasks, command=list(command),
+                                               forward=tuple(forward), oversubscribe=True,
                                                allow_root=os.geteuid() == 0)), env)
 
 
