@@ -499,7 +499,10 @@ def socket_fds() -> set[int]:
 
 def refuse_sharded(model: nn.Module) -> None:
     """FSDP2 keeps each shard once: a lost rank's part is gone (issue 31 leaves it for later)."""
-    from torch.distributed.fsdp import FSDPModule
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 has it only where fully_shard was born
+        from torch.distributed._composable.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
         raise UserError("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost "
