@@ -38,6 +38,7 @@ _EXPORTS = {
     "record_stop_signals": "ddp_hpc.stop",
     "watchdog": "ddp_hpc.engine.watchdog",
     "InJobRecovery": "ddp_hpc.engine.recovery",
+    "seed_everything": "ddp_hpc.engine.rng",
     "inspect_checkpoints": "ddp_hpc.engine.checkpoint_tools",
     "convert_checkpoint": "ddp_hpc.engine.checkpoint_tools",
     # Submitting to a scheduler

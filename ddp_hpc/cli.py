@@ -199,7 +199,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plan = GoodputPlan(arms=tuple(args.goodput_arms.split(",")), duration_s=args.goodput_minutes * 60,
                            interval_s=args.goodput_interval, world_size=args.goodput_ranks, fault=args.goodput_fault,
                            seed=args.goodput_seed, rounds=args.goodput_rounds,
-                           checkpoint_every=args.goodput_checkpoint_every, hang_timeout_s=args.goodput_hang_timeout)
+                           checkpoint_every=args.goodput_checkpoint_every, hang_timeout_s=args.goodput_hang_timeout,
+                           step_work_s=args.goodput_step_work)
         output = Path(args.output)
         run_goodput(plan, output, output.parent / "goodput")
         return 0
@@ -294,8 +295,13 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _recovery_limits(args: argparse.Namespace) -> Any:
+    from ddp_hpc.device import requested
+    from ddp_hpc.engine.recovery_backends import backend_refusal
     from ddp_hpc.launch.recovering import RecoveryLimits
 
+    backend = requested(None, os.environ, BACKEND_VAR)
+    if backend != "auto" and (why := backend_refusal(backend)) is not None:
+        raise UserError(f"--recover with ${BACKEND_VAR}={backend}: {why}")
     return RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout,
                           warm_spare=args.warm_spare)
 
@@ -708,6 +714,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--goodput-fault", choices=("kill", "hang", "mixed"), default="kill",
                        help="with --goodput: SIGKILL of a rank, SIGSTOP (a hung rank, found by the hang timeout), "
                             "or either, drawn per fault (default: kill)")
+    bench.add_argument("--goodput-step-work", type=float, default=0.0, metavar="S",
+                       help="with --goodput: seconds of the loop's own work after each optimizer step, before "
+                            "step_done, so that faults land there too (default: 0)")
     bench.add_argument("--goodput-hang-timeout", type=_positive_float, default=5.0, metavar="S",
                        help="with --goodput: seconds of silence that make a rank hung (--hang-timeout of the "
                             "in-job arm, the watchdog's limit in the others; default: 5)")
@@ -765,8 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="in-job recovery (DDP loops that use InJobRecovery): replace a lost or frozen rank "
                              "while the others stay up, at most N times; state comes from the survivors' memory, no "
                              "restart. Beyond N: --max-restarts. Under --launcher torchrun this launch watches the "
-                             "ranks; under mpich, openmpi and srun the launcher starts one node supervisor per node "
-                             "(--node-supervisor) that does. Not with --hostfile (restarts in place)")
+                             "ranks; under mpich, openmpi and srun, and with --hostfile, the launcher starts one node "
+                             "supervisor per node (--node-supervisor) that does. Over gloo only ($DDP_HPC_BACKEND "
+                             "nccl, xccl or ccl is refused)")
     launch.add_argument("--recovery-wait", type=_positive_float, default=120.0, metavar="S",
                         help="with --recover: seconds the ranks wait for the new group (default: 120)")
     launch.add_argument("--shrink", action="store_true",
@@ -860,7 +870,8 @@ def _run(args: argparse.Namespace) -> int:
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
-        write_line(sys.stderr, f"ddp-hpc: error: {_with_rank(args, str(exc))}")
+        if not getattr(exc, "reported", False):  # a rank's refusal logged its line already
+            write_line(sys.stderr, f"ddp-hpc: error: {_with_rank(args, str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         return ExitStatus.INTERRUPTED

@@ -12,7 +12,9 @@ newest checkpoint). SIGUSR2/SIGTERM stop every rank at the same step with a chec
 
 Settings (environment): RUN_DIR (default runs/recovering_loop: checkpoints every 5 steps,
 recoveries in its record/), EPOCHS (default 3), STEP_DELAY_S (a pause after each step, to
-watch it), STOP_AT_STEP (the rank in slot 3 requests a stop after that step, as a signal would).
+watch it), STOP_AT_STEP (the rank in slot 3 requests a stop after that step, as a signal would),
+DEVICE (cpu, the default, or cuda: each rank on cuda:LOCAL_RANK, or on one GPU shared by
+every rank where there are fewer GPUs than ranks; the group stays gloo, which recovers).
 At the end each rank writes RUN_DIR/final/rank-<N>.pt (weights, optimizer state, RNG
 streams, step, the checkpoint it resumed from) and RUN_DIR/samples/rank-<N>.txt (a line a
 step: pid, group generation, step, sample ids).
@@ -33,23 +35,29 @@ from sklearn.datasets import load_digits  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from ddp_hpc.engine.rng import capture_rng, seed_everything  # noqa: E402
+from ddp_hpc.engine.rng import capture_rng  # noqa: E402
 
 
 def main() -> None:
     run_dir = Path(os.environ.get("RUN_DIR", "runs/recovering_loop"))
     epochs, delay = int(os.environ.get("EPOCHS", "3")), float(os.environ.get("STEP_DELAY_S", "0"))
     stop_at = int(os.environ.get("STOP_AT_STEP", "0"))
-    recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir)  # in place of dist.init_process_group
-    slot = recovery.slot  # this rank's place in the launch (its rank may change after a shrink)
-
+    # What needs no rank first: a warm spare (--warm-spare) has it done when it takes a rank's place.
     digits = load_digits()
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     train_set = TensorDataset(inputs[:1500], torch.tensor(digits.target[:1500]), torch.arange(1500))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10))
-    seed_everything(1000 + slot)  # each rank's own streams (torch, numpy, Python): its own dropout
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir)  # in place of dist.init_process_group
+    slot = recovery.slot  # this rank's place in the launch (its rank in the group may change after a shrink)
+    ddp_hpc.seed_everything(1000 + slot)  # each rank's own streams (torch, numpy, Python): its own dropout
+    device = torch.device(os.environ.get("DEVICE", "cpu"))
+    if device.type == "cuda":  # LOCAL_RANK is this rank's once InJobRecovery returned (a warm spare's too)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    model.to(device)  # in place: the optimizer keeps its parameters
     sampler = ddp_hpc.ResumableSampler(train_set, shuffle=True, seed=0, batch_size=32)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, generator=torch.Generator())
     checkpointer = ddp_hpc.Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
@@ -66,6 +74,7 @@ def main() -> None:
         for epoch in range(sampler.epoch, epochs):
             sampler.set_epoch(epoch)
             for x, y, ids in loader:
+                x, y = x.to(device), y.to(device)
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(ddp_model(x), y).backward()  # dropout draws from the RNG
                 optimizer.step()

@@ -159,6 +159,13 @@ CORPUS = [
     ("--recover with submitit", {}, ["submit", "slurm", DIGITS, "--recover", "1", "--dry-run"], {},
      "--recover runs the ranks under ddp-hpc launch's node supervisors in a batch script: use it with --sbatch"),
     ("--recover negative", {}, ["render", "slurm", DIGITS, "--recover", "-1"], {}, "--recover -1 must be >= 0"),
+    *[(f"--recover over {backend}", {}, ["launch", "--nproc", "2", "--recover", "1", "--", "python", "-c", "1"],
+       {"DDP_HPC_BACKEND": backend}, f"--recover with $DDP_HPC_BACKEND={backend}: in-job recovery runs over gloo only "
+                                     f"for now, not {backend}") for backend in ("nccl", "xccl", "ccl")],
+    ("--recover over nccl through a hostfile", {"hosts": "localhost\n"},
+     ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/launch", "--recover", "1",
+      "--", "python", "-c", "1"],
+     {"DDP_HPC_BACKEND": "nccl"}, "--recover with $DDP_HPC_BACKEND=nccl"),
     ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
      "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
     # Checkpoints: the format, and the checkpoint commands.

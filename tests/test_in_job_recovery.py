@@ -190,6 +190,71 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_i
 
 
 # Under node supervisors (mpiexec, srun) too: run by `scripts/test.sh -m acceptance`, not in CI.
+#: Faults put where each case says (tests/scripts/recovery_faults/sitecustomize.py), in slot LOST.
+FAULTS = str(REPO / "tests" / "scripts" / "recovery_faults")
+
+
+def faulty_launch(run_dir: Path, fault: str, step: int, *flags: str) -> tuple[dict[int, int], str]:
+    """The example under ``launch --recover`` with ``fault`` at ``step`` in slot LOST: the
+    survivors' first pids (from their first steps) and the launch's output."""
+    process = launch(run_dir, *flags, settings={"PYTHONPATH": FAULTS, "RECOVERY_FAULT": fault,
+                                                "RECOVERY_FAULT_SLOT": str(LOST), "RECOVERY_FAULT_STEP": str(step)})
+    output = finish(process)
+    return {slot: steps(run_dir, slot)[0][0] for slot in range(RANKS)}, output
+
+
+@pytest.mark.parametrize("fault, step", [("window", 4), ("save", 5)], ids=["after-all-reduce", "mid-save"])
+def test_a_rank_lost_anywhere_in_a_step_is_replaced_and_the_run_ends_bit_identical(reference, tmp_path, fault, step):
+    """Slot 2 dies after its step's all-reduce and optimizer step, before ``step_done``
+    (the loop's own work after the step stands there), or inside the checkpoint save that
+    ``step_done`` makes: replaced, the others keep their processes, nothing read from disk,
+    every rank ends bit-identical (RNG streams too), the broken save made again."""
+    pids, output = faulty_launch(tmp_path, fault, step, "--recover", "1")
+    assert f"rank {LOST} lost (exit 137 (SIGKILL)): replacement started" in output
+    record = assert_recovered_in_place(tmp_path, pids, reference, sent_at=0.0)
+    # The survivors completed the step the lost rank died in (it was past its all-reduce) or
+    # the one before (it died in that step's save): the run went on from there.
+    assert record["step"] in (step - 1, step)
+
+
+def test_a_replacement_that_dies_while_the_group_forms_ends_no_survivor(reference, tmp_path):
+    """Slot 2 dies after its all-reduce of step 4; its replacement dies once the new group
+    formed, while the survivors wait for the state (a second loss in the recovery): the
+    survivors live on, the next replacement joins, the run ends bit-identical."""
+    pids, output = faulty_launch(tmp_path, "replacement", 4, "--recover", "2")
+    assert output.count(f"rank {LOST} lost (exit 137 (SIGKILL)): replacement started") == 2, output[-4000:]
+    assert "failed before training went on" in output
+    records = sorted((tmp_path / "record").glob("recovery-*.json"))
+    assert [path.name for path in records] == ["recovery-2.json"]  # group 1 never trained: group 2 recovered
+    for slot in range(RANKS):
+        state = final(tmp_path, slot)
+        assert (state["pid"] != pids[slot]) if slot == LOST else (state["pid"] == pids[slot])
+        assert_same_model_and_optimizer(reference[slot], state)
+        assert_same_values(reference[slot]["rng"], state["rng"], f"rank {slot}'s RNG")
+        assert state["resumed"] is None
+
+
+def test_when_no_recovery_is_left_the_survivors_end_at_once_and_the_job_restarts_in_place(reference, tmp_path):
+    """``--recover 1 --max-restarts 1``: slot 2 is lost after step 7's all-reduce and its
+    replacement dies while the group forms: no recovery is left. The survivors, told by the
+    launch's last plan, end at once (not after the launch's 30 s kill), and the restart in
+    place resumes from the checkpoint of step 5 and ends bit-identical."""
+    process = launch(tmp_path, "--recover", "1", "--max-restarts", "1",
+                     settings={"PYTHONPATH": FAULTS, "RECOVERY_FAULT": "replacement",
+                               "RECOVERY_FAULT_SLOT": str(LOST), "RECOVERY_FAULT_STEP": "7"})
+    output = finish(process)
+    assert "no in-job recovery is left (--recover 1): restarting in place" in output
+    assert "the launch gave up in-job recovery" in output
+    ended = [float(line.split("ended within ")[1].split(" s")[0]) for line in output.splitlines()
+             if "ended within " in line]
+    assert ended and ended[0] < 20, output[-4000:]  # the kill's grace is 30 s
+    FIGURES.append(f"in-job recovery given up (no recovery left): the survivors ended {ended[0]:.1f} s after the loss")
+    for slot in range(RANKS):
+        state = final(tmp_path, slot)
+        assert_same_model_and_optimizer(reference[slot], state)
+        assert state["resumed"] is not None and state["resumed"].endswith("step-00000005.pt")
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", *(pytest.param(name, marks=[
     pytest.mark.acceptance, *([pytest.mark.slurm] if name == "srun" else [])]) for name in ("mpich-hostfile", "openmpi", "srun"))])
 def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm_spare(launcher, reference, tmp_path,
@@ -208,7 +273,8 @@ def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm
 def test_shrinking_goes_on_with_3_ranks_renumbered_checkpoints_stops_and_trains_every_sample_once(tmp_path):
     """Rank 0 is lost: slots 1-3 go on as ranks 0-2, the new rank 0 writes the checkpoint of
     step 10, where a stop requested by one rank (slot 3) stops all three; the checkpoint's
-    sampler deals the rest of the epoch out so that every sample is trained exactly once."""
+    sampler deals the rest of the epoch out so that every sample is trained once, but the
+    few (the record's ``repeated_samples``) that pad the rest to a multiple of 3."""
     import torch.utils.data
 
     from ddp_hpc import ResumableSampler
@@ -243,7 +309,10 @@ def test_shrinking_goes_on_with_3_ranks_renumbered_checkpoints_stops_and_trains_
         rest.extend(sampler)
     counts = Counter([sample for ids in trained.values() for sample in ids] + rest)
     assert sorted(counts) == list(range(1500))
-    assert set(counts.values()) == {1}
+    # Every sample once, but those that pad the epoch's rest to a multiple of 3 ranks: the record says how many.
+    repeated = record["repeated_samples"]
+    assert 0 <= repeated < RANKS - 1
+    assert Counter(counts.values()) == ({1: 1500 - repeated, 2: repeated} if repeated else {1: 1500})
 
 
 #: The Trainer (``ddp-hpc train``), small: 32 steps of 4 ranks, a checkpoint every 4 steps.

@@ -13,19 +13,81 @@ def test_fsdp2_is_refused_in_one_line(tmp_path):
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from ddp_hpc.engine.recovery import refuse_sharded
+    from ddp_hpc.engine.recovery import run_refusal
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         plain = nn.Sequential(nn.Linear(4, 4))
-        refuse_sharded(plain)  # DDP's module: accepted
+        assert run_refusal(plain, None) is None  # DDP's module: accepted
         sharded = nn.Sequential(nn.Linear(4, 4))
         fully_shard(sharded)
-        with pytest.raises(UserError, match="in-job recovery covers DDP only") as refused:
-            refuse_sharded(sharded)
-        assert "\n" not in str(refused.value)
+        why = run_refusal(sharded, None)
+        assert why is not None and why.startswith("in-job recovery covers DDP only") and "\n" not in why
     finally:
         dist.destroy_process_group()
+
+
+#: A user's script that gives InJobRecovery.run a DDP-wrapped model (or, with BACKEND set, a
+#: backend in-job recovery does not run over): the same mistake on every rank.
+MISTAKEN_SCRIPT = """
+import os
+import torch
+import ddp_hpc
+from torch.nn.parallel import DistributedDataParallel
+recovery = ddp_hpc.InJobRecovery(os.environ.get("BACKEND", "gloo"))
+model = torch.nn.Linear(2, 2)
+recovery.run(lambda ddp_model: None, model=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters()))
+"""
+
+
+@pytest.mark.multiproc
+def test_a_users_mistake_under_recover_exits_2_on_every_rank_in_one_line_and_spends_no_recovery(tmp_path):
+    """Two ranks under ``launch --recover 1`` give ``InJobRecovery.run`` a DDP-wrapped model:
+    each exits 2 with one line (no traceback), the launch starts no replacement and ends with 2."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env, ddp_hpc_command
+
+    script = tmp_path / "mistaken.py"
+    script.write_text(MISTAKEN_SCRIPT)
+    result = subprocess.run([*ddp_hpc_command(), "launch", "--nproc", "2", "--recover", "1", "--", sys.executable,
+                             str(script)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output and "replacement started" not in output, output[-3000:]
+    assert "no in-job recovery is spent on it" in output
+    refusals = [line for line in output.splitlines() if "InJobRecovery.run takes the model itself" in line]
+    assert len(refusals) == 2 and {line.split(":")[0] for line in refusals} == {"rank 0", "rank 1"}, output[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "xccl", "ccl"])
+def test_a_backend_in_job_recovery_cannot_leave_is_refused_on_the_rank_in_one_line(monkeypatch, backend):
+    """Under a recovering launch (its store's address set), ``InJobRecovery`` refuses NCCL,
+    XCCL and oneCCL at once, before it connects anywhere: exit 2 uncaught, one line."""
+    from ddp_hpc.contract import RECOVERY_STORE_VAR
+    from ddp_hpc.engine.recovery import InJobRecovery
+
+    with pytest.raises(UserError, match=f"in-job recovery runs over gloo only for now, not {backend}") as refused:
+        InJobRecovery(backend, environ={RECOVERY_STORE_VAR: "127.0.0.1:1", "RANK": "1"})
+    assert isinstance(refused.value, SystemExit) and refused.value.code == 2
+    assert "\n" not in str(refused.value)
+
+
+def test_a_backend_this_torch_lacks_is_refused_in_one_line_without_a_recovering_launch():
+    from ddp_hpc.engine.recovery import InJobRecovery
+
+    with pytest.raises(UserError, match=r"InJobRecovery\('nccl'\): this torch \(.*\) has no nccl backend"):
+        InJobRecovery("nccl", environ={})
+
+
+def test_a_warm_spare_on_another_node_takes_a_local_rank_of_that_node():
+    """A spare started as node 1's first rank (RANK 2, LOCAL_RANK 0 of 2 per node) that takes
+    slot 3 is local rank 1 there, not 3 (outside the node's devices)."""
+    from ddp_hpc.engine.recovery import spare_places
+
+    assert spare_places({"RANK": "2", "LOCAL_RANK": "0"}, 3) == {"RANK": "3", "LOCAL_RANK": "1"}
+    assert spare_places({"RANK": "0", "LOCAL_RANK": "0"}, 1) == {"RANK": "1", "LOCAL_RANK": "1"}
 
 
 @pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
@@ -171,35 +233,72 @@ def test_a_warm_spare_with_shrinking_is_refused():
         RecoveryLimits(1, shrink=True, warm_spare=True)
 
 
-def test_a_replacement_takes_the_lost_ranks_streams_of_the_step_before_only_where_the_step_drew_nothing():
+def test_a_ranks_streams_after_any_step_are_rebuilt_from_its_base_seed_alone():
+    """What lets a rank lost anywhere in a step be replaced: its streams after step N are
+    ``step_seed(base, N)``'s, whatever it drew before; other steps and bases differ."""
+    import torch
+
+    from ddp_hpc.engine.rng import capture_rng, seed_for_step, step_seed
+
+    def same_streams(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same_streams(a[key], b[key]) for key in a)
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    seed_for_step(1001, 7)
+    after_7 = capture_rng()
+    torch.rand(3)
+    seed_for_step(1001, 7)
+    assert same_streams(after_7, capture_rng())
+    seed_for_step(1001, 8)
+    assert not same_streams(after_7, capture_rng())
+    seed_for_step(1002, 7)
+    assert not same_streams(after_7, capture_rng())
+    assert len({step_seed(base, step) for base in range(1000, 1004) for step in range(4)}) == 16
+
+
+def test_a_replacement_takes_the_base_seed_its_slot_left_in_the_store_not_its_own():
     import torch
 
     from ddp_hpc.engine import recovery_store as keys
-    from ddp_hpc.engine.recovery import InJobRecovery, RecoveryError, same_rng
-    from ddp_hpc.engine.rng import capture_rng
+    from ddp_hpc.engine.recovery import InJobRecovery
 
-    before = capture_rng()
-    assert same_rng(before, capture_rng())  # nothing drawn
-    torch.rand(1)
-    after = capture_rng()
-    assert not same_rng(before, after)
+    store = keys.LaunchStore()
+    torch.manual_seed(1002)
+    first = object.__new__(InJobRecovery)
+    first.slot, first._store, first.enabled, first.generation, first._checkpointer = 2, store.store, True, 0, None
+    assert first._base_seed() == 1002
+    torch.manual_seed(0)  # a warm spare seeds before it knows its slot
+    replacement = object.__new__(InJobRecovery)
+    replacement.slot, replacement._store, replacement.enabled, replacement.generation = 2, store.store, True, 1
+    replacement._checkpointer = None
+    assert replacement._base_seed() == 1002
 
-    class Store:  # the lost rank 2 completed step 6 and was lost after its all-reduce of step 7
-        def get(self, key: str) -> bytes:
-            return {keys.rng_key(2, 6): keys.rng_to_bytes(6, after), keys.rng_key(2, 7): keys.rng_to_bytes(5, before)}[key]
 
-    joining = object.__new__(InJobRecovery)
-    joining.slot, joining._store = 2, Store()
-    assert same_rng(joining._rng_after(6, joining=True), after)  # its copy of the very step
-    assert same_rng(joining._rng_after(7, joining=True, drew_nothing=True), after)
-    with pytest.raises(RecoveryError, match="lost after its all-reduce"):
-        joining._rng_after(7, joining=True, drew_nothing=False)
+def test_a_restart_takes_the_base_seed_its_checkpoint_kept_not_the_seed_the_restore_left(tmp_path):
+    """Restoring a checkpoint restores the streams, which reseeds torch with the step's seed:
+    the base comes from the rank's own part of the checkpoint (the Checkpointer's rank
+    extras), so that a restart in place goes on with the streams the run without it had."""
+    import torch
+    from torch import nn
 
-    survivor = object.__new__(InJobRecovery)
-    survivor._rng = {6: before, 7: capture_rng()}
-    assert not survivor._drew_nothing(7)  # torch.rand above drew between its copies
-    survivor._rng = {6: after, 7: capture_rng()}
-    assert survivor._drew_nothing(7) and not survivor._drew_nothing(8)
+    from ddp_hpc import Checkpointer
+    from ddp_hpc.engine.recovery import STREAM_SEED, InJobRecovery
+    from ddp_hpc.engine.rng import seed_for_step, step_seed
+
+    saving = Checkpointer(tmp_path, {"model": nn.Linear(2, 2)})
+    saving.rank_extras[STREAM_SEED] = 1001
+    seed_for_step(1001, 5)
+    saving.step = 5
+    saving.save(wait=True)
+    torch.manual_seed(0)
+    restarted = Checkpointer(tmp_path, {"model": nn.Linear(2, 2)})
+    restarted.restore()
+    assert torch.initial_seed() == step_seed(1001, 5) and restarted.rank_extras == {STREAM_SEED: 1001}
+    recovery = object.__new__(InJobRecovery)
+    recovery.slot, recovery._store, recovery.enabled, recovery.generation = 0, None, False, 0
+    recovery._checkpointer = restarted
+    assert recovery._base_seed() == 1001
 
 
 #: A rank that stops (75) on SIGUSR2. A replacement (or a warm spare) installs its handler only
@@ -464,5 +563,5 @@ def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(mo
         monkeypatch.setenv(name, value)
     summary = ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}"])
     assert summary.status.value == "completed" and summary.global_step == 16
-    assert keys.rng_from_bytes(store.store.get(keys.rng_key(0, 16)))[0] == 16
+    assert int(store.store.get(keys.seed_key(0))) == 0  # its base seed (training.seed + rank), for a replacement
     assert not store.ready(0)

@@ -88,8 +88,8 @@ def test_in_job_recovery_s_checks_run_on_this_torch(stack):
     """``InJobRecovery.run`` refuses an FSDP2 model by its class, which torch < 2.6 keeps
     only in ``torch.distributed._composable.fsdp``: a DDP model must pass on every torch
     (on 2.5 the import failed and every rank of a ``--recover`` launch exited 1)."""
-    result = stack.run([stack.bin("python"), "-c", "import torch; from ddp_hpc.engine.recovery import refuse_sharded; "
-                        "refuse_sharded(torch.nn.Linear(2, 2)); print('passed')"], timeout=120)
+    result = stack.run([stack.bin("python"), "-c", "import torch; from ddp_hpc.engine.recovery import run_refusal; "
+                        "assert run_refusal(torch.nn.Linear(2, 2), None) is None; print('passed')"], timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "passed", result.stderr[-3000:]
 
 

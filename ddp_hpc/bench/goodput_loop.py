@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--step-work", type=float, default=0.0,
+                        help="seconds of the loop's own work after each optimizer step, before step_done")
     args = parser.parse_args(argv)
 
     import torch
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(ddp_model(x), y).backward()
                 optimizer.step()
+                if args.step_work:  # the loop's own work (logging, metrics) between the step and step_done
+                    time.sleep(args.step_work)
                 save_started.clear()
                 recovery.step_done()  # counts, moves the sampler on, saves at the cadence
                 ended = save_started[0] if save_started else time.time()  # the save excluded

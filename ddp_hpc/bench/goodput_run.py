@@ -15,7 +15,9 @@ Each arm runs the same loop (``bench/goodput_loop.py``: the same steps, a checkp
 Faults come at a fixed rate: the k-th is due ``k * interval_s`` after training started
 (every rank completed a step; the start-up before it counts in the wall time all the
 same), and is sent once every rank has completed a step since the previous fault (a fault
-lands in training, not in a recovery). Which rank, and whether it is killed (SIGKILL) or frozen
+lands in training, not in a recovery). With ``step_work_s`` each step ends with that much
+of the loop's own work between the optimizer step and ``step_done`` (logging, metrics: a
+pause), so that faults land in every part of a step, that window included. Which rank, and whether it is killed (SIGKILL) or frozen
 (SIGSTOP, found by ``--hang-timeout``), come from one seeded schedule, the same for every
 arm. The arms alternate round by round (a, b, c, a, b, c, ...). ``bench/goodput.py``
 computes the figures from the ranks' logs.
@@ -63,6 +65,7 @@ class GoodputPlan:
     rounds: int = 1
     checkpoint_every: int = 50
     hang_timeout_s: float = 5.0
+    step_work_s: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = [arm for arm in self.arms if arm not in ARMS]
@@ -74,6 +77,8 @@ class GoodputPlan:
             raise UserError(f"--goodput-ranks {self.world_size}: at least 2 (a fault needs a survivor)")
         if self.duration_s <= 0 or self.interval_s <= 0 or self.hang_timeout_s <= 0:
             raise UserError("--goodput-minutes, --goodput-interval and --goodput-hang-timeout must be > 0")
+        if self.step_work_s < 0:
+            raise UserError(f"--goodput-step-work {self.step_work_s:g}: seconds, at least 0")
         if self.rounds < 1 or self.checkpoint_every < 1:
             raise UserError("--goodput-rounds and --goodput-checkpoint-every must be >= 1")
 
@@ -174,7 +179,8 @@ def _launch_argv(arm: str, plan: GoodputPlan, run_dir: Path) -> list[str]:
              "requeue": ["--max-restarts", "0"]}[arm]
     return [sys.executable, "-m", "ddp_hpc", "launch", "--nproc", str(plan.world_size), *flags, "--",
             sys.executable, "-m", "ddp_hpc.bench.goodput_loop", "--run-dir", str(run_dir),
-            "--checkpoint-every", str(plan.checkpoint_every), "--hang-timeout", f"{plan.hang_timeout_s:g}"]
+            "--checkpoint-every", str(plan.checkpoint_every), "--hang-timeout", f"{plan.hang_timeout_s:g}",
+            "--step-work", f"{plan.step_work_s:g}"]
 
 
 def _environment(launch_index: int) -> dict[str, str]:
@@ -239,7 +245,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def format_table(section: dict[str, Any]) -> str:
     plan = section["plan"]
     lines = ["", f"== goodput ({plan['world_size']} ranks, a {plan['fault']} every {plan['interval_s']:g} s, "
-                 f"{plan['duration_s']:g} s per arm, checkpoint every {plan['checkpoint_every']} steps) =="]
+                 f"{plan['duration_s']:g} s per arm, checkpoint every {plan['checkpoint_every']} steps"
+                 f"{', ' + format(plan['step_work_s'], 'g') + ' s of work after each step' if plan.get('step_work_s') else ''}) =="]
     lines.append(f"{'arm':<8} {'round':>5} {'goodput':>8} {'faults':>6} {'median kill->next step':>23} "
                  f"{'median kill->progress':>22} {'steps counted/completed':>24}")
     for run in section["runs"]:

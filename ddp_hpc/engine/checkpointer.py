@@ -331,6 +331,10 @@ class Checkpointer:
         self.directory = Path(folder) / CHECKPOINTS_DIR
         self.objects = dict(objects)
         self.extras: dict[str, Any] = extras if extras is not None else {}
+        #: Plain data of this rank's own (its streams' base seed under InJobRecovery, say):
+        #: saved in the rank's own part of each checkpoint beside its RNG streams, restored
+        #: into this dict where the checkpoint has a part of this rank's.
+        self.rank_extras: dict[str, Any] = {}
         self.every_n_steps, self.every_n_epochs, self.keep_last = every_n_steps, every_n_epochs, keep_last
         self.format: CheckpointFormat = (make_format(format, background=background) if isinstance(format, str)
                                          else format)
@@ -375,6 +379,7 @@ class Checkpointer:
         self.step = self._saved_step = int(state["step"])
         self._saved_path = loaded.path
         self.resumed = loaded
+        self.rank_extras.update(mine.get("rank_extras") or {})
         if "rng" in mine:
             restore_rng(mine["rng"])
         elif self.group.is_rank_zero:
@@ -457,7 +462,8 @@ class Checkpointer:
         shared = {"format": files.FORMAT_VERSION, "step": self.step, "extras": dict(self.extras),
                   "progress": self.progress()}
         self._saved_path = self.format.save(self.group, self.directory, self.step, self.objects, shared,
-                                            {"rng": capture_rng()}, keep_last=self.keep_last, best=best)
+                                            {"rng": capture_rng(), "rank_extras": dict(self.rank_extras)},
+                                            keep_last=self.keep_last, best=best)
         self._saved_step = self.step
         self.last_save_s = time.perf_counter() - started
         self._report(self.format.finished())

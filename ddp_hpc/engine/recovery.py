@@ -17,15 +17,23 @@ ended by the launch, which closes it):
    ``Checkpointer`` (``torch.save`` into bytes, broadcast as one uint8 tensor, read with
    ``torch.load(weights_only=True)``: only tensors and plain data travel); ranks one step
    ahead (they finished the failed step's all-reduce before the peer's loss reached them)
-   go back to it, and every rank takes its RNG streams as they were after that step (its
-   own copy; a replacement reads the lost rank's from the store, where each rank leaves
-   them every step);
+   go back to it, and every rank takes its RNG streams as they were after that step: they
+   are derived from the rank's base seed and the step (``step_done`` reseeds every stream
+   with ``step_seed(base, step)``), so a replacement rebuilds the lost rank's from its base
+   seed, which each rank leaves in the store once. Nothing of a step needs to have reached
+   ``step_done`` for that: a rank lost anywhere in a step (after its all-reduce, in the
+   work before ``step_done``, in a save) is recovered alike;
 5. the loop's ``Checkpointer`` and ``StopAgreement`` are pointed at the new group (its
    rank 0 writes the checkpoints), DDP is wrapped anew on it and the training function is
    called again: it continues from the sampler's position, redoing the step that failed.
 
+A replacement that dies while the group forms, or a second loss during a recovery, is one
+more loss: the survivors leave the half-formed group and wait for the launch's next plan.
+When the launch gives up (no recovery left), it says so in a last plan, and every survivor
+ends at once (``RecoveryError``) for the restart in place.
+
 No checkpoint is read and no completed step is lost. Unlike torchft (a quorum and a commit
-vote every step), nothing is added to a step but an RNG copy to the store: the launch that
+vote every step), nothing is added to a step but a reseed of the streams: the launch that
 started the ranks sees which one ended, so no per-step agreement is needed.
 
 Limits: DDP only (FSDP2's shards exist once; refused). The state travels in one
@@ -59,11 +67,12 @@ from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVE
 from ddp_hpc.engine import recovery_store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
+from ddp_hpc.engine.recovery_backends import backend_refusal
 from ddp_hpc.engine.recovery_record import RecoveryEvent, write_recovery
-from ddp_hpc.engine.rng import capture_rng, restore_rng
+from ddp_hpc.engine.rng import seed_for_step
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
-from ddp_hpc.errors import UserError
+from ddp_hpc.errors import RefusedOnRank
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +87,17 @@ def is_collective_error(exc: BaseException) -> bool:
 
 #: Seconds a rank waits for the next group to form when the launch does not say.
 DEFAULT_WAIT_S = 120.0
+#: The Checkpointer's rank extra that keeps a rank's base seed across a restart.
+STREAM_SEED = "stream_seed"
 
 
 class RecoveryError(RuntimeError):
-    """The job cannot recover in place (no new group in time, a lost RNG stream): the rank
+    """The job cannot recover in place (no new group in time, the launch gave up): the rank
     exits with a failure and the launch restarts in place from the newest checkpoint."""
+
+
+class Superseded(RuntimeError):
+    """The group being formed lost a member before it formed: the next plan follows."""
 
 
 class InJobRecovery:
@@ -100,6 +115,14 @@ class InJobRecovery:
                  heartbeat_s: float = 0.25, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
+        self.slot = int(env.get("RANK", "0"))
+        self.enabled = env.get(RECOVERY_STORE_VAR) is not None
+        if self.enabled and (why := backend_refusal(backend)) is not None:
+            raise RefusedOnRank(why, self.slot)
+        available = getattr(dist, "is_backend_available", None)  # torch >= 2.4
+        if available is not None and not available(backend):
+            raise RefusedOnRank(f"InJobRecovery({backend!r}): this torch ({torch.__version__}) has no {backend} "
+                                f"backend", self.slot)
         # A DDP that rebuilds its buckets after its first step lays the gradients out anew, and
         # gloo's ring then sums some of them in another order: the step after a re-wrap would
         # differ in the last bits from the same step without a recovery. With
@@ -107,7 +130,6 @@ class InJobRecovery:
         # should_rebuild_buckets), so every wrap sums in the same order.
         self.ddp_kwargs = {"find_unused_parameters": True, **(ddp_kwargs or {})}
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
-        self.slot = int(env.get("RANK", "0"))
         self._launch_world_size = int(env.get("WORLD_SIZE", "1"))
         self.generation = int(env.get(RECOVERY_GENERATION_VAR, "0"))
         self.wait_s = float(env.get(RECOVERY_WAIT_VAR, DEFAULT_WAIT_S))
@@ -120,13 +142,14 @@ class InJobRecovery:
         self._sampler: Any = None
         self._checkpointer: Checkpointer | None = None
         self._stop_agreement: StopAgreement | None = None
-        self._rng: dict[int, dict[str, Any]] = {}
+        #: The base of this slot's streams (``step_seed``): set in ``run``.
+        self.seed: int | None = None
+        self._repeated = 0
         self._pending: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._group_fds: set[int] = set()
         self._heartbeat: threading.Thread | None = None
-        self.enabled = address is not None
         if address is None:
             log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
                         "the job and the launcher restarts it in place")
@@ -139,8 +162,11 @@ class InJobRecovery:
             self.slot = self._wait_as_spare(spare)
             self.generation = int(self._store.get(keys.LATEST_KEY))
             if environ is None:  # from here on this process is the rank it replaces, to the script too
-                os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(self.slot)
-        self._form(self.generation, self._plan(self.generation) if self.generation else None)
+                os.environ.update(spare_places(env, self.slot))
+        if self.generation:  # a replacement: the group of the newest plan
+            self._form_newest(self._plan(self.generation))
+        else:
+            self._form(0, None)
         self._heartbeat = threading.Thread(target=self._beat, args=(address, heartbeat_s), daemon=True,
                                            name="ddp_hpc-recovery-heartbeat")
         self._heartbeat.start()
@@ -175,25 +201,25 @@ class InJobRecovery:
         ids, a communication hook) should keep ``find_unused_parameters=True`` for the
         reason given in the class's ``__init__``.
         """
-        refuse_sharded(model)
-        if isinstance(model, DistributedDataParallel):
-            raise UserError("InJobRecovery.run takes the model itself: it wraps it in DDP for each group")
-        if checkpointer is not None and any(isinstance(obj, DistributedDataParallel)
-                                            for obj in checkpointer.objects.values()):
-            raise UserError("InJobRecovery.run: give the Checkpointer the model itself, not its DDP wrapper "
-                            "(each group gets a wrapper of its own)")
+        why = run_refusal(model, checkpointer)
+        if why is not None:  # the same on every rank: each exits 2, and the launch spends no recovery on it
+            raise RefusedOnRank(why, self.slot)
         self._model, self._optimizer, self._sampler = model, optimizer, sampler
         self._checkpointer, self._stop_agreement = checkpointer, stop
         if checkpointer is not None:
             self.step = checkpointer.step  # a restored checkpoint's step
+        self.seed = self._base_seed()
         self._follow_group()
         if self.joining:
-            self._transfer(self._plan(self.generation), joining=True)
+            self._join_next(self._plan(self.generation), joining=True)
         else:
-            self._keep_rng()
+            seed_for_step(self.seed, self.step)
+        recovered = self.joining  # every member of a new group makes the broken save again, a replacement too
         while True:
             wrapped = None
             try:
+                if recovered and checkpointer is not None:  # a save the loss broke (a no-op where it was done)
+                    checkpointer.save_due()
                 # Inside the try: DDP's constructor checks the parameters with a collective,
                 # which fails like any other when a peer is lost while the group is new.
                 wrapped = wrap(model) if wrap is not None else DistributedDataParallel(model, **self.ddp_kwargs)
@@ -207,11 +233,14 @@ class InJobRecovery:
             del wrapped
             gc.collect()
             self._recover()
+            recovered = True
 
     def step_done(self, batches: int = 1, *, epoch_ends: bool = False, save: bool = True) -> None:
         """One optimizer step is complete on this rank: counts it, advances the sampler (or,
         with a ``checkpointer``, its ``step_done``: the count, its samplers, then its cadence's
-        save) and leaves this rank's RNG streams where a replacement finds them.
+        save) and reseeds this rank's streams for the next step (``step_seed(seed, step)``:
+        torch's, every accelerator's, numpy's and Python's), so that whoever replaces it can
+        rebuild them.
         ``epoch_ends`` and ``save`` as in ``Checkpointer.step_done`` (``save=False``: the
         caller calls ``checkpointer.save_due()`` itself, once the step's other bookkeeping,
         its callbacks say, is done)."""
@@ -221,7 +250,9 @@ class InJobRecovery:
             checkpointer.step_done(batches, epoch_ends=epoch_ends, save=False)
         if self._sampler is not None and not self._advanced_by_checkpointer(self._sampler):
             self._sampler.advance(batches)
-        self._keep_rng()
+        if self.seed is None:  # step_done outside run(): the streams' base is the seed the script set
+            self.seed = torch.initial_seed()
+        seed_for_step(self.seed, self.step)
         if self._pending is not None:
             self._finish_recovery()
         if checkpointer is not None and save:  # a collective: a peer lost in it is recovered from this step on
@@ -246,7 +277,11 @@ class InJobRecovery:
         except (dist.DistStoreError, RuntimeError) as exc:
             raise RecoveryError(f"rank {self.slot}: no new group from the launch within {self.wait_s:g} s "
                                 f"({RECOVERY_WAIT_VAR}); the launch restarts the job in place") from exc
-        return keys.Plan.from_json(self._store.get(keys.plan_key(generation)))
+        plan = keys.Plan.from_json(self._store.get(keys.plan_key(generation)))
+        if plan.gave_up:
+            raise RecoveryError(f"rank {self.slot}: the launch gave up in-job recovery after losing rank {plan.lost} "
+                                f"({plan.cause}); it restarts the job in place")
+        return plan
 
     def _wait_as_spare(self, spare: str) -> int:
         """A warm spare (``ddp-hpc launch --warm-spare``): torch is imported and the script
@@ -269,12 +304,32 @@ class InJobRecovery:
             raise RecoveryError(f"rank {self.slot} is not in group {generation}")
         else:
             rank, world_size = plan.ranks[self.slot], plan.world_size
+            self._await_members(plan)
         before = socket_fds()
-        dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(generation), self._store),
-                                rank=rank, world_size=world_size, timeout=self.collective_timeout)
-        with self._lock:
-            self._group_fds = socket_fds() - before
-            self.generation = generation
+        try:
+            dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(generation), self._store),
+                                    rank=rank, world_size=world_size, timeout=self.collective_timeout)
+        finally:  # a group that failed to form leaves its sockets to be shut down too
+            with self._lock:
+                self._group_fds = socket_fds() - before
+        self.generation = generation
+
+    def _await_members(self, plan: keys.Plan) -> None:
+        """Every member of ``plan`` has come to form it, before any connects: a member that
+        died starting (a replacement) would otherwise hold the others in torch's rendezvous
+        for the collective timeout. The last to come says so in the store; so does the
+        launch when it publishes a newer plan (it saw that death), which ends the wait."""
+        assert self._store is not None
+        joined = keys.joined_key(plan.generation)
+        if int(self._store.add(joined, 1)) == plan.world_size:
+            self._store.set(keys.formed_key(plan.generation), "1")
+        try:
+            self._store.wait([keys.formed_key(plan.generation)], timedelta(seconds=self.wait_s))
+        except (dist.DistStoreError, RuntimeError) as exc:
+            raise RecoveryError(f"rank {self.slot}: group {plan.generation} did not gather its {plan.world_size} "
+                                f"members within {self.wait_s:g} s ({RECOVERY_WAIT_VAR})") from exc
+        if int(self._store.add(joined, 0)) < plan.world_size:
+            raise Superseded(f"group {plan.generation} lost a member before it formed")
 
     def _break_group(self) -> None:
         """Shut the current group's connections down, so that every collective of it fails
@@ -303,21 +358,57 @@ class InJobRecovery:
             self._group_fds = set()
 
     def _recover(self) -> None:
+        self._leave_group()
+        self._join_next(self._plan(self.generation + 1), joining=False)
+
+    def _join_next(self, plan: keys.Plan, joining: bool) -> None:
+        """Form the group of ``plan`` (or of a newer one) and take the state. A member lost
+        meanwhile (a replacement that dies starting, a second loss) fails the forming or the
+        transfer: that is one more loss, and the launch's next plan follows."""
+        while True:
+            if plan.generation != self.generation or not dist.is_initialized():
+                plan = self._form_newest(plan)
+            try:
+                self._transfer(plan, joining=joining)
+                return
+            except RecoveryError:
+                raise
+            except RuntimeError as exc:  # DistError is one
+                self._failed(plan, exc)
+            plan = self._plan(plan.generation + 1)
+
+    def _form_newest(self, plan: keys.Plan) -> keys.Plan:
+        """Form the group of ``plan``, or of the newest plan where the launch published a
+        newer one meanwhile or one comes while this one forms; the plan formed."""
         assert self._store is not None
+        while True:
+            latest = int(self._store.get(keys.LATEST_KEY))
+            if latest > plan.generation:  # another rank was lost meanwhile: join the newest group
+                plan = self._plan(latest)
+            try:
+                self._form(plan.generation, plan)
+                return plan
+            except RecoveryError:
+                raise
+            except RuntimeError as exc:  # Superseded; gloo's failed connect to a member that died
+                self._failed(plan, exc)
+            plan = self._plan(plan.generation + 1)
+
+    def _failed(self, plan: keys.Plan, exc: BaseException) -> None:
+        log.warning("rank %d: group %d failed before training went on (%s): waiting for the next plan", self.slot,
+                    plan.generation, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        self._leave_group()
+
+    def _leave_group(self) -> None:
         self._break_group()
-        dist.destroy_process_group()
-        plan = self._plan(self.generation + 1)
-        latest = int(self._store.get(keys.LATEST_KEY))
-        if latest != plan.generation:  # another rank was lost meanwhile: join the newest group
-            plan = self._plan(latest)
-        self._form(plan.generation, plan)
-        self._transfer(plan, joining=False)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # ----- state --------------------------------------------------------------------------
 
     def _transfer(self, plan: keys.Plan, joining: bool) -> None:
         """Agree on the step to continue from, send the state from the lowest rank there,
-        and take this rank's RNG streams as they were after that step."""
+        and set this rank's streams to those after that step."""
         formed = time.time()
         self._follow_group()
         mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
@@ -326,14 +417,11 @@ class InJobRecovery:
         done = [int(step) for step in steps]
         step = min(s for s in done if s >= 0)
         source = done.index(step)
-        # Did the step draw nothing from the RNG on any survivor (no dropout, say)? Then a lost
-        # rank's streams after it are those after the step before.
-        drew_nothing = torch.tensor([1 if joining or self._drew_nothing(step) else 0], dtype=torch.int64)
-        dist.all_reduce(drew_nothing, op=dist.ReduceOp.MIN)
-        self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source))
-        restore_rng(self._rng_after(step, joining, bool(drew_nothing.item())))
+        self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source),
+                   shrunk=not plan.replaced)
+        assert self.seed is not None
+        seed_for_step(self.seed, step)
         self.step = step
-        self._rng = {step: capture_rng()}
         if self._stop_agreement is not None:
             self._stop_agreement.continue_at(step)
         self._pending = {"plan": plan, "group_s": formed - plan.detected_at,
@@ -368,41 +456,38 @@ class InJobRecovery:
             state["checkpointer"] = self._checkpointer.bookkeeping()
         return state
 
-    def _load(self, state: dict[str, Any]) -> None:
+    def _load(self, state: dict[str, Any], shrunk: bool) -> None:
+        self._repeated = 0
         for name, obj in self._objects().items():
             if isinstance(obj, ResumableSampler):  # dealt out over the new group
                 obj.num_replicas, obj.rank = dist.get_world_size(), dist.get_rank()
             obj.load_state_dict(state["objects"][name])
+            if isinstance(obj, ResumableSampler) and shrunk:
+                self._repeated = max(self._repeated, obj.repeated)
         if self._checkpointer is not None:
             self._checkpointer.continue_from(state["checkpointer"])
 
-    def _drew_nothing(self, step: int) -> bool:
-        """This rank's streams after ``step`` are the same as after the step before."""
-        return step - 1 in self._rng and step in self._rng and same_rng(self._rng[step - 1], self._rng[step])
-
-    def _rng_after(self, step: int, joining: bool, drew_nothing: bool = False) -> dict[str, Any]:
-        if not joining:
-            if step not in self._rng:
-                raise RecoveryError(f"rank {self.slot} has no RNG state of step {step}")
-            return self._rng[step]
-        assert self._store is not None
-        saved_step, state = keys.rng_from_bytes(self._store.get(keys.rng_key(self.slot, step)))
-        if saved_step == step:
-            return state
-        # Lost after its all-reduce of ``step`` and before its step_done: the copy of the step
-        # before serves where the step drew nothing from the RNG on any survivor.
-        saved_step, state = keys.rng_from_bytes(self._store.get(keys.rng_key(self.slot, step - 1)))
-        if saved_step == step - 1 and drew_nothing:
-            return state
-        raise RecoveryError(f"the lost rank {self.slot} left no RNG streams of step {step} (it was lost after its "
-                            f"all-reduce, and the step draws from the RNG)")
-
-    def _keep_rng(self) -> None:
-        state = capture_rng()
-        self._rng = {s: kept for s, kept in self._rng.items() if s == self.step - 1}
-        self._rng[self.step] = state
+    def _base_seed(self) -> int:
+        """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
+        at ``run``: what the script seeded), or, after a restore, the one the checkpoint kept
+        in this rank's part (restoring the streams reseeded torch with a step's seed). Kept
+        in the Checkpointer's rank extras for a restart, and in the store for replacements,
+        which take it from there whatever they seeded (a warm spare seeded before it had a
+        slot)."""
+        kept = self._checkpointer.rank_extras.get(STREAM_SEED) if self._checkpointer is not None else None
+        base = int(kept) if kept is not None else torch.initial_seed()
         if self._store is not None:
-            self._store.set(keys.rng_key(self.slot, self.step), keys.rng_to_bytes(self.step, state))
+            key = keys.seed_key(self.slot)
+            if self.joining and self._store.check([key]):
+                base = int(self._store.get(key))
+            else:
+                if self.joining:
+                    log.warning("rank %d: the rank it replaces left no seed (lost before its first step): using "
+                                "its own", self.slot)
+                self._store.set(key, str(base))
+        if self._checkpointer is not None:
+            self._checkpointer.rank_extras[STREAM_SEED] = base
+        return base
 
     def _finish_recovery(self) -> None:
         pending, self._pending = self._pending, None
@@ -412,7 +497,7 @@ class InJobRecovery:
                               replaced=plan.replaced, world_size=plan.world_size, step=self.step - 1,
                               detected_at=plan.detected_at,
                               group_s=round(pending["group_s"], 4), transfer_s=round(pending["transfer_s"], 4),
-                              recover_s=round(time.time() - plan.detected_at, 4))
+                              recover_s=round(time.time() - plan.detected_at, 4), repeated_samples=self._repeated)
         self.recoveries.append(event)
         if dist.get_rank() == 0:
             assert self._store is not None
@@ -434,15 +519,11 @@ class InJobRecovery:
             return  # the launch is gone: nothing to tell
 
 
-def same_rng(a: Any, b: Any) -> bool:
-    """Two ``capture_rng`` states are equal."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_rng(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_rng(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return bool(a == b)
+def spare_places(env: Mapping[str, str], slot: int) -> dict[str, str]:
+    """``RANK`` and ``LOCAL_RANK`` of a warm spare that takes ``slot``: it started with its
+    node's first rank's (``env``), so the node's slots start at ``RANK - LOCAL_RANK``."""
+    first_here = int(env.get("RANK", "0")) - int(env.get("LOCAL_RANK", "0"))
+    return {"RANK": str(slot), "LOCAL_RANK": str(slot - first_here)}
 
 
 def broadcast_state(state: dict[str, Any] | None, source: int) -> dict[str, Any]:
@@ -497,14 +578,25 @@ def socket_fds() -> set[int]:
     return fds
 
 
-def refuse_sharded(model: nn.Module) -> None:
-    """FSDP2 keeps each shard once: a lost rank's part is gone (issue 31 leaves it for later)."""
+def run_refusal(model: nn.Module, checkpointer: Checkpointer | None) -> str | None:
+    """Why ``InJobRecovery.run`` cannot take ``model`` (one line), or None."""
+    if is_sharded(model):
+        return ("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost rank's "
+                "part is gone; use --max-restarts (restart from the newest checkpoint)")
+    if isinstance(model, DistributedDataParallel):
+        return "InJobRecovery.run takes the model itself: it wraps it in DDP for each group"
+    if checkpointer is not None and any(isinstance(obj, DistributedDataParallel)
+                                        for obj in checkpointer.objects.values()):
+        return ("InJobRecovery.run: give the Checkpointer the model itself, not its DDP wrapper (each group gets "
+                "a wrapper of its own)")
+    return None
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """``model`` or a module in it is sharded by FSDP2 (``fully_shard``)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6 has it only where fully_shard was born
         from torch.distributed._composable.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise UserError("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost "
-                        "rank's part is gone; use --max-restarts (restart from the newest checkpoint)")
-
+    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())

@@ -24,7 +24,8 @@ class RecoveryEvent:
     cause: str
     replaced: bool
     world_size: int
-    #: The step every rank continued from (the failed step is the next one).
+    #: The step every rank continued from: the last step every survivor completed (counted
+    #: by ``step_done``, from 1); the step the loss broke, step + 1, is done again.
     step: int
     #: ``time.time()`` when the launch saw the loss.
     detected_at: float
@@ -33,6 +34,9 @@ class RecoveryEvent:
     group_s: float
     transfer_s: float
     recover_s: float
+    #: After a shrink: samples of the rest of the epoch that the new group trains twice,
+    #: because the rest does not divide over its ranks (the sampler's padding; 0 otherwise).
+    repeated_samples: int = 0
 
 
 def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:

@@ -12,8 +12,11 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
   whose counter stands still (a frozen process: SIGSTOP, a hang holding the interpreter).
 - ``ready/<slot>``: the rank takes part in in-job recovery (``InJobRecovery`` started);
   a launch recovers only when every live rank did.
-- ``rng/<slot>/<step % 2>``: the rank's RNG streams after its last two steps, for its
-  replacement.
+- ``seed/<slot>``: the base seed of the rank's streams (set once; its replacement takes
+  it: the streams after any step are ``step_seed(base, step)``).
+- ``joined/<generation>``: members of that group that came to form it (a counter), and
+  ``formed/<generation>``: all of them came (set by the last), or a newer plan let the
+  group go (set by the launch), so that none connects to a member that died starting.
 - ``recovered/<generation>``: that group completed its first step (set by its rank 0).
 - ``spare/<id>``: the slot a warm spare takes (``--warm-spare``), set by the launch when
   it chooses the spare to replace a lost rank.
@@ -29,13 +32,9 @@ shrink may differ.
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
-
-import torch
 import torch.distributed as dist
 
 PREFIX = "ddp_hpc/recovery/"
@@ -70,8 +69,16 @@ def spare_key(spare: str) -> str:
     return f"{PREFIX}spare/{spare}"
 
 
-def rng_key(slot: int, step: int) -> str:
-    return f"{PREFIX}rng/{slot}/{step % 2}"
+def joined_key(generation: int) -> str:
+    return f"{PREFIX}joined/{generation}"
+
+
+def formed_key(generation: int) -> str:
+    return f"{PREFIX}formed/{generation}"
+
+
+def seed_key(slot: int) -> str:
+    return f"{PREFIX}seed/{slot}"
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ class Plan:
     #: ``time.time()`` when the launch saw the loss (the rank's exit, or its frozen heartbeat).
     detected_at: float
     replaced: bool
+    #: The launch gives in-job recovery up (no recovery left, a rank's own mistake): every
+    #: survivor ends at once, and the launch restarts in place or ends.
+    gave_up: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -103,17 +113,6 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
     host, _, port = address.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
-
-
-def rng_to_bytes(step: int, state: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"step": step, "rng": state}, buffer)
-    return buffer.getvalue()
-
-
-def rng_from_bytes(data: bytes) -> tuple[int, dict[str, Any]]:
-    saved = torch.load(io.BytesIO(data), weights_only=True)
-    return int(saved["step"]), saved["rng"]
 
 
 class LaunchStore:
@@ -138,8 +137,11 @@ class LaunchStore:
 
     def publish(self, plan: Plan) -> None:
         """The plan, then ``latest`` raised to its generation (never lowered: a node
-        supervisor that drew an older generation may publish after a newer one)."""
+        supervisor that drew an older generation may publish after a newer one). The
+        group before it is let go: its members waiting for one another (``formed``) see
+        the newer plan instead of waiting for one that died."""
         self.store.set(plan_key(plan.generation), plan.to_json())
+        self.store.set(formed_key(plan.generation - 1), "superseded")
         while True:
             current = self.store.get(LATEST_KEY).decode() if self.store.check([LATEST_KEY]) else ""
             if current and int(current) >= plan.generation:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -10,9 +11,24 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
+    """Seed this process's streams: Python's ``random``, numpy's global generator and torch's
+    (the CPU's and every accelerator's)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def step_seed(base: int, step: int) -> int:
+    """The seed of the streams after ``step`` steps of a rank whose base seed is ``base``:
+    a hash, so that nearby bases and steps give unrelated streams (``base + step`` would
+    make rank 1's step 0 rank 0's step 1)."""
+    digest = hashlib.blake2b(f"{base}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: what every generator's seed takes
+
+
+def seed_for_step(base: int, step: int) -> None:
+    """Every stream as it is after ``step`` steps (``seed_everything(step_seed(base, step))``)."""
+    seed_everything(step_seed(base, step))
 
 
 def capture_rng() -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The data order: a shard per rank, a new order per epoch, resumable mid-epoch, and
-resumable on another world size with every sample of the interrupted epoch trained once.
+resumable on another world size with every sample of the interrupted epoch trained once
+(but the few that pad the rest to a multiple of the new world size: ``repeated``).
 
 The permutation depends only on (seed, epoch), never on the world size (see
 ``ddp_hpc.engine.reshard``). The Trainer moves the sampler itself (``start_epoch_at``,
@@ -90,6 +91,13 @@ class ResumableSampler(DistributedSampler):
     def advance(self, batches: int = 1) -> None:
         """``batches`` more batches of this epoch were trained (the Checkpointer calls it every step)."""
         self.batches_done += batches
+
+    @property
+    def repeated(self) -> int:
+        """Samples of this epoch's (rest of the) order dealt twice: every rank gets as many
+        (DDP's collectives need that), so where they do not divide over the ranks, the first
+        few repeat, as ``DistributedSampler`` pads (at most ``num_replicas - 1``)."""
+        return self.total_size - (len(self.dataset) - self._position)
 
     @property
     def epoch_offset(self) -> int:

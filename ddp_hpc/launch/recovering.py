@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_hpc.contract import (RECOVERY_GENERATION_VAR, RECOVERY_SHRINK_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
-                              RECOVERY_WAIT_VAR)
+                              RECOVERY_WAIT_VAR, ExitStatus)
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.supervisor import LocalRanks, start_all
 
@@ -179,15 +179,21 @@ class Recoverer:
         slot = self._slot(index)
         cause = self._causes.pop(index, describe_cause(status))
         self.used = self._store.generations()  # every node's recoveries of this attempt
+        if status == ExitStatus.USAGE:
+            log.error("rank %d exited %d (the mistake it reported in one line, the same on every rank): no in-job "
+                      "recovery is spent on it", slot, status)
+            return self._give_up(slot, cause)
         if self.used >= self.limits.max_recoveries:
             log.error("rank %d lost (%s) and no in-job recovery is left (--recover %d): restarting in place",
                       slot, cause, self.limits.max_recoveries)
-            return False
-        not_ready = [s for s in self.members if not self._store.ready(s)]
+            return self._give_up(slot, cause)
+        # A replacement still starting (this one, or another's) is not ready yet, and need not be.
+        starting = {self._slot(i) for i in self._starting} | {slot}
+        not_ready = [s for s in self.members if s not in starting and not self._store.ready(s)]
         if not_ready:
             log.error("rank %d lost (%s); rank(s) %s do not run InJobRecovery: restarting in place", slot, cause,
                       ", ".join(map(str, not_ready)))
-            return False
+            return self._give_up(slot, cause)
         survivors = [s for s in sorted(self.members) if s != slot]
         if self.limits.shrink and not survivors:
             return False
@@ -215,6 +221,17 @@ class Recoverer:
             log.warning("%srank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
                         self._where(), slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
         return True
+
+    def _give_up(self, slot: int, cause: str) -> bool:
+        """The last plan: none. Every survivor waiting for a plan, or in a collective that
+        the loss broke (its heartbeat sees ``latest`` rise), ends at once instead of waiting
+        out the launch's stop and kill."""
+        from ddp_hpc.engine.recovery_store import Plan
+
+        self._store.publish(Plan(generation=self._store.next_generation(), world_size=0, ranks={}, lost=slot,
+                                 host=socket.gethostname(), cause=cause, detected_at=time.time(), replaced=False,
+                                 gave_up=True))
+        return False
 
     def forward(self, signum: int, children: list[subprocess.Popen]) -> None:
         """The stop goes to every running rank; to a replacement that has not started

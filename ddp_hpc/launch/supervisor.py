@@ -217,6 +217,7 @@ class Supervisor:
         statuses: dict[int, int] = {}
         first_failure: int | None = None
         kill_at: float | None = None
+        failed_at = 0.0
         while len(statuses) < len(self._children):
             if self.in_job is not None and first_failure is None:
                 if self.stop_signal is None:
@@ -239,12 +240,14 @@ class Supervisor:
                     log.error("process %d of %d (pid %d) exited with status %d: ending the others",
                               index, len(self._children), child.pid, first_failure)
                     self._signal_running(signal.SIGTERM)
-                    kill_at = time.monotonic() + self.end_grace_s
+                    failed_at = time.monotonic()
+                    kill_at = failed_at + self.end_grace_s
             if kill_at is not None and time.monotonic() >= kill_at:
                 self._signal_running(signal.SIGKILL)
                 kill_at = None
             time.sleep(POLL_S)
         if first_failure is not None:
+            log.warning("the attempt's other processes ended within %.1f s", time.monotonic() - failed_at)
             return first_failure
         return ExitStatus.REQUEUE if ExitStatus.REQUEUE in statuses.values() else ExitStatus.OK
 

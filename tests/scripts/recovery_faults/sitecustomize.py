@@ -1,0 +1,66 @@
+"""Faults for tests/test_in_job_recovery.py, put exactly where each test says: Python imports
+this module at start-up in every process whose PYTHONPATH holds this folder, and it patches
+ddp_hpc's public parts in the rank in slot ``RECOVERY_FAULT_SLOT`` only.
+
+``RECOVERY_FAULT``:
+- ``window``: that rank dies (SIGKILL) after the optimizer step of step ``RECOVERY_FAULT_STEP``
+  (its all-reduce done) and before ``step_done`` counts it;
+- ``save``: it dies inside the checkpoint save of that step, once it wrote its own part
+  and before the barrier after which rank 0 writes the file that makes it count;
+- ``replacement``: as ``window``, and its first replacement dies once its new group has
+  formed, before it took the state (the survivors are in the transfer).
+
+Each death happens once per run folder (a file in ``RUN_DIR`` says it happened), so that a
+restart in place runs clean.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+FAULT = os.environ.get("RECOVERY_FAULT")
+
+
+def _die(name: str) -> None:
+    done = Path(os.environ["RUN_DIR"]) / f"fault-{name}"
+    if done.exists():
+        return
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text(f"{os.getpid()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _patch() -> None:
+    from ddp_hpc.engine import checkpoint_files
+    from ddp_hpc.engine import recovery as recovery_module
+
+    step = int(os.environ["RECOVERY_FAULT_STEP"])
+    generation = int(os.environ.get("DDP_HPC_RECOVERY_GENERATION", "0"))
+    Recovery = recovery_module.InJobRecovery
+    step_done, init, save_rank_part = Recovery.step_done, Recovery.__init__, checkpoint_files.save_rank_part
+
+    def faulty_step_done(self, *args, **kwargs):
+        if generation == 0 and FAULT in ("window", "replacement") and self.step + 1 == step:
+            _die("rank")
+        return step_done(self, *args, **kwargs)
+
+    def faulty_save_rank_part(directory, global_step, rank, part):
+        path = save_rank_part(directory, global_step, rank, part)
+        if generation == 0 and FAULT == "save" and global_step == step:
+            _die("rank")
+        return path
+
+    def faulty_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if FAULT == "replacement" and generation == 1:
+            _die("replacement")
+
+    Recovery.step_done, Recovery.__init__ = faulty_step_done, faulty_init
+    checkpoint_files.save_rank_part = faulty_save_rank_part
+
+
+# `ddp-hpc run` runs the script through its script runner: the script is the last argument.
+if FAULT and os.environ.get("RANK") == os.environ.get("RECOVERY_FAULT_SLOT") and \
+        sys.argv[-1].endswith("recovering_loop.py"):
+    _patch()
