@@ -186,6 +186,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     check_output(Path(args.output))
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.device != "auto" and not (args.checkpoints or args.mfu):
+        raise UserError(f"--device {args.device}: only --mfu and --checkpoints run on a chosen device; "
+                        "the other figures measure CPU ranks")
     if args.checkpoints:
         from ddp_hpc.bench.checkpoint_formats import run_checkpoint_formats
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, run
+from conftest import REPO, ddp_hpc_command, run
 from ddp_hpc.bench.peaks import card_peaks, mfu, training_flops_per_sample
 from ddp_hpc.builtin_jobs.synthetic import make_mlp
 
@@ -96,6 +96,14 @@ def test_the_check_fails_on_a_failed_test_or_step_and_reads_each_outcome(tmp_pat
     assert not driver.passed({"tests": [passed, failed], "steps": [ok_step]})
     assert not driver.passed({"tests": [passed, error], "steps": [ok_step]})
     assert not driver.passed({"tests": [passed], "steps": [ok_step, {"step": "bench --checkpoints", "ok": False}]})
+
+
+def test_a_device_for_the_cpu_plan_is_refused_in_one_line(tmp_path):
+    result = run([*ddp_hpc_command(), "bench", "--device", "cuda", "--output", str(tmp_path / "b.json")])
+    assert result.returncode == 2 and not (tmp_path / "b.json").exists()
+    assert result.stderr.strip().splitlines() == [
+        "ddp-hpc: error: --device cuda: only --mfu and --checkpoints run on a chosen device; the other figures "
+        "measure CPU ranks"]
 
 
 def test_without_a_gpu_it_refuses_in_one_line_unless_asked_for_the_dry_run(tmp_path, capsys):
