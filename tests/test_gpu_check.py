@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, ddp_hpc_command, run
+from conftest import REPO, clean_env, ddp_hpc_command, run
 from ddp_hpc.bench.peaks import card_peaks, mfu, training_flops_per_sample
 from ddp_hpc.builtin_jobs.synthetic import make_mlp
 
@@ -118,8 +119,10 @@ def test_without_a_gpu_it_refuses_in_one_line_unless_asked_for_the_dry_run(tmp_p
 def test_the_dry_run_runs_every_step_on_cpu_into_one_json(tmp_path):
     output = tmp_path / "gpu-check.json"
     one_test = "tests/test_gpu.py::test_bf16_autocast_runs_the_activations_in_bf16"
-    result = run([str(SCRIPT), "--cpu", str(output), "--tests", one_test],
-                 env={"PYTHON": sys.executable}, timeout=560)
+    # The pytest inside is a run of its own: none of this run's PYTEST_* variables (xdist's worker id).
+    env = {k: v for k, v in clean_env({"PYTHON": sys.executable}).items() if not k.startswith("PYTEST_")}
+    result = subprocess.run([str(SCRIPT), "--cpu", str(output), "--tests", one_test], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=560)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(output.read_text())
     about = report["gpu_check"]
