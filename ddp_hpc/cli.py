@@ -186,12 +186,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     check_output(Path(args.output))
     from ddp_hpc.bench.runner import parse_sizes, run_bench
 
+    if args.device != "auto" and not (args.checkpoints or args.mfu):
+        raise UserError(f"--device {args.device}: only --mfu and --checkpoints run on a chosen device; "
+                        "the other figures measure CPU ranks")
     if args.checkpoints:
         from ddp_hpc.bench.checkpoint_formats import run_checkpoint_formats
 
+        if args.checkpoint_saves < 1:
+            raise UserError(f"--checkpoint-saves {args.checkpoint_saves}: give at least 1")
         output = Path(args.output)
-        run_checkpoint_formats(parse_sizes(args.checkpoint_sizes, flag="--checkpoint-sizes"), args.checkpoint_mb,
-                               output, output.parent / "checkpoint-formats")
+        run_checkpoint_formats(parse_sizes(args.checkpoint_sizes, flag="--checkpoint-sizes", smallest=1),
+                               args.checkpoint_mb, output, output.parent / "checkpoint-formats",
+                               saves=args.checkpoint_saves, device=args.device)
+        return 0
+    if args.mfu:
+        from ddp_hpc.bench.device_run import run_device_bench
+
+        if args.mfu_ranks < 1:
+            raise UserError(f"--mfu-ranks {args.mfu_ranks}: give at least 1")
+        run_device_bench(Path(args.output), args.device, args.mfu_ranks, args.quick)
         return 0
     if args.goodput:
         from ddp_hpc.bench.goodput_run import GoodputPlan, run_goodput
@@ -701,6 +714,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --checkpoints: world sizes (default: 2,4)")
     bench.add_argument("--checkpoint-mb", type=int, default=400, metavar="MB",
                        help="with --checkpoints: the model's weights in MB (default: 400)")
+    bench.add_argument("--checkpoint-saves", type=int, default=2, metavar="N",
+                       help="with --checkpoints: saves per format and mode (default: 2)")
+    bench.add_argument("--mfu", action="store_true",
+                       help="instead: the Trainer vs a hand-written loop on the ranks' device (--device), in fp32, "
+                            "TF32 and bf16, with MFU where the card's peak is known; --quick: a tiny model; merged "
+                            "into --output")
+    bench.add_argument("--mfu-ranks", type=int, default=1, metavar="N",
+                       help="with --mfu: ranks, one device each (default: 1)")
+    bench.add_argument("--device", default="auto", choices=("auto", "cuda", "xpu", "cpu"),
+                       help="with --mfu and --checkpoints: the ranks' device, chosen as ddp-hpc train chooses it "
+                            "(default: auto: cuda:LOCAL_RANK with nccl on a CUDA host); the main plan measures "
+                            "CPU ranks")
     bench.add_argument("--goodput", action="store_true",
                        help="instead: the same loop under in-job recovery, restart in place and requeue, with a "
                             "rank killed (or frozen) at a fixed rate: goodput and each failure's cost; merged into "

@@ -86,6 +86,9 @@ class TrainingConfig:
     deterministic: bool = False
     #: Intra-op threads per rank; null leaves torch's default (or OMP_NUM_THREADS).
     threads_per_rank: int | None = None
+    #: ``torch.set_float32_matmul_precision`` on each rank: ``high``/``medium`` let float32
+    #: matmuls run on tensor cores (TF32, bf16); null leaves torch's default (``highest``).
+    matmul_precision: Literal["highest", "high", "medium"] | None = None
 
     def __post_init__(self) -> None:
         positive(self.epochs, "training.epochs")

@@ -9,6 +9,7 @@ ranks share the one GPU through gloo instead. docs/test-world.md lists them.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 from pathlib import Path
 
@@ -312,3 +313,31 @@ def test_exact_resume_on_one_gpu(tmp_path):
     assert "resuming from" in resumed.stderr
     assert_same_training_state(load_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt"),
                                load_checkpoint(checkpoints / "last.pt"))
+
+
+class _MatmulPrecisionAtFitStart(Callback):
+    def on_fit_start(self, trainer) -> None:
+        self.precision = torch.get_float32_matmul_precision()
+
+
+def test_the_tensor_core_hint_and_training_matmul_precision(tmp_path, monkeypatch, caplog):
+    """fp32 at torch's default on a tensor-core GPU: the hint, once; with
+    ``training.matmul_precision: high``: TF32 on the rank, and no hint."""
+    from ddp_hpc.training import matmul
+
+    monkeypatch.setattr(matmul, "_hinted", set())
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with caplog.at_level(logging.INFO, logger=matmul.__name__):
+            _fit_on_one_gpu(tmp_path / "fp32", ["training.precision=fp32"])
+        tensor_cores = torch.cuda.get_device_capability(0) >= matmul.TENSOR_CORE_CAPABILITY
+        assert len([r for r in caplog.records if "tensor cores" in r.getMessage()]) == (1 if tensor_cores else 0)
+        caplog.clear()
+        probe = _MatmulPrecisionAtFitStart()
+        with caplog.at_level(logging.INFO, logger=matmul.__name__):
+            _fit_on_one_gpu(tmp_path / "tf32", ["training.precision=fp32", "training.matmul_precision=high"], [probe])
+        assert probe.precision == "high"
+        assert not [r for r in caplog.records if "tensor cores" in r.getMessage()]
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -3,5 +3,8 @@
 all_reduce), ``scale.py`` and ``scale_client.py`` (``--scale``: a simulated world of many
 ranks through the real handshake), ``goodput_run.py``, ``goodput_loop.py`` and ``goodput.py``
 (``--goodput``: the harness, its training loop, goodput from the ranks' logs),
-``checkpoint_formats.py``, ``results_file.py`` (the ``--output`` file, checked before any
-work). docs/performance.md has the figures."""
+``checkpoint_formats.py`` (``--checkpoints``, against one copy to host memory),
+``device_run.py`` (``--mfu``: the loops on the ranks' device, fp32/TF32/bf16), ``peaks.py``
+(the bench model's FLOPs, the cards' peaks, MFU), ``device_clock.py`` (waiting for the device,
+the host-copy baseline), ``results_file.py`` (the ``--output`` file, checked before any
+work). docs/performance.md has the figures; ``scripts/gpu-check.sh`` runs the GPU ones."""

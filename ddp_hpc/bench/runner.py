@@ -520,14 +520,14 @@ def plot(results: Results, path: Path) -> bool:
     return True
 
 
-def parse_sizes(text: str, flag: str = "--startup-sizes") -> tuple[int, ...]:
-    """``"2,4,8"`` -> (2, 4, 8): world sizes of at least 2, each once, ascending."""
+def parse_sizes(text: str, flag: str = "--startup-sizes", smallest: int = 2) -> tuple[int, ...]:
+    """``"2,4,8"`` -> (2, 4, 8): world sizes of at least ``smallest``, each once, ascending."""
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise UserError(f"{flag} {text!r}: give world sizes as N,N,... (e.g. 2,4,8)") from None
-    if any(n < 2 for n in sizes) or list(sizes) != sorted(set(sizes)):
-        raise UserError(f"{flag} {text!r}: world sizes of at least 2, ascending, each once")
+    if any(n < smallest for n in sizes) or list(sizes) != sorted(set(sizes)):
+        raise UserError(f"{flag} {text!r}: world sizes of at least {smallest}, ascending, each once")
     return sizes
 
 

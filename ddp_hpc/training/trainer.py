@@ -45,6 +45,7 @@ from ddp_hpc.tracking import Tracking
 from ddp_hpc.training.callbacks import Callback, CallbackList
 from ddp_hpc.training.job import Datasets, Job
 from ddp_hpc.training.loop import TrainingLoop
+from ddp_hpc.training.matmul import apply_matmul_precision, log_tensor_core_hint
 from ddp_hpc.training.metrics import MetricSums
 from ddp_hpc.training.precision import resolve_precision
 from ddp_hpc.training.run_folder import RunFolder
@@ -120,6 +121,7 @@ class Trainer:
     def _setup_runtime(self) -> None:
         if self.training.threads_per_rank:
             torch.set_num_threads(self.training.threads_per_rank)
+        apply_matmul_precision(self.training.matmul_precision)
         if self.training.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
@@ -287,6 +289,8 @@ class Trainer:
         log.info("job %s: %d train samples, world size %d, %s on %s, precision %s",
                  self.config.job.name, len(self.datasets.train), self.ctx.world_size, self.ctx.device.backend,
                  self.ctx.device.torch_device, self.precision.name)
+        log_tensor_core_hint(self.ctx.torch_device, lower_precision_compute=self.precision.dtype is not None
+                             or self.config.fsdp.mixed_precision != "none")
         log.info("batch %d per rank x %d ranks x %d accumulation = effective batch %d; lr %.3g%s; "
                  "%d steps per epoch", training.batch_size, self.ctx.world_size,
                  training.grad_accum_steps, self.effective_batch_size, self.state.lr,
