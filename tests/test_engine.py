@@ -118,16 +118,21 @@ def test_a_dcp_checkpoint_restores_from_each_form_a_user_names_it_by_and_the_oth
 
 
 def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its_own_step(tmp_path, monkeypatch):
-    """One stager (one host copy of the state) serves every background save, refilled each
-    time; no checkpoint holds a later step's weights, although the next save restages into
-    the same memory."""
-    from torch.distributed.checkpoint.staging import DefaultStager
-
+    """One stager serves every background save and refills the same host buffers (no
+    allocation after the first save); no checkpoint holds a later step's weights, although
+    the next save restages into the same memory."""
+    from ddp_hpc.engine import dcp_format
     from ddp_hpc.engine.dcp_format import read_whole
 
-    stagers: list[int] = []
-    real_stage = DefaultStager.stage
-    monkeypatch.setattr(DefaultStager, "stage", lambda self, *a, **k: stagers.append(id(self)) or real_stage(self, *a, **k))
+    staged: list[tuple[int, int]] = []
+    real_stage = dcp_format._HostStager.stage
+
+    def stage(self, state_dict):
+        copied = real_stage(self, state_dict)
+        staged.append((id(self), copied["model"]["weight"].data_ptr()))
+        return copied
+
+    monkeypatch.setattr(dcp_format._HostStager, "stage", stage)
     model = nn.Linear(256, 256)
     checkpointer = ddp_hpc.Checkpointer(tmp_path, {"model": model}, every_n_steps=1, keep_last=4, background=True,
                                         format="dcp")
@@ -136,7 +141,7 @@ def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its
             model.weight.fill_(float(step))
         checkpointer.step_done()
     checkpointer.wait()
-    assert len(stagers) == 3 and len(set(stagers)) == 1
+    assert len(staged) == 3 and len(set(staged)) == 1 and staged[0][1] != model.weight.data_ptr()
     for step in range(1, 4):
         saved = read_whole(tmp_path / "checkpoints" / f"step-{step:08d}")["model"]["weight"]
         assert torch.equal(saved, torch.full((256, 256), float(step))), step
