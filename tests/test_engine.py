@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_hpc
+from conftest import REPO, run
 from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine.dcp_format import sharded_checkpoints
 
@@ -145,6 +147,17 @@ def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its
     for step in range(1, 4):
         saved = read_whole(tmp_path / "checkpoints" / f"step-{step:08d}")["model"]["weight"]
         assert torch.equal(saved, torch.full((256, 256), float(step))), step
+
+
+def test_background_dcp_saves_of_ddp_and_fsdp2_resume_bit_identical_on_this_torch(tmp_path):
+    """tests/scripts/dcp_background_resume.py on the suite's torch: one rank, two background
+    saves (the second refills the first's host buffers) while training goes on, each restored
+    bit-identical; FSDP2's DTensors go through the stager too. tests/test_stacks.py runs it
+    on each torch of .ci/torch-versions, tests/test_gpu.py on a GPU."""
+    result = run([sys.executable, str(REPO / "tests" / "scripts" / "dcp_background_resume.py"), str(tmp_path), "cpu",
+                  "ddp", "fsdp2"], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [f"resumed {s} step {n}" for s in ("ddp", "fsdp2") for n in (3, 5)]
 
 
 def test_cadence_and_keep_last(tmp_path):
