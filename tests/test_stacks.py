@@ -120,7 +120,8 @@ def test_background_dcp_saves_resume_bit_identical(any_stack, tmp_path):
     result = any_stack.run([any_stack.bin("python"), str(REPO / "tests" / "scripts" / "dcp_background_resume.py"),
                             str(tmp_path), "cpu", *strategies], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines() == [f"resumed {s} step {n}" for s in strategies for n in (3, 5)], result.stdout
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed ")]  # torch < 2.11's gloo prints too
+    assert resumed == [f"resumed {s} step {n}" for s in strategies for n in (3, 5)], result.stdout
 
 
 def test_in_job_recovery_s_checks_run_on_this_torch(stack):
