@@ -110,8 +110,6 @@ PY
 )
   mapfile -t plain < <(echo "$split" | "$tmp/bin/python" -c 'import json, sys; print("\n".join(json.load(sys.stdin)["plain"]))')
   mapfile -t libraries < <(echo "$split" | "$tmp/bin/python" -c 'import json, sys; print("\n".join(json.load(sys.stdin)["libraries"]))')
-  # pip ends this one with "ERROR: ... torch requires nvidia-..., which is not installed":
-  # its check of what is installed, not a failure; the libraries come next, from the store.
   "${pip[@]}" "${plain[@]}" "${reqs[@]}"
   local site store="$CACHE/cuda-libs" folder library name
   site=$("$tmp/bin/python" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
