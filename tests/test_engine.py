@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_hpc
+from conftest import REPO, run
 from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine.dcp_format import sharded_checkpoints
 
@@ -118,16 +120,21 @@ def test_a_dcp_checkpoint_restores_from_each_form_a_user_names_it_by_and_the_oth
 
 
 def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its_own_step(tmp_path, monkeypatch):
-    """One stager (one host copy of the state) serves every background save, refilled each
-    time; no checkpoint holds a later step's weights, although the next save restages into
-    the same memory."""
-    from torch.distributed.checkpoint.staging import DefaultStager
-
+    """One stager serves every background save and refills the same host buffers (no
+    allocation after the first save); no checkpoint holds a later step's weights, although
+    the next save restages into the same memory."""
+    from ddp_hpc.engine import dcp_format
     from ddp_hpc.engine.dcp_format import read_whole
 
-    stagers: list[int] = []
-    real_stage = DefaultStager.stage
-    monkeypatch.setattr(DefaultStager, "stage", lambda self, *a, **k: stagers.append(id(self)) or real_stage(self, *a, **k))
+    staged: list[tuple[int, int]] = []
+    real_stage = dcp_format._HostStager.stage
+
+    def stage(self, state_dict):
+        copied = real_stage(self, state_dict)
+        staged.append((id(self), copied["model"]["weight"].data_ptr()))
+        return copied
+
+    monkeypatch.setattr(dcp_format._HostStager, "stage", stage)
     model = nn.Linear(256, 256)
     checkpointer = ddp_hpc.Checkpointer(tmp_path, {"model": model}, every_n_steps=1, keep_last=4, background=True,
                                         format="dcp")
@@ -136,10 +143,22 @@ def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its
             model.weight.fill_(float(step))
         checkpointer.step_done()
     checkpointer.wait()
-    assert len(stagers) == 3 and len(set(stagers)) == 1
+    assert len(staged) == 3 and len(set(staged)) == 1 and staged[0][1] != model.weight.data_ptr()
     for step in range(1, 4):
         saved = read_whole(tmp_path / "checkpoints" / f"step-{step:08d}")["model"]["weight"]
         assert torch.equal(saved, torch.full((256, 256), float(step))), step
+
+
+def test_background_dcp_saves_of_ddp_and_fsdp2_resume_bit_identical_on_this_torch(tmp_path):
+    """tests/scripts/dcp_background_resume.py on the suite's torch: one rank, two background
+    saves (the second refills the first's host buffers) while training goes on, each restored
+    bit-identical; FSDP2's DTensors go through the stager too. tests/test_stacks.py runs it
+    on each torch of .ci/torch-versions, tests/test_gpu.py on a GPU."""
+    result = run([sys.executable, str(REPO / "tests" / "scripts" / "dcp_background_resume.py"), str(tmp_path), "cpu",
+                  "ddp", "fsdp2"], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed ")]
+    assert resumed == [f"resumed {s} step {n}" for s in ("ddp", "fsdp2") for n in (3, 5)], result.stdout
 
 
 def test_cadence_and_keep_last(tmp_path):

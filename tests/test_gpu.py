@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,11 +265,49 @@ def test_fsdp2_on_one_gpu_computes_in_bf16_and_keeps_fp32_shards(tmp_path):
     assert probe.activations == {torch.bfloat16} and probe.parameters == {torch.float32}
     assert isinstance(probe.model, FSDPModule) and probe.parameter_types == {"DTensor"}
     assert summary.final["val_accuracy"] > 0.5
-    # The checkpoint holds the whole model in fp32: it loads into the plain model.
-    state = load_checkpoint(tmp_path / "gpu" / "checkpoints" / "last.pt")
+    # fsdp2 writes sharded (dcp) checkpoints; converted as a user does, the newest holds the
+    # whole model in fp32 and loads into the plain model.
+    assert (tmp_path / "gpu" / "checkpoints" / "last.dcp").exists()
+    weights = _converted_model(tmp_path / "gpu", tmp_path / "model.pt")
     plain = create_job("digits", {"channels": 16, "hidden": 64}).build_model()
-    plain.load_state_dict(state["model"])
-    assert {t.dtype for t in state["model"].values()} == {torch.float32}
+    plain.load_state_dict(weights)
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def _converted_model(run_folder: Path, output: Path) -> dict[str, torch.Tensor]:
+    """``ddp-hpc checkpoint convert RUN OUT.pt``, then the model's weights as docs/api.md loads them."""
+    result = run([*ddp_hpc_command(), "checkpoint", "convert", str(run_folder), str(output)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(output, weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_background_dcp_saves_of_a_cuda_model_resume_bit_identical(strategy, tmp_path):
+    """Two ``Checkpointer(format="dcp", background=True)`` saves of a CUDA model with Adam
+    state (the second refills the pinned host buffers of the first) while training goes on;
+    each checkpoint restored into a fresh model holds its step's state bit for bit
+    (tests/scripts/dcp_background_resume.py; tests/test_stacks.py runs it on CPU)."""
+    result = run([sys.executable, str(REPO / "tests" / "scripts" / "dcp_background_resume.py"), str(tmp_path), "cuda",
+                  strategy], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed ")]
+    assert resumed == [f"resumed {strategy} step 3", f"resumed {strategy} step 5"], result.stdout
+
+
+def test_a_background_snapshot_of_cuda_tensors_is_pinned_complete_on_return_and_refilled_in_place():
+    """host_copy.snapshot (both background formats' copy): from CUDA into pinned host
+    buffers with non-blocking copies, so it must synchronize before it returns: the copy of
+    a 256 MiB tensor is checked at once, before anything else waits on the device."""
+    from ddp_hpc.engine.host_copy import snapshot
+
+    cache: dict = {}
+    live = {"w": torch.full((64, 1024, 1024), 1.0, device="cuda"), "step": torch.tensor(3.0, device="cuda")}
+    first = snapshot(live, cache)
+    assert bool((first["w"] == 1.0).all()) and first["w"].is_pinned() and first["w"].device.type == "cpu"
+    live["w"].fill_(2.0)
+    second = snapshot(live, cache)
+    assert bool((second["w"] == 2.0).all()) and second["w"].data_ptr() == first["w"].data_ptr()
+    assert float(second["step"]) == 3.0
 
 
 @pytest.mark.gpu2

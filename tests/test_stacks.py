@@ -6,7 +6,9 @@ Each version runs from a venv of its own that scripts/torch-venv.sh builds and c
 as pip installs it, ddp_hpc's dependencies, no ddp_hpc); this checkout's ddp_hpc comes first
 on PYTHONPATH, which every launcher hands to its ranks. .ci/run builds the venvs while the
 rest of the suite runs, then runs these tests (marker ``stacks``). Elsewhere a missing venv
-skips with the command that builds it, and fails under DDP_HPC_REQUIRE_ALL=1."""
+skips with the command that builds it, and fails under DDP_HPC_REQUIRE_ALL=1. The versions
+marked ``light`` there get a light venv (``torch-venv.sh --light``) and only the one-rank
+tests (the ``any_stack`` fixture): background DCP saves on every minor from 2.9."""
 
 from __future__ import annotations
 
@@ -20,12 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, built_once, need, run
 from ddp_hpc import torch_support
 
-VERSIONS = tuple(line.split("#")[0].strip() for line in (REPO / ".ci" / "torch-versions").read_text().splitlines()
-                 if line.split("#")[0].strip())
+#: .ci/torch-versions: each line a version, ``light`` after the ones only the one-rank tests run on.
+ENTRIES = tuple((fields[0], fields[1:] == ["light"])
+                for fields in (line.split("#")[0].split() for line in
+                               (REPO / ".ci" / "torch-versions").read_text().splitlines()) if fields)
+#: The versions every test here runs on, in full venvs.
+VERSIONS = tuple(version for version, light in ENTRIES if not light)
 EXAMPLES = REPO / "examples"
 FAULTS = str(REPO / "tests" / "scripts" / "own_loop_faults.py")
 DIGITS = ["configs/digits.yaml", "logging.plot=false", "logging.progress=never"]
@@ -49,13 +56,12 @@ class Stack:
         return run(args, timeout=timeout, env={**self.env, **(env or {})})
 
 
-@pytest.fixture(scope="session", params=VERSIONS)
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Stack:
-    version = request.param
-    found = subprocess.run([str(REPO / "scripts" / "torch-venv.sh"), "--check", version],
+def _stack(version: str, light: bool, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    flags = ["--check", *(["--light"] if light else [])]
+    found = subprocess.run([str(REPO / "scripts" / "torch-venv.sh"), *flags, version],
                            capture_output=True, text=True, timeout=60)
-    need(found.returncode == 0, f"no venv with torch {version} (scripts/torch-venv.sh {version} builds it: "
-                                "5-6 GB, minutes the first time; .ci/run does)")
+    need(found.returncode == 0, f"no venv with torch {version} (scripts/torch-venv.sh {' '.join(flags[1:] + [version])} "
+                                "builds it: 1.3-6 GB, minutes the first time; .ci/run does)")
     venv = Path(found.stdout.strip())
     # Only ddp_hpc, as an installed package would be: not the checkout's other folders.
     path = tmp_path_factory.mktemp(f"pythonpath-{version}")
@@ -73,6 +79,17 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return Stack(version, venv, env, torch_version)
 
 
+@pytest.fixture(scope="session", params=VERSIONS)
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    return _stack(request.param, False, tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=[version for version, _ in ENTRIES])
+def any_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """Every version of .ci/torch-versions, light ones too: for the one-rank tests."""
+    return _stack(request.param, dict(ENTRIES)[request.param], tmp_path_factory)
+
+
 def test_ci_proves_the_lowest_torch_that_pyproject_declares():
     """The range users are promised starts where these tests start."""
     with open(REPO / "pyproject.toml", "rb") as file:
@@ -81,7 +98,30 @@ def test_ci_proves_the_lowest_torch_that_pyproject_declares():
     lowest = re.search(r">=\s*([\d.]+)", torch_requirement).group(1)
     assert torch_support.parse(lowest) == torch_support.parse(VERSIONS[0]) == torch_support.MINIMUM, \
         (torch_requirement, VERSIONS, torch_support.MINIMUM)
-    assert [torch_support.parse(v) for v in VERSIONS] == sorted(torch_support.parse(v) for v in VERSIONS)
+    assert [torch_support.parse(v) for v, _ in ENTRIES] == sorted(torch_support.parse(v) for v, _ in ENTRIES)
+
+
+def test_ci_proves_background_dcp_saves_on_every_torch_minor_from_the_stager_path_on():
+    """Every minor from the first whose ``async_save`` takes our stager to the newest here
+    (the suite's own torch counts: tests/test_engine.py runs the same script on it), and a
+    version below it (the other branch of ``DcpFormat.save``)."""
+    minors = {torch_support.parse(v) for v, _ in ENTRIES} | {torch_support.parse(torch.__version__)}
+    first, newest = torch_support.DCP_ASYNC_STAGER, max(minors)
+    assert {(first[0], minor) for minor in range(first[1], newest[1] + 1)} <= minors, sorted(minors)
+    assert min(minors) < first
+
+
+def test_background_dcp_saves_resume_bit_identical(any_stack, tmp_path):
+    """One rank, two ``Checkpointer(format="dcp", background=True)`` saves (the second refills
+    the host buffers of the first) while training goes on, each restored bit-identical
+    (tests/scripts/dcp_background_resume.py): DDP, and FSDP2 where the torch runs it. On
+    torch 2.11 and 2.12 the stager kept between saves failed (KeyError: <class 'type'>)."""
+    strategies = ["ddp"] + ([] if torch_support.fsdp2_refusal(any_stack.torch) else ["fsdp2"])
+    result = any_stack.run([any_stack.bin("python"), str(REPO / "tests" / "scripts" / "dcp_background_resume.py"),
+                            str(tmp_path), "cpu", *strategies], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed ")]  # torch < 2.11's gloo prints too
+    assert resumed == [f"resumed {s} step {n}" for s in strategies for n in (3, 5)], result.stdout
 
 
 def test_in_job_recovery_s_checks_run_on_this_torch(stack):

@@ -27,7 +27,6 @@ staging into (pinned) host memory and writing from a thread, is what this module
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -38,51 +37,9 @@ from typing import Any
 
 import torch
 
+from ddp_hpc.engine.host_copy import allocate_like, snapshot
+
 log = logging.getLogger(__name__)
-
-
-def snapshot(value: Any, cache: dict[tuple, torch.Tensor] | None = None, key: tuple = ()) -> Any:
-    """A deep copy of ``value`` whose tensors live in host memory and share nothing with
-    the live training state (on CPU ``tensor.cpu()`` would alias: always copy).
-
-    With ``cache``, host tensors of the previous snapshot are refilled in place where the
-    shape and dtype match: no fresh allocation (and page faults) for every checkpoint.
-    Only safe once the previous snapshot's write is done, which ``submit`` ensures.
-    """
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-        held = cache.get(key) if cache is not None else None
-        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-            held = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                               pin_memory=tensor.device.type == "cuda")
-            if cache is not None:
-                cache[key] = held
-        held.copy_(tensor)
-        return held
-    if isinstance(value, Mapping):
-        return {k: snapshot(item, cache, (*key, k)) for k, item in value.items()}
-    if isinstance(value, list):
-        return [snapshot(item, cache, (*key, i)) for i, item in enumerate(value)]
-    if isinstance(value, tuple):
-        return tuple(snapshot(item, cache, (*key, i)) for i, item in enumerate(value))
-    return copy.deepcopy(value)
-
-
-def allocate_like(value: Any, cache: dict[tuple, torch.Tensor], key: tuple = ()) -> None:
-    """Host tensors for ``value``'s tensors in ``cache``, under the keys ``snapshot`` uses,
-    touched so that their pages exist: what the first snapshot would otherwise allocate
-    while training waits."""
-    if isinstance(value, torch.Tensor):
-        held = cache.get(key)
-        if held is None or held.shape != value.shape or held.dtype != value.dtype:
-            cache[key] = torch.zeros(value.shape, dtype=value.dtype, device="cpu",
-                                     pin_memory=value.device.type == "cuda")
-    elif isinstance(value, Mapping):
-        for k, item in value.items():
-            allocate_like(item, cache, (*key, k))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            allocate_like(item, cache, (*key, i))
 
 
 @dataclass(frozen=True)

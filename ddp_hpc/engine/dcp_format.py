@@ -51,6 +51,7 @@ from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -65,6 +66,7 @@ from ddp_hpc.contract import (BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, 
 from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
 from ddp_hpc.engine.checkpoint_files import CheckpointError
 from ddp_hpc.engine.group import Collectives
+from ddp_hpc.engine.host_copy import snapshot
 from ddp_hpc.torch_support import dcp_async_takes_stager, dcp_takes_no_dist
 
 log = logging.getLogger(__name__)
@@ -261,17 +263,29 @@ def _blob_template(metadata: Metadata, key: str) -> torch.Tensor:
     return torch.empty(tuple(entry.size), dtype=torch.uint8)
 
 
-def _host_copy(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor copied to host memory (nested dicts and lists kept). Not
-    ``background_writer.snapshot``: that copies into plain tensors, and an FSDP2 model's
-    DTensors must stay DTensors (``.to`` copies a DTensor's local shard)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {key: _host_copy(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_host_copy(value) for value in state)
-    return state
+class _HostStager(AsyncStager):
+    """``dcp.async_save``'s staging (torch's ``AsyncStager`` protocol): this rank's part
+    copied into host buffers kept from one save to the next (``host_copy.snapshot``: pinned
+    from CUDA, FSDP2's DTensors kept DTensors), complete when ``stage`` returns. One
+    instance serves every save: the next save refills the buffers only after the previous
+    write is done (``DcpFormat.save`` waits for it first). Not torch's ``DefaultStager``
+    kept between saves: from torch 2.11 its stage ends by ``close()``-ing the copier it
+    reuses, and the second save fails (``KeyError: <class 'type'>``); and it made (and
+    page-faulted) a new host copy per save anyway."""
+
+    _synchronize_after_execute = False  # stage() returns a finished copy: nothing to wait for
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return snapshot(state_dict, self._buffers)
+
+    def synchronize_staging(self) -> None:
+        """Nothing: ``stage`` returns once the copy is complete."""
+
+    def close(self) -> None:
+        self._buffers.clear()
 
 
 def _load_tensors(template: dict[str, Any], path: Path, *, no_dist: bool) -> None:
@@ -403,7 +417,7 @@ class DcpFormat:
         self._pending: threading.Event | None = None
         self._pending_path: Path | None = None
         self._group: Any = None
-        self._stager: Any = None
+        self._stager: _HostStager | None = None
         self._finished: list[WriteRecord] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -434,7 +448,7 @@ class DcpFormat:
                 # Before torch 2.9 async_save stages without a stager of ours, and on 2.5 a
                 # resume from what it wrote was not the state at the save (seen on CPU): it
                 # gets a copy of its own, taken here, before training goes on.
-                options, to_save = {}, _host_copy(to_save)
+                options, to_save = {}, snapshot(to_save)
             with _quiet(no_dist):
                 response = dcp.async_save(to_save, checkpoint_id=path, process_group=self._writer_group(no_dist),
                                           **options)
@@ -459,15 +473,9 @@ class DcpFormat:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _host_stager(self) -> Any:
-        """One stager for every save: it keeps its host copy of this rank's part and copies
-        into it again. async_save's default makes a new one per save, which allocates (and
-        page-faults) the whole part each time: most of the time training waited."""
+    def _host_stager(self) -> _HostStager:
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            self._stager = _HostStager()
         return self._stager
 
     def _committed(self, done: Future, commit: _Commit, committed: threading.Event) -> None:
