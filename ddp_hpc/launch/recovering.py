@@ -183,7 +183,7 @@ class Recoverer:
             log.error("rank %d lost (%s) and no in-job recovery is left (--recover %d): restarting in place",
                       slot, cause, self.limits.max_recoveries)
             return False
-        not_ready = [s for s in self.members if not self._store.ready(s)]
+        not_ready = self._store.not_ready(self.members)
         if not_ready:
             log.error("rank %d lost (%s); rank(s) %s do not run InJobRecovery: restarting in place", slot, cause,
                       ", ".join(map(str, not_ready)))
@@ -249,8 +249,8 @@ class Recoverer:
                 self.on_stop(signum)
                 return
         if self.limits.warm_spare and (self._spare is None or self._spare.poll() is not None) \
-                and all(self._store.ready(s) for s in self.members) \
-                and (self.generation == 0 or self._store.recovered(self.generation)):
+                and (self.generation == 0 or self._store.recovered(self.generation)) \
+                and self._store.all_ready(self.members):
             self._start_spare()
         for index, child in enumerate(children):
             slot = self._slot(index)
