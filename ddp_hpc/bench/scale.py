@@ -11,7 +11,8 @@ interval (beats per second and this process's CPU, the store's server runs here)
 time of the silent-rank diagnosis (with two ranks made silent, checked to be named), the
 time of the join gate's timeout diagnosis (the same two ranks' joined keys taken out), and
 the bytes that reach rank 0 per quantity (start-up facts, run
-record), computed from the objects the real code builds for N ranks.
+record), computed from the objects the real code builds for N ranks. Then, with client
+processes of its own, in-job recovery's store at the same sizes (``scale_recovery``).
 
 Torch's store client looks up the store's address by name (``getnameinfo``) before each
 connect. Where that address is not in /etc/hosts the look-up goes to DNS, and a burst of
@@ -98,16 +99,18 @@ def dns_isolation(workdir: Path) -> list[str] | None:
 class _Clients:
     """The client processes and their line-per-message streams."""
 
-    def __init__(self, world_size: int, per_process: int, port: int, silent: list[int],
-                 prefix: list[str] | None) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+    def __init__(self, argvs: list[list[str]], prefix: list[str] | None) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        for first in range(1, world_size, per_process):
-            count = min(per_process, world_size - first)
-            argv = [sys.executable, "-m", "ddp_hpc.bench.scale_client", ADDR, str(port), str(world_size),
-                    str(first), str(count), str(DEFAULT_INTERVAL_S), ",".join(map(str, silent))]
-            self.procs.append(subprocess.Popen([*(prefix or []), *argv], stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE, text=True, env=env))
+        self.procs: list[subprocess.Popen[str]] = [
+            subprocess.Popen([*(prefix or []), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=env) for argv in argvs]
+
+    @classmethod
+    def rendezvous(cls, world_size: int, per_process: int, port: int, silent: list[int],
+                   prefix: list[str] | None) -> _Clients:
+        return cls([[sys.executable, "-m", "ddp_hpc.bench.scale_client", ADDR, str(port), str(world_size),
+                     str(first), str(min(per_process, world_size - first)), str(DEFAULT_INTERVAL_S),
+                     ",".join(map(str, silent))] for first in range(1, world_size, per_process)], prefix)
 
     def read_all(self, event: str, timeout_s: float) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -211,7 +214,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
 
     port = free_port()
     silent = sorted({world_size // 2, world_size - 1})
-    clients = _Clients(world_size, per_process, port, silent, prefix)
+    clients = _Clients.rendezvous(world_size, per_process, port, silent, prefix)
     try:
         clients.read_all("ready", 900)
         outcome: dict[str, Any] = {}
@@ -337,6 +340,7 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
                 progress(f"{size} ranks failed, larger sizes skipped: {failed['error']}")
                 break
             progress(json.dumps(asdict(rows[-1])))
+        recovery = _recovery_part(sizes, per_process, prefix, progress)
         check: dict[str, Any] = {}
         if check_size:
             progress(f"check: {check_size} ranks as separate processes, then {per_process} per process")
@@ -354,10 +358,33 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
     section = {"command": "ddp-hpc bench --scale " + ",".join(map(str, sizes)),
                "ranks_per_process": per_process, "load_average_at_end": load,
                "rows": [asdict(r) for r in rows], "failed": failed, "check": check, "fits": fits,
-               "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit}}
+               "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit},
+               "recovery": recovery}
     merge_into(output, {"scale": section})
     print(format_scale(section))
+    from ddp_hpc.bench.scale_recovery import format_recovery
+
+    print(format_recovery(recovery["rows"], recovery["laws"]))
     return section
+
+
+def _recovery_part(sizes: tuple[int, ...], per_process: int, prefix: list[str] | None,
+                   progress: Any) -> dict[str, Any]:
+    """In-job recovery's store at each size (``scale_recovery``), its own client processes."""
+    from ddp_hpc.bench.scale_recovery import growth_laws, measure_recovery
+
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, Any] = {}
+    for size in sizes:
+        progress(f"recovery: {size} ranks ({math.ceil(size / per_process)} client processes)")
+        try:
+            rows.append(asdict(measure_recovery(size, per_process, prefix)))
+        except (UserError, OSError, RuntimeError) as exc:  # the machine's limit: keep what ran
+            failed = {"world_size": size, "error": str(exc).splitlines()[0][:300]}
+            progress(f"recovery: {size} ranks failed, larger sizes skipped: {failed['error']}")
+            break
+        progress(json.dumps(rows[-1]))
+    return {"rows": rows, "failed": failed, "laws": growth_laws(rows)}
 
 
 def format_scale(section: dict[str, Any]) -> str:
