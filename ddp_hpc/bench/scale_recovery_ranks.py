@@ -82,11 +82,11 @@ class SimulatedRank:
 
 
 def watch_loop(store: keys.LaunchStore, slots: list[int], stop: threading.Event) -> None:
-    """A node supervisor's reads each WATCH_S: ``ready`` then ``beats`` of each of its ranks."""
+    """A node supervisor's reads each WATCH_S (``Recoverer.watch``): which of its ranks are
+    ready, then their counters."""
     while not stop.wait(WATCH_S):
-        for slot in slots:
-            if store.ready(slot):
-                store.beats(slot)
+        missing = set(store.not_ready(slots))
+        store.beats_of([slot for slot in slots if slot not in missing])
 
 
 def _say(**message: Any) -> None:

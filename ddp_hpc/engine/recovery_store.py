@@ -29,15 +29,15 @@ shrink may differ.
 What each side costs as the ranks grow (``ddp-hpc bench --scale``, docs/performance.md): a
 rank's beat is two round trips whatever happened; a plan is a few dozen bytes whatever the
 number of ranks (its slots are said as the slots left out), so N survivors reading it cost
-the store O(N) bytes, not O(N^2); the launch asks whether every rank is ready in requests
-of ``KEYS_PER_REQUEST`` keys, not one request a rank.
+the store O(N) bytes, not O(N^2); the launch asks whether its ranks are ready, and reads
+their counters, in requests of ``KEYS_PER_REQUEST`` keys, not one request a rank.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_hpc.engine.liveness import read_counters
 from ddp_hpc.startup.rendezvous import store_batches
 
 PREFIX = "ddp_hpc/recovery/"
@@ -195,6 +196,10 @@ class LaunchStore:
 
     def beats(self, slot: int) -> int:
         return int(self.store.add(alive_key(slot), 0))
+
+    def beats_of(self, slots: Sequence[int]) -> dict[int, int]:
+        """``beats`` of each slot, in requests of ``KEYS_PER_REQUEST`` counters."""
+        return dict(zip(slots, read_counters(self.store, [alive_key(slot) for slot in slots])))
 
     def ready(self, slot: int) -> bool:
         return bool(self.store.check([ready_key(slot)]))

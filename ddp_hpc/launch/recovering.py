@@ -252,12 +252,15 @@ class Recoverer:
                 and (self.generation == 0 or self._store.recovered(self.generation)) \
                 and self._store.all_ready(self.members):
             self._start_spare()
-        for index, child in enumerate(children):
-            slot = self._slot(index)
-            if slot not in self.members or child.returncode is not None or not self._store.ready(slot):
-                continue
+        running = [index for index, child in enumerate(children)
+                   if self._slot(index) in self.members and child.returncode is None]
+        missing = set(self._store.not_ready([self._slot(index) for index in running]))
+        watched = [index for index in running if self._slot(index) not in missing]
+        counters = self._store.beats_of([self._slot(index) for index in watched])  # a few requests, not one a rank
+        for index in watched:
+            child, slot = children[index], self._slot(index)
             self._starting.discard(index)
-            beats = self._store.beats(slot)
+            beats = counters[slot]
             last = self._beats.get(index)
             if last is None or last[0] != beats:
                 self._beats[index] = (beats, now)
