@@ -378,7 +378,7 @@ def _recovery_part(sizes: tuple[int, ...], per_process: int, prefix: list[str] |
     for size in sizes:
         progress(f"recovery: {size} ranks ({math.ceil(size / per_process)} client processes)")
         try:
-            rows.append(asdict(measure_recovery(size, per_process, prefix)))
+            rows.append(asdict(measure_recovery(size, per_process, prefix, progress=progress)))
         except (UserError, OSError, RuntimeError) as exc:  # the machine's limit: keep what ran
             failed = {"world_size": size, "error": str(exc).splitlines()[0][:300]}
             progress(f"recovery: {size} ranks failed, larger sizes skipped: {failed['error']}")

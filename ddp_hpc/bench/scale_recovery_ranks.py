@@ -141,12 +141,13 @@ def main(argv: list[str]) -> int:
                 ranks[command["slot"]].broken.set()
             _say(event="lost")
         elif command["do"] == "fail":  # every survivor's collective failed: they wait for the plan
-            for rank in ranks.values():
-                if not rank.lost.is_set():
-                    rank.broken.set()
-            while not all(r.waiting.is_set() for r in ranks.values() if not r.lost.is_set()):
+            survivors = [r for r in ranks.values() if not r.lost.is_set()]
+            for rank in survivors:
+                rank.broken.set()
+            deadline = time.monotonic() + 60
+            while any(not (r.waiting.is_set() or r.errors) for r in survivors) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            _say(event="failed")
+            _say(event="failed", not_waiting=sum(not r.waiting.is_set() for r in survivors))
         elif command["do"] == "held":
             generation = command["generation"]
             deadline = time.monotonic() + command["timeout_s"]
