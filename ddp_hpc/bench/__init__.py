@@ -3,6 +3,7 @@
 all_reduce), ``scale.py`` and ``scale_client.py`` (``--scale``: a simulated world of many
 ranks through the real handshake; ``scale_recovery.py``, ``scale_recovery_launch.py`` and
 ``scale_recovery_ranks.py``: in-job recovery's store, heartbeats and plan, at the same
-sizes), ``goodput_run.py``, ``goodput_loop.py`` and ``goodput.py`` (``--goodput``: the harness, its training loop, goodput from the ranks' logs),
+sizes; ``scale_harness.py``: what both share), ``goodput_run.py``, ``goodput_loop.py`` and
+``goodput.py`` (``--goodput``: the harness, its training loop, goodput from the ranks' logs),
 ``checkpoint_formats.py``, ``results_file.py`` (the ``--output`` file, checked before any
 work). docs/performance.md has the figures."""

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from collections.abc import Callable
 from typing import Any
 
-from ddp_hpc.bench.scale import ADDR, _Clients, _spread, fit_power_law
+from ddp_hpc.bench.scale_harness import ADDR, Clients, fit_power_law, spread
 from ddp_hpc.errors import UserError
 
 #: Seconds over which the heartbeats' load is measured.
@@ -41,11 +41,12 @@ EXPECTED = {
     "heartbeat_ops_per_s": "O(N): 2 requests a rank an interval",
     "watch_ops_per_s": "O(nodes): 3 requests a node supervisor (up to 256 ranks) a watch tick",
     "server_cpu_fraction": "O(N): the requests above",
+    "server_us_per_request": "O(1): the store's CPU a request, whatever N",
     "polled_all_held_s": "O(1) + O(N) server time: one interval, then each survivor's wait and get",
     "waiting_all_held_s": "O(N) server time: one notification and one get a survivor",
     "waiting_server_cpu_s": "O(N): the store's CPU per recovery, 3 requests a survivor",
     "store_bytes_per_recovery": "O(N): a plan of O(changes) bytes read by N survivors",
-    "plan_listing_every_slot_x_readers": "O(N^2): the plan as it was written before, every slot read by every rank",
+    "plan_listing_every_slot_x_readers": "O(N^2): the plan as written before, every slot read by every rank",
 }
 
 
@@ -107,14 +108,14 @@ def publish_after_loss(launch: Any, members: dict[int, int], slot: int) -> Any:
     return plan
 
 
-def measure_recovery(world_size: int, per_process: int, prefix: list[str] | None,
-                     interval_s: float | None = None, progress: Callable[[str], None] = lambda _: None) -> RecoveryRow:
+def measure_recovery(world_size: int, per_process: int, prefix: list[str] | None, interval_s: float | None = None,
+                     progress: Callable[[str], None] = lambda _: None) -> RecoveryRow:
     interval = default_interval_s() if interval_s is None else interval_s
-    launch = _Clients([[sys.executable, "-m", "ddp_hpc.bench.scale_recovery_launch", ADDR, str(world_size)]], prefix)
-    clients: _Clients | None = None
+    launch = Clients([[sys.executable, "-m", "ddp_hpc.bench.scale_recovery_launch", ADDR, str(world_size)]], prefix)
+    clients: Clients | None = None
     try:
         address = launch.read_all("ready", 300)[0]["address"]
-        clients = _Clients([[sys.executable, "-m", "ddp_hpc.bench.scale_recovery_ranks", address, str(first),
+        clients = Clients([[sys.executable, "-m", "ddp_hpc.bench.scale_recovery_ranks", address, str(first),
                              str(min(per_process, world_size - first)), str(interval)]
                             for first in range(0, world_size, per_process)], prefix)
         clients.read_all("ready", 900)
@@ -151,18 +152,19 @@ def measure_recovery(world_size: int, per_process: int, prefix: list[str] | None
         bytes=recovery_bytes(world_size))
 
 
-def _launch_cpu_s(launch: _Clients) -> float:
+def _launch_cpu_s(launch: Clients) -> float:
     launch.send(do="cpu")
     return float(launch.read_all("cpu", 60)[0]["cpu_s"])
 
 
-def _counts(clients: _Clients) -> dict[str, int]:
+def _counts(clients: Clients) -> dict[str, int]:
     clients.send(do="count")
     replies = clients.read_all("counted", 60)
     return {name: sum(m[name] for m in replies) for name in ("beats", "beat_requests", "watch")}
 
 
-def _recover(launch: _Clients, clients: _Clients, slot: int, fail_first: bool, interval_s: float) -> dict[str, Any]:
+def _recover(launch: Clients, clients: Clients, slot: int, fail_first: bool,
+             interval_s: float) -> dict[str, Any]:
     """One loss: the time from the launch's first call to each survivor holding the plan."""
     clients.send(do="lose", slot=slot)
     clients.read_all("lost", 60)
@@ -182,7 +184,7 @@ def _recover(launch: _Clients, clients: _Clients, slot: int, fail_first: bool, i
     return {"generation": published["generation"], "survivors": len(held),
             "all_held": bool(held) and len(times) == len(held) and not errors,
             "publish_s": round(published["published"] - published["loss"], 4),
-            "server_cpu_s": round(server_cpu, 4), "held_s": _spread(times) if times else {},
+            "server_cpu_s": round(server_cpu, 4), "held_s": spread(times) if times else {},
             "errors": errors[:3]}
 
 
@@ -191,6 +193,8 @@ def growth_laws(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     getters = {"heartbeat_ops_per_s": lambda r: r["heartbeat_ops_per_s"],
                "watch_ops_per_s": lambda r: r["watch_ops_per_s"],
                "server_cpu_fraction": lambda r: r["server_cpu_fraction"],
+               "server_us_per_request": lambda r: 1e6 * r["server_cpu_fraction"]
+               / max(r["heartbeat_ops_per_s"] + r["watch_ops_per_s"], 1),
                "polled_all_held_s": lambda r: r["polled"]["held_s"].get("max", 0),
                "waiting_all_held_s": lambda r: r["waiting"]["held_s"].get("max", 0),
                "waiting_server_cpu_s": lambda r: r["waiting"].get("server_cpu_s", 0),
