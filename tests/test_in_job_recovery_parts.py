@@ -515,6 +515,47 @@ def test_a_node_supervisor_watches_and_hands_a_spare_to_the_slots_of_its_own_nod
         node.close()
 
 
+def test_a_node_supervisor_reads_its_ranks_heartbeats_in_a_few_requests_a_tick_whatever_their_number():
+    """Recoverer.watch asks which of a node's 600 ranks are ready and reads their counters in
+    requests of 256 keys (9 here), not two requests a rank (1,200), and still sees a
+    counter that moved and ends a rank whose counter stood still."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from ddp_hpc.bench.store_calls import CountingStore
+    from ddp_hpc.engine.recovery_store import LaunchStore, alive_key, ready_key
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+    from ddp_hpc.launch.supervisor import LocalRanks
+
+    served = LaunchStore()
+    ranks = 600
+    served.store.multi_set([ready_key(slot) for slot in range(ranks)] + [alive_key(slot) for slot in range(ranks)],
+                           ["1"] * ranks + ["0"] * ranks)
+    node = Recoverer(LocalRanks(ranks, ["true"]), RecoveryLimits(1, hang_s=0.3))
+    node._store = LaunchStore(address=served.address)
+    node.members = {slot: slot for slot in range(ranks)}
+    node._store.store = counting = CountingStore(node._store.store)
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    children = [SimpleNamespace(returncode=None, pid=0, kill=lambda: None) for _ in range(ranks - 1)] + [frozen]
+    try:
+        node.watch(children)
+        assert counting.calls == 3 + 3 + 3  # ready: 3 checks; counters: 3 checks and 3 multi_gets
+        started = time.monotonic()
+        while frozen.poll() is None and time.monotonic() - started < 10:
+            served.store.multi_set([alive_key(slot) for slot in range(ranks - 1)],
+                                   [str(int(time.monotonic() * 1000))] * (ranks - 1))
+            node._next_watch = 0.0
+            node.watch(children)
+            time.sleep(0.05)
+        assert frozen.poll() is not None and node._causes == {ranks - 1: "frozen: no heartbeat for 0.3 s"}
+    finally:
+        if frozen.poll() is None:
+            frozen.kill()
+        frozen.wait()
+
+
 #: The Trainer, small: configs/synthetic.yaml with a few hundred samples.
 SMALL_TRAINER = ["job.params.samples=256", "job.params.val_samples=0", "job.params.input_dim=16",
                  "job.params.hidden=32", "job.params.depth=2", "training.batch_size=16", "training.epochs=1",

@@ -11,7 +11,8 @@ interval (beats per second and this process's CPU, the store's server runs here)
 time of the silent-rank diagnosis (with two ranks made silent, checked to be named), the
 time of the join gate's timeout diagnosis (the same two ranks' joined keys taken out), and
 the bytes that reach rank 0 per quantity (start-up facts, run
-record), computed from the objects the real code builds for N ranks.
+record), computed from the objects the real code builds for N ranks. Then, with client
+processes of its own, in-job recovery's store at the same sizes (``scale_recovery``).
 
 Torch's store client looks up the store's address by name (``getnameinfo``) before each
 connect. Where that address is not in /etc/hosts the look-up goes to DNS, and a burst of
@@ -30,7 +31,6 @@ import pickle
 import resource
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,16 +39,16 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ddp_hpc.bench.results_file import check_output, merge_into
+from ddp_hpc.bench.scale_harness import ADDR, Clients, dns_isolation, fit_power_law, spread
 from ddp_hpc.bench.scale_client import RENDEZVOUS_TIMEOUT_S, STORE_ENVIRON, rank_env
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 
 #: The heartbeat interval ``watchdog()`` picks for the default distributed.watchdog_s (300 s).
 DEFAULT_INTERVAL_S = 10.0
-ADDR = "127.0.0.1"
 #: Simulated ranks per client process (memory: ~220 MB resident per process with torch).
 RANKS_PER_PROCESS = 128
 HAMMER_S = 5.0
@@ -80,87 +80,11 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def dns_isolation(workdir: Path) -> list[str] | None:
-    """A command prefix giving the clients a private /etc/hosts naming ADDR, or None."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return None
-    hosts = workdir / "hosts"
-    original = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
-    hosts.write_text(f"{original}\n{ADDR} localhost\n::ffff:{ADDR} localhost\n")
-    prefix = ["unshare", "-m", "sh", "-c", f'mount --bind "{hosts}" /etc/hosts && exec "$0" "$@"']
-    try:
-        subprocess.run([*prefix, "true"], check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return prefix
-
-
-class _Clients:
-    """The client processes and their line-per-message streams."""
-
-    def __init__(self, world_size: int, per_process: int, port: int, silent: list[int],
-                 prefix: list[str] | None) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        for first in range(1, world_size, per_process):
-            count = min(per_process, world_size - first)
-            argv = [sys.executable, "-m", "ddp_hpc.bench.scale_client", ADDR, str(port), str(world_size),
-                    str(first), str(count), str(DEFAULT_INTERVAL_S), ",".join(map(str, silent))]
-            self.procs.append(subprocess.Popen([*(prefix or []), *argv], stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE, text=True, env=env))
-
-    def read_all(self, event: str, timeout_s: float) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            while True:
-                if time.monotonic() > deadline:
-                    raise UserError(f"scale harness: no '{event}' from a client within {timeout_s:g}s")
-                line = _readline(proc.stdout, deadline - time.monotonic())
-                if not line:
-                    raise UserError(f"scale harness: a client process ended before '{event}' "
-                                    f"(status {proc.poll()})")
-                message = json.loads(line)
-                if message.get("event") == event:
-                    out.append(message)
-                    break
-        return out
-
-    def send(self, **command: Any) -> None:
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(command) + "\n")
-            proc.stdin.flush()
-
-    def close(self) -> None:
-        for proc in self.procs:
-            try:
-                if proc.stdin:
-                    proc.stdin.close()
-            except OSError:
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _readline(stream: IO[str] | None, timeout_s: float) -> str:
-    assert stream is not None
-    holder: list[str] = []
-    reader = threading.Thread(target=lambda: holder.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(max(timeout_s, 0.0))
-    return holder[0] if holder else ""
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"median": round(statistics.median(ordered), 4),
-            "p99": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 4),
-            "max": round(ordered[-1], 4)}
+def _rendezvous_clients(world_size: int, per_process: int, port: int, silent: list[int],
+                        prefix: list[str] | None) -> Clients:
+    return Clients([[sys.executable, "-m", "ddp_hpc.bench.scale_client", ADDR, str(port), str(world_size),
+                     str(first), str(min(per_process, world_size - first)), str(DEFAULT_INTERVAL_S),
+                     ",".join(map(str, silent))] for first in range(1, world_size, per_process)], prefix)
 
 
 def _rank_environ(rank: int, world_size: int) -> dict[str, str]:
@@ -211,7 +135,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
 
     port = free_port()
     silent = sorted({world_size // 2, world_size - 1})
-    clients = _Clients(world_size, per_process, port, silent, prefix)
+    clients = _rendezvous_clients(world_size, per_process, port, silent, prefix)
     try:
         clients.read_all("ready", 900)
         outcome: dict[str, Any] = {}
@@ -266,7 +190,7 @@ def measure(world_size: int, per_process: int, prefix: list[str] | None,
     return ScaleRow(
         world_size=world_size, processes=len(clients.procs), dns_isolated=prefix is not None,
         gate_open_s=round(outcome["open_at"] - gate_go, 3),
-        handshake_s=_spread(handshakes), gate_server_cpu_s=round(gate_cpu, 3),
+        handshake_s=spread(handshakes), gate_server_cpu_s=round(gate_cpu, 3),
         store_ops_per_s=round(ops / HAMMER_S), heartbeat_interval_s=interval_s,
         heartbeat_beats_per_s=round(beats_per_s, 1), heartbeat_server_cpu_fraction=round(heartbeat_cpu, 4),
         store_connections=connections, diagnosis_s=round(diagnosis_s, 2),
@@ -304,18 +228,6 @@ def _connections(port: int) -> int:
     return len(result.stdout.splitlines()) if result.returncode == 0 else -1
 
 
-def fit_power_law(sizes: list[int], values: list[float]) -> dict[str, float]:
-    """``value = a * N**b`` by least squares in log space."""
-    points = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v > 0]
-    if len(points) < 2:
-        return {}
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    return {"a": math.exp(mean_y - slope * mean_x), "b": slope}
-
-
 def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER_PROCESS,
               check_size: int | None = 32) -> dict[str, Any]:
     """Every size in turn, the separate-process check, fits; merged into ``output``'s "scale" key."""
@@ -337,6 +249,7 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
                 progress(f"{size} ranks failed, larger sizes skipped: {failed['error']}")
                 break
             progress(json.dumps(asdict(rows[-1])))
+        recovery = _recovery_part(sizes, per_process, prefix, progress)
         check: dict[str, Any] = {}
         if check_size:
             progress(f"check: {check_size} ranks as separate processes, then {per_process} per process")
@@ -354,10 +267,33 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
     section = {"command": "ddp-hpc bench --scale " + ",".join(map(str, sizes)),
                "ranks_per_process": per_process, "load_average_at_end": load,
                "rows": [asdict(r) for r in rows], "failed": failed, "check": check, "fits": fits,
-               "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit}}
+               "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit},
+               "recovery": recovery}
     merge_into(output, {"scale": section})
     print(format_scale(section))
+    from ddp_hpc.bench.scale_recovery import format_recovery
+
+    print(format_recovery(recovery["rows"], recovery["laws"]))
     return section
+
+
+def _recovery_part(sizes: tuple[int, ...], per_process: int, prefix: list[str] | None,
+                   progress: Any) -> dict[str, Any]:
+    """In-job recovery's store at each size (``scale_recovery``), its own client processes."""
+    from ddp_hpc.bench.scale_recovery import growth_laws, measure_recovery
+
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, Any] = {}
+    for size in sizes:
+        progress(f"recovery: {size} ranks ({math.ceil(size / per_process)} client processes)")
+        try:
+            rows.append(asdict(measure_recovery(size, per_process, prefix, progress=progress)))
+        except (UserError, OSError, RuntimeError) as exc:  # the machine's limit: keep what ran
+            failed = {"world_size": size, "error": str(exc).splitlines()[0][:300]}
+            progress(f"recovery: {size} ranks failed, larger sizes skipped: {failed['error']}")
+            break
+        progress(json.dumps(rows[-1]))
+    return {"rows": rows, "failed": failed, "laws": growth_laws(rows)}
 
 
 def format_scale(section: dict[str, Any]) -> str:

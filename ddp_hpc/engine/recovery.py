@@ -273,11 +273,10 @@ class InJobRecovery:
     def _plan(self, generation: int) -> keys.Plan:
         assert self._store is not None
         try:
-            self._store.wait([keys.plan_key(generation)], timedelta(seconds=self.wait_s))
+            plan = keys.wait_plan(self._store, generation, self.wait_s)
         except (dist.DistStoreError, RuntimeError) as exc:
             raise RecoveryError(f"rank {self.slot}: no new group from the launch within {self.wait_s:g} s "
                                 f"({RECOVERY_WAIT_VAR}); the launch restarts the job in place") from exc
-        plan = keys.Plan.from_json(self._store.get(keys.plan_key(generation)))
         if plan.gave_up:
             raise RecoveryError(f"rank {self.slot}: the launch gave up in-job recovery after losing rank {plan.lost} "
                                 f"({plan.cause}); it restarts the job in place")
@@ -511,9 +510,8 @@ class InJobRecovery:
         try:
             store = keys.connect(address, self.wait_s)
             while not self._stop.wait(interval_s):
-                store.add(keys.alive_key(self.slot), 1)
                 # A rank was lost: leave the old group even where no collective noticed it yet.
-                if store.check([keys.LATEST_KEY]) and int(store.get(keys.LATEST_KEY)) > self.generation:
+                if keys.beat(store, self.slot) > self.generation:
                     self._break_group()
         except (dist.DistError, RuntimeError, OSError):
             return  # the launch is gone: nothing to tell

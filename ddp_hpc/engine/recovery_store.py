@@ -8,8 +8,8 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
   it, which rank was lost and why); ``latest`` holds the newest generation.
 - ``gen<generation>/``: the prefix each group's own rendezvous keys live under, so that a
   new group never reads a broken one's keys.
-- ``alive/<slot>``: a counter each rank's heartbeat thread bumps; the launch ends a rank
-  whose counter stands still (a frozen process: SIGSTOP, a hang holding the interpreter).
+- ``alive/<slot>``: a counter each rank's heartbeat thread bumps (``beat``); the launch ends a
+  rank whose counter stands still (a frozen process: SIGSTOP, a hang holding the interpreter).
 - ``ready/<slot>``: the rank takes part in in-job recovery (``InJobRecovery`` started);
   a launch recovers only when every live rank did.
 - ``seed/<slot>``: the base seed of the rank's streams (set once; its replacement takes
@@ -28,14 +28,24 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
 
 A *slot* is a rank's place in the launch (its first ``RANK``); its rank in a group after a
 shrink may differ.
+
+What each side costs as the ranks grow (``ddp-hpc bench --scale``, docs/performance.md): a
+rank's beat is two round trips whatever happened; a plan is a few dozen bytes whatever the
+number of ranks (its slots are said as the slots left out), so N survivors reading it cost
+the store O(N) bytes, not O(N^2); the launch asks whether its ranks are ready, and reads
+their counters, in requests of ``KEYS_PER_REQUEST`` keys, not one request a rank.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 import torch.distributed as dist
+
+from ddp_hpc.engine.liveness import read_counters
+from ddp_hpc.startup.rendezvous import store_batches
 
 PREFIX = "ddp_hpc/recovery/"
 LATEST_KEY = PREFIX + "latest"
@@ -100,12 +110,26 @@ class Plan:
     gave_up: bool = False
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """Every survivor reads it: where the ranks are the slots in order, numbered from 0
+        (always, as the launch builds them), only the slots left out are written."""
+        raw = asdict(self)
+        slots = sorted(self.ranks)
+        if all(self.ranks[slot] == rank for rank, slot in enumerate(slots)):
+            upto = slots[-1] + 1 if slots else 0
+            members = set(slots)
+            raw["ranks"] = {"upto": upto, "out": [slot for slot in range(upto) if slot not in members]}
+        return json.dumps(raw)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
         raw = json.loads(text)
-        return cls(**{**raw, "ranks": {int(slot): int(rank) for slot, rank in raw["ranks"].items()}})
+        written = raw["ranks"]
+        if "upto" in written:  # slots are digits: never a key of the full form
+            out = set(written["out"])
+            ranks = {slot: rank for rank, slot in enumerate(s for s in range(written["upto"]) if s not in out)}
+        else:
+            ranks = {int(slot): int(rank) for slot, rank in written.items()}
+        return cls(**{**raw, "ranks": ranks})
 
 
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
@@ -113,6 +137,22 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
     host, _, port = address.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
+
+
+def beat(store: dist.Store, slot: int) -> int:
+    """One heartbeat of the rank in ``slot``: its ``alive`` counter bumped; the newest
+    plan's generation (0: none yet). Two round trips, before and after a loss (``add`` of 0
+    reads ``latest``, creating it as 0 where no plan was published yet)."""
+    store.add(alive_key(slot), 1)
+    return int(store.add(LATEST_KEY, 0))
+
+
+def wait_plan(store: dist.Store, generation: int, timeout_s: float) -> Plan:
+    """The plan of ``generation``, waiting up to ``timeout_s`` for the launch to publish it
+    (the store tells the waiting client when the key is set: nothing polls). Raises the
+    store's error (``DistStoreError``) when it does not come."""
+    store.wait([plan_key(generation)], timedelta(seconds=timeout_s))
+    return Plan.from_json(store.get(plan_key(generation)))
 
 
 class LaunchStore:
@@ -159,8 +199,26 @@ class LaunchStore:
     def beats(self, slot: int) -> int:
         return int(self.store.add(alive_key(slot), 0))
 
+    def beats_of(self, slots: Sequence[int]) -> dict[int, int]:
+        """``beats`` of each slot, in requests of ``KEYS_PER_REQUEST`` counters."""
+        return dict(zip(slots, read_counters(self.store, [alive_key(slot) for slot in slots])))
+
     def ready(self, slot: int) -> bool:
         return bool(self.store.check([ready_key(slot)]))
+
+    def all_ready(self, slots: Iterable[int]) -> bool:
+        """Every rank in ``slots`` runs InJobRecovery: one request a ``KEYS_PER_REQUEST``
+        slots, stopping at the first with one missing."""
+        return all(self.store.check(batch) for batch in store_batches([ready_key(slot) for slot in slots]))
+
+    def not_ready(self, slots: Iterable[int]) -> list[int]:
+        """The slots whose rank does not run InJobRecovery (one request a batch, then one a
+        slot of the batches that miss one)."""
+        missing = []
+        for batch in store_batches([ready_key(slot) for slot in sorted(slots)]):
+            if not self.store.check(batch):
+                missing += [int(key.rpartition("/")[2]) for key in batch if not self.store.check([key])]
+        return missing
 
     def assign(self, spare: str, slot: int) -> None:
         """The warm spare ``spare`` takes the place of the rank in ``slot`` (after ``publish``)."""

@@ -189,7 +189,7 @@ class Recoverer:
             return self._give_up(slot, cause)
         # A replacement still starting (this one, or another's) is not ready yet, and need not be.
         starting = {self._slot(i) for i in self._starting} | {slot}
-        not_ready = [s for s in self.members if s not in starting and not self._store.ready(s)]
+        not_ready = self._store.not_ready([s for s in self.members if s not in starting])
         if not_ready:
             log.error("rank %d lost (%s); rank(s) %s do not run InJobRecovery: restarting in place", slot, cause,
                       ", ".join(map(str, not_ready)))
@@ -266,15 +266,18 @@ class Recoverer:
                 self.on_stop(signum)
                 return
         if self.limits.warm_spare and (self._spare is None or self._spare.poll() is not None) \
-                and all(self._store.ready(s) for s in self.members) \
-                and (self.generation == 0 or self._store.recovered(self.generation)):
+                and (self.generation == 0 or self._store.recovered(self.generation)) \
+                and self._store.all_ready(self.members):
             self._start_spare()
-        for index, child in enumerate(children):
-            slot = self._slot(index)
-            if slot not in self.members or child.returncode is not None or not self._store.ready(slot):
-                continue
+        running = [index for index, child in enumerate(children)
+                   if self._slot(index) in self.members and child.returncode is None]
+        missing = set(self._store.not_ready([self._slot(index) for index in running]))
+        watched = [index for index in running if self._slot(index) not in missing]
+        counters = self._store.beats_of([self._slot(index) for index in watched])  # a few requests, not one a rank
+        for index in watched:
+            child, slot = children[index], self._slot(index)
             self._starting.discard(index)
-            beats = self._store.beats(slot)
+            beats = counters[slot]
             last = self._beats.get(index)
             if last is None or last[0] != beats:
                 self._beats[index] = (beats, now)
