@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -793,12 +794,56 @@ def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_in
                             env=env, timeout=30)
     assert result.stdout == "to rank 0\n", result
     rank = "trap 'exit 75' TERM; touch ready; while :; do sleep 0.05; done"
-    process = subprocess.Popen(recording_rank_failures(["sh", "-c", rank]), cwd=tmp_path, env=env)
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=20) == 75
+    process = subprocess.Popen(recording_rank_failures(["sh", "-c", rank]), cwd=tmp_path, env=env,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 75
+    finally:
+        end_group(process)
+
+
+def end_group(process: subprocess.Popen) -> None:
+    """End a process started in a session of its own, and all it started (passed or not)."""
+    import signal
+
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def test_the_rank_wrapper_passes_on_a_signal_that_comes_as_the_rank_starts(tmp_path):
+    """The wrapper's traps are set before it starts the rank: a SIGTERM that reaches it right
+    after the fork (before ``child=$!``; here made certain by a bash DEBUG trap) is passed on
+    to the rank, and the wrapper exits with the rank's status, no rank left running. Without
+    the traps there the wrapper dies of it and the rank runs on."""
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    (tmp_path / "env.sh").write_text('trap \'[ "$BASH_COMMAND" = "child=\\$!" ] && kill -TERM $$\' DEBUG\n')
+    rank = "echo $$ >rank.pid; trap 'exit 75' TERM; while :; do sleep 0.05; done"
+    argv = ["bash", *recording_rank_failures(["sh", "-c", rank])[1:]]  # bash reads $BASH_ENV, sh does not
+    process = subprocess.Popen(argv, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "BASH_ENV": str(tmp_path / "env.sh")},
+                               start_new_session=True)
+    try:
+        # The rank's status, 75 or (the TERM came before its own trap) 143; not the wrapper's -15.
+        assert process.wait(timeout=20) in (75, 143)
+        pid_file = tmp_path / "rank.pid"  # absent where the TERM came before the rank's first line
+        assert not pid_file.exists() or not _alive(int(pid_file.read_text()))
+    finally:
+        end_group(process)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_the_rank_wrapper_reports_a_rank_killed_by_a_signal_and_exits(tmp_path):

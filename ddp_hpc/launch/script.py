@@ -176,7 +176,9 @@ def deadline_line(request: SubmitRequest) -> str:
 #: others only after this wrapper has exited. Rank 0 stopping (75) touches the preempted
 #: marker (``supervisor.MarkedAttempts`` reads it), as ``StopAgreement``'s rank 0 writes it: MPICH's
 #: Hydra, having passed a stop on, reports the ranks' 75 as 0 about one time in six,
-#: whatever the ranks run. Nothing is recorded without a run folder. The rank runs as a
+#: whatever the ranks run. Nothing is recorded without a run folder. The traps are set before
+#: the rank starts: a signal before it has started is held (``pending``) and passed on once
+#: it has, so that none ends the wrapper and leaves the rank running. The rank runs as a
 #: background job, which a non-interactive sh starts with SIGINT ignored and stdin from
 #: /dev/null: stdin is handed on, and SIGINT or SIGHUP reach it as SIGTERM. A passed-on
 #: signal ends ``wait`` early
@@ -184,10 +186,12 @@ def deadline_line(request: SubmitRequest) -> str:
 #: status. (Only the trap can say so: a rank killed by a signal also ends with 128 + N, and
 #: a second ``wait`` for a reaped child gives bash's saved status again, not 127.)
 RANK_FAILURE_WRAPPER = (
-    'exec 3<&0; "$@" <&3 3<&- & child=$!; exec 3<&-; interrupted=0; '
+    'child=; pending=; interrupted=0; '
     'rank="${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}"; '
-    'trap \'interrupted=1; kill -USR2 "$child" 2>/dev/null\' USR2; '
-    'trap \'interrupted=1; kill -TERM "$child" 2>/dev/null\' TERM INT HUP; '
+    'pass_on() { interrupted=1; if [ -n "$child" ]; then kill -"$1" "$child" 2>/dev/null; else pending=$1; fi; }; '
+    'trap \'pass_on USR2\' USR2; trap \'pass_on TERM\' TERM INT HUP; '
+    'exec 3<&0; "$@" <&3 3<&- & child=$!; exec 3<&-; '
+    '[ -z "$pending" ] || kill -"$pending" "$child" 2>/dev/null; '
     'status=0; wait "$child" || status=$?; '
     'while [ "$interrupted" = 1 ]; do interrupted=0; again=0; wait "$child" 2>/dev/null || again=$?; '
     '[ "$again" = 127 ] && break; status=$again; done; '
