@@ -640,7 +640,7 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     run.mkdir()
     spare = HostfileSteps(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
     line, env, written = attempt(spare, 0)
-    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in line
+    assert f"ddp-hpc-rank {sys.executable} -m ddp_hpc run -- sh -c 'exit 0'" in line  # the launch's interpreter
     assert f"-n 2 -ppn 2 -f {run / '.hosts'}" in line
     assert written == "h1\n" and env["MASTER_ADDR"] == "h1" and env["DDP_HPC_RESTART_COUNT"] == "0"
     (run / "rank-failures-0").write_text("1 137\n0 143\n")  # rank 1 failed first, on h1
@@ -670,12 +670,13 @@ def test_ranks_under_mpich_run_in_the_wrapper_that_says_they_stopped(tmp_path):
     from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter
 
+    wrapper = f"ddp-hpc-rank {sys.executable} -m ddp_hpc run"
     for flavour, wrapped in (("mpich", True), ("openmpi", False)):
         one = attempt_starter(LocalLaunch(2, ["sh", "-c", "exit 75"], flavour), tmp_path)
-        assert ("ddp-hpc-rank ddp-hpc run" in shlex.join(one.argv)) is wrapped
+        assert (wrapper in shlex.join(one.argv)) is wrapped
         assert one.base_env["DDP_HPC_RUN_FOLDER"] == str(tmp_path)
         hosts = HostfileSteps(HostLaunch(flavour, ("h1",), 1, 2, ("sh", "-c", "exit 75"), tmp_path))
-        assert ("ddp-hpc-rank ddp-hpc run" in shlex.join(hosts.argv())) is wrapped
+        assert (wrapper in shlex.join(hosts.argv())) is wrapped
 
 
 # mpiexec -n N -ppn P -f HOSTFILE -genvall CMD...: the fan-out (one process per listed host)
