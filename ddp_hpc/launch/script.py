@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ddp_hpc import __version__
 from ddp_hpc.contract import (
     DEADLINE_VAR,
     MPIEXEC_VAR,
@@ -20,6 +19,7 @@ from ddp_hpc.contract import (
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.specs.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 from ddp_hpc.staging.fanout import NODE_NAME_SHELL
+from ddp_hpc.version import __version__
 
 
 class ShellVar(str):
