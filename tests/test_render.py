@@ -779,7 +779,7 @@ def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_sta
 
 def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_interrupt(tmp_path):
     """Rank 0's 75 touches the preempted marker (Hydra may report it as 0), another rank's
-    does not; the rank, a background job of sh (SIGINT ignored, stdin /dev/null), still
+    does not; the rank, a background job of the shell (SIGINT ignored, stdin /dev/null), still
     reads the wrapper's stdin, and a SIGINT to the wrapper reaches it as SIGTERM."""
     import signal
     import time
@@ -827,7 +827,7 @@ def test_the_rank_wrapper_passes_on_a_signal_that_comes_as_the_rank_starts(tmp_p
 
     (tmp_path / "env.sh").write_text('trap \'[ "$BASH_COMMAND" = "child=\\$!" ] && kill -TERM $$\' DEBUG\n')
     rank = "echo $$ >rank.pid; trap 'exit 75' TERM; while :; do sleep 0.05; done"
-    argv = ["bash", *recording_rank_failures(["sh", "-c", rank])[1:]]  # bash reads $BASH_ENV, sh does not
+    argv = recording_rank_failures(["sh", "-c", rank])  # bash, which reads $BASH_ENV
     process = subprocess.Popen(argv, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "BASH_ENV": str(tmp_path / "env.sh")},
                                start_new_session=True)
     try:

