@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ddp_hpc.version import __version__
 
 #: Public name -> the module that defines it.
 _EXPORTS = {

@@ -14,7 +14,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ddp_hpc import __version__
 from ddp_hpc.contract import (
     BACKEND_VAR,
     CONSOLE_RANKS_VAR,
@@ -30,6 +29,7 @@ from ddp_hpc.contract import (
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging
 from ddp_hpc.stop import StopSignal, stop_signal_arg
+from ddp_hpc.version import __version__
 
 
 def write_line(stream, text: str) -> None:

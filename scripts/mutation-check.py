@@ -85,9 +85,9 @@ MUTANTS = (
             "tests/test_stop.py::test_stop_when_the_next_interval_and_a_checkpoint_would_not_fit",
             "tests/test_engine.py::test_a_deadline_already_past_at_the_start_stops_at_the_first_agreement_step")),
     Mutant("watchdog-exit-status-1", "watchdog: a stuck rank ends the job with status 3 (docs/reliability.md)",
-           "ddp_hpc/engine/watchdog.py",
-           "EXIT_CODE = 3\n",
-           "EXIT_CODE = 1\n",
+           "ddp_hpc/contract/exit_status.py",
+           "    WATCHDOG = 3\n",
+           "    WATCHDOG = 1\n",
            ("tests/test_reliability.py::test_a_stuck_rank_is_detected_by_the_watchdog",)),
 )
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import leftovers
+
 REPO = Path(__file__).resolve().parent.parent
 #: Set by scripts/test.sh where it installed everything: a missing tool then fails the
 #: test instead of skipping it, so CI cannot pass by skipping.
@@ -266,6 +268,34 @@ def assert_same_model_and_optimizer(expected: dict, actual: dict) -> None:
     for index, state in expected["optimizer"]["state"].items():
         for name, value in state.items():
             assert torch.equal(value, actual["optimizer"]["state"][index][name]), (index, name)
+
+
+#: What each test's call found running in this process's tree before it began.
+_RUNNING_BEFORE = pytest.StashKey[dict]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Orphans (a rank whose wrapper died) come to this process, where the teardown finds them.
+    leftovers.become_subreaper()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    item.stash[_RUNNING_BEFORE] = leftovers.descendants()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    before = item.stash.get(_RUNNING_BEFORE, None)
+    if before is None:  # the test never ran (a setup failed or it skipped)
+        return
+    # Passed, failed or timed out: nothing its call started outlives it.
+    killed = leftovers.end_new(before)
+    if killed:
+        item.warn(pytest.PytestWarning(f"left {len(killed)} process(es) running after it, now killed: "
+                                       f"pids {', '.join(map(str, killed))}"))
 
 
 #: Figures measured by reliability and scheduler tests, printed after the run.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +79,23 @@ def test_launch_with_restarts_gives_each_attempt_a_fresh_store():
     assert result.returncode == 0, result.stderr
     assert "at most 1 restart(s) after a failure, none after a stop (75)" in result.stdout
     assert "rank 0 serves a fresh store on a free port each attempt" in result.stdout
-    assert result.stdout.splitlines()[-1] == "ddp-hpc run -- python train.py"
+    assert result.stdout.splitlines()[-1].endswith(" -m ddp_hpc run -- python train.py")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpich"])
+def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launcher, tmp_path, request):
+    """``/venv/bin/ddp-hpc launch`` with only /usr/bin and /bin on PATH (a cron job, a batch
+    script): what the launch starts of its own (``ddp-hpc run`` around each rank) is its own
+    interpreter's, not a name looked up on PATH."""
+    if launcher != "torchrun":
+        request.getfixturevalue(launcher)
+    script = tmp_path / "x.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    launch = [str(Path(sys.executable).parent / "ddp-hpc"), "launch", "--nproc", "2", "--launcher", launcher]
+    result = run([*launch, "--", sys.executable, str(script)], env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank ")) == [
+        "rank 0 of 2", "rank 1 of 2"], result.stdout
 
 
 def test_doctor_single_process():

@@ -79,8 +79,8 @@ def test_the_new_file_gets_the_mode_open_would_give(tmp_path):
 
 
 def test_exit_statuses():
-    assert (ExitStatus.OK, ExitStatus.FAILED, ExitStatus.USAGE, ExitStatus.REQUEUE, ExitStatus.SIGTERM) == \
-        (0, 1, 2, 75, 143)
+    assert (ExitStatus.OK, ExitStatus.FAILED, ExitStatus.USAGE, ExitStatus.WATCHDOG, ExitStatus.REQUEUE,
+            ExitStatus.SIGTERM) == (0, 1, 2, 3, 75, 143)
     assert ExitStatus.of_returncode(-15) == ExitStatus.SIGTERM
     assert ExitStatus.of_returncode(75) == ExitStatus.REQUEUE
 
@@ -121,6 +121,34 @@ def test_no_bare_requeue_or_sigterm_status_outside_the_contract():
     found = [f"{path.relative_to(REPO)}:{node.lineno}"
              for path, tree in _modules() for node in ast.walk(tree)
              if isinstance(node, ast.Constant) and type(node.value) is int and node.value in (75, 143)]
+    assert found == []
+
+
+def test_every_status_the_package_exits_with_is_named_in_the_contract():
+    """``os._exit``, ``sys.exit`` and ``SystemExit`` get an ``ExitStatus`` (or a status handed
+    on), never a number of their own, not even through a module constant (the watchdog's 3
+    was one). ``run/script_runner.py`` is the exception: a file run by path, standard library
+    only, that never imports the package."""
+    exits = {"_exit", "exit", "SystemExit"}
+
+    def numbers(tree: ast.Module) -> dict[str, int]:
+        return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)
+                and isinstance(node.value, ast.Constant) and type(node.value.value) is int}
+
+    found = []
+    for path, tree in _modules():
+        if path.name == "script_runner.py":
+            continue
+        constants = numbers(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and node.args and
+                    (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in exits):
+                continue
+            arg = node.args[0]
+            value = arg.value if isinstance(arg, ast.Constant) else constants.get(getattr(arg, "id", None))
+            if type(value) is int and value != 0:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {value}")
     assert found == []
 
 

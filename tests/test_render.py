@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -639,7 +640,7 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     run.mkdir()
     spare = HostfileSteps(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
     line, env, written = attempt(spare, 0)
-    assert "ddp-hpc-rank ddp-hpc run -- sh -c 'exit 0'" in line
+    assert f"ddp-hpc-rank {sys.executable} -m ddp_hpc run -- sh -c 'exit 0'" in line  # the launch's interpreter
     assert f"-n 2 -ppn 2 -f {run / '.hosts'}" in line
     assert written == "h1\n" and env["MASTER_ADDR"] == "h1" and env["DDP_HPC_RESTART_COUNT"] == "0"
     (run / "rank-failures-0").write_text("1 137\n0 143\n")  # rank 1 failed first, on h1
@@ -669,12 +670,13 @@ def test_ranks_under_mpich_run_in_the_wrapper_that_says_they_stopped(tmp_path):
     from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch
     from ddp_hpc.launch.local import LocalLaunch, attempt_starter
 
+    wrapper = f"ddp-hpc-rank {sys.executable} -m ddp_hpc run"
     for flavour, wrapped in (("mpich", True), ("openmpi", False)):
         one = attempt_starter(LocalLaunch(2, ["sh", "-c", "exit 75"], flavour), tmp_path)
-        assert ("ddp-hpc-rank ddp-hpc run" in shlex.join(one.argv)) is wrapped
+        assert (wrapper in shlex.join(one.argv)) is wrapped
         assert one.base_env["DDP_HPC_RUN_FOLDER"] == str(tmp_path)
         hosts = HostfileSteps(HostLaunch(flavour, ("h1",), 1, 2, ("sh", "-c", "exit 75"), tmp_path))
-        assert ("ddp-hpc-rank ddp-hpc run" in shlex.join(hosts.argv())) is wrapped
+        assert (wrapper in shlex.join(hosts.argv())) is wrapped
 
 
 # mpiexec -n N -ppn P -f HOSTFILE -genvall CMD...: the fan-out (one process per listed host)
@@ -777,7 +779,7 @@ def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_sta
 
 def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_interrupt(tmp_path):
     """Rank 0's 75 touches the preempted marker (Hydra may report it as 0), another rank's
-    does not; the rank, a background job of sh (SIGINT ignored, stdin /dev/null), still
+    does not; the rank, a background job of the shell (SIGINT ignored, stdin /dev/null), still
     reads the wrapper's stdin, and a SIGINT to the wrapper reaches it as SIGTERM."""
     import signal
     import time
@@ -793,12 +795,56 @@ def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_in
                             env=env, timeout=30)
     assert result.stdout == "to rank 0\n", result
     rank = "trap 'exit 75' TERM; touch ready; while :; do sleep 0.05; done"
-    process = subprocess.Popen(recording_rank_failures(["sh", "-c", rank]), cwd=tmp_path, env=env)
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=20) == 75
+    process = subprocess.Popen(recording_rank_failures(["sh", "-c", rank]), cwd=tmp_path, env=env,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 75
+    finally:
+        end_group(process)
+
+
+def end_group(process: subprocess.Popen) -> None:
+    """End a process started in a session of its own, and all it started (passed or not)."""
+    import signal
+
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def test_the_rank_wrapper_passes_on_a_signal_that_comes_as_the_rank_starts(tmp_path):
+    """The wrapper's traps are set before it starts the rank: a SIGTERM that reaches it right
+    after the fork (before ``child=$!``; here made certain by a bash DEBUG trap) is passed on
+    to the rank, and the wrapper exits with the rank's status, no rank left running. Without
+    the traps there the wrapper dies of it and the rank runs on."""
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    (tmp_path / "env.sh").write_text('trap \'[ "$BASH_COMMAND" = "child=\\$!" ] && kill -TERM $$\' DEBUG\n')
+    rank = "echo $$ >rank.pid; trap 'exit 75' TERM; while :; do sleep 0.05; done"
+    argv = recording_rank_failures(["sh", "-c", rank])  # bash, which reads $BASH_ENV
+    process = subprocess.Popen(argv, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "BASH_ENV": str(tmp_path / "env.sh")},
+                               start_new_session=True)
+    try:
+        # The rank's status, 75 or (the TERM came before its own trap) 143; not the wrapper's -15.
+        assert process.wait(timeout=20) in (75, 143)
+        pid_file = tmp_path / "rank.pid"  # absent where the TERM came before the rank's first line
+        assert not pid_file.exists() or not _alive(int(pid_file.read_text()))
+    finally:
+        end_group(process)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_the_rank_wrapper_reports_a_rank_killed_by_a_signal_and_exits(tmp_path):

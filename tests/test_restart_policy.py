@@ -102,3 +102,20 @@ def test_an_attempt_whose_ranks_wrote_the_preempted_marker_is_a_stop_whatever_mp
     attempts = MarkedAttempts(sh(rank0, "exit 0").start, tmp_path)
     decision = Supervisor(attempts.start, RestartPolicy(1), read_status=attempts.read_status).run_to_decision()
     assert decision.status == expected and decision.requeue == marked and not decision.restart
+
+
+@pytest.mark.parametrize("stamp", ["-d @1", "-d @4102444800"])  # 1970; 2100: a file server's clock behind or ahead
+def test_whether_an_attempt_stopped_depends_on_no_clock(tmp_path, stamp):
+    """The marker an attempt's rank 0 wrote is its stop whatever time the file system stamps
+    it with; one left by an earlier launch (or attempt) is not, whatever its time: a launch
+    whose rank 0 stamps its marker stops (mpiexec says 0), the next one finishes."""
+    from ddp_hpc.contract import PREEMPTED_MARKER
+    from ddp_hpc.launch.supervisor import MarkedAttempts
+
+    marker = tmp_path / PREEMPTED_MARKER
+    rank0 = f'touch {marker}; touch {stamp} {marker}; exit 0'
+    stopped = MarkedAttempts(sh(rank0, "exit 0").start, tmp_path)
+    assert Supervisor(stopped.start, RestartPolicy(1), read_status=stopped.read_status).run() == ExitStatus.REQUEUE
+    later = MarkedAttempts(sh("exit 0", "exit 0").start, tmp_path)
+    decision = Supervisor(later.start, RestartPolicy(1), read_status=later.read_status).run_to_decision()
+    assert decision == Decision(restart=False, status=ExitStatus.OK)

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from ddp_hpc import __version__
 from ddp_hpc.bench.results_file import check_output, markdown_path, merge_into
 from ddp_hpc.contract import BENCH_STARTED_AT_VAR, atomic_write
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.local import build_torchrun
 from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec, find_program
+from ddp_hpc.version import __version__
 
 LOOPS = ("trainer", "handwritten")
 

@@ -14,6 +14,10 @@ class ExitStatus(enum.IntEnum):
     FAILED = 1
     #: The user's mistake (bad input, a missing tool): one line, no traceback.
     USAGE = 2
+    #: The watchdog ended a rank that made no progress for too long (``engine/watchdog.py``:
+    #: stuck in its own code, or in a collective waiting for a rank that is gone or frozen),
+    #: after logging where it was and every thread's stack. A failure: restarted as one.
+    WATCHDOG = 3
     #: Checkpointed and stopped on request (time limit, preemption): continue me
     #: (EX_TEMPFAIL, "try again later"). Not a failure: nothing restarts it as one.
     REQUEUE = 75

@@ -27,12 +27,12 @@ from contextlib import contextmanager, nullcontext
 
 import torch.distributed as dist
 
+from ddp_hpc.contract import ExitStatus
 from ddp_hpc.engine.collectives import position
 from ddp_hpc.engine.liveness import Heartbeat, RankStatus, Straggler
 
 log = logging.getLogger(__name__)
 
-EXIT_CODE = 3
 #: How many recent steps a rank's step time is the median of (what the straggler check compares).
 STEP_WINDOW = 20
 #: Fewer steps than this give no step time yet (the first steps include warm-up).
@@ -106,12 +106,12 @@ class Watchdog:
         message = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f}s on host {socket.gethostname()} "
                    f"during {self._phase} after step {self._step} (limit {self.limit_name}="
                    f"{self.timeout_s:g}); a collective is likely waiting for a rank that is stuck or gone. "
-                   f"Stacks of every thread follow; exiting with status {EXIT_CODE}.")
+                   f"Stacks of every thread follow; exiting with status {ExitStatus.WATCHDOG:d}.")
         log.error(message)
         print(message, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        os._exit(EXIT_CODE)
+        os._exit(ExitStatus.WATCHDOG)
 
 
 @contextmanager

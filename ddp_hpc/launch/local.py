@@ -46,11 +46,15 @@ def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
 
 def rank_command(command: Sequence[str]) -> list[str]:
     """Every rank runs a foreign command through ``ddp-hpc run`` (torchrun's variables under
-    any launcher); ddp-hpc's own verbs resolve their rank by themselves. A command in the
-    staged wrapper (``--stage-env``) keeps it outermost: ``ddp-hpc run`` is the node's copy's."""
+    any launcher); ddp-hpc's own verbs resolve their rank by themselves. ``ddp-hpc run`` is
+    the launch's own interpreter's (``python -m ddp_hpc``), not a name looked up on PATH: a
+    launch started by its path, without its environment on PATH, works. A command in the
+    staged wrapper (``--stage-env``) keeps it outermost, and ``ddp-hpc run`` by name: the
+    node's copy's, first on the PATH the wrapper sets."""
     staged, command = split_staged(command)
     own = not command or Path(command[0]).name == "ddp-hpc" or list(command[1:3]) == ["-m", "ddp_hpc"]
-    return [*staged, *(command if own else ["ddp-hpc", "run", "--", *command])]
+    ddp_hpc = ["ddp-hpc"] if staged else [sys.executable, "-m", "ddp_hpc"]
+    return [*staged, *(command if own else [*ddp_hpc, "run", "--", *command])]
 
 
 def attempt_starter(launch: LocalLaunch, run_folder: Path | None = None) -> LocalRanks | OneLauncher:

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddp_hpc.contract import AGREED_EXIT_STATUSES, PREEMPTED_MARKER, ExitStatus, atomic_write, exit_file_name
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, ExitStatus, atomic_write, exit_file_name
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +45,6 @@ class RestartPolicy:
             requeue = status == ExitStatus.REQUEUE or (stop_requested and status != ExitStatus.OK)
             return Decision(restart=False, status=status, requeue=requeue)
         return Decision(restart=True, status=status)
-
-
-def status_of_attempt(run_folder: Path, started_at: float, status: int) -> int:
-    """``status`` as the policy must see it: 75 where rank 0 (or, under MPICH, its wrapper)
-    wrote the preempted marker
-    during the attempt that started at ``started_at`` (whole seconds, as the file system
-    stamps it): the ranks stopped, whatever the launcher says. One that ends the other
-    ranks once one exits (srun's ``--kill-on-bad-exit``) reports the stop as a kill; MPICH's
-    Hydra, having passed a SIGTERM on, may report the ranks' 75 as 0."""
-    try:
-        marked = (run_folder / PREEMPTED_MARKER).stat().st_mtime
-    except OSError:
-        return status
-    return ExitStatus.REQUEUE if int(marked) >= started_at else status
 
 
 def record_exit(run_folder: Path, job_id: str, status: int) -> None:

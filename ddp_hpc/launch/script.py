@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ddp_hpc import __version__
 from ddp_hpc.contract import (
     DEADLINE_VAR,
     MPIEXEC_VAR,
@@ -20,6 +19,7 @@ from ddp_hpc.contract import (
 from ddp_hpc.launch.mpi import PROGRAMS
 from ddp_hpc.specs.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 from ddp_hpc.staging.fanout import NODE_NAME_SHELL
+from ddp_hpc.version import __version__
 
 
 class ShellVar(str):
@@ -174,20 +174,27 @@ def deadline_line(request: SubmitRequest) -> str:
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
 #: others only after this wrapper has exited. Rank 0 stopping (75) touches the preempted
-#: marker (``restart.status_of_attempt``), as ``StopAgreement``'s rank 0 writes it: MPICH's
+#: marker (``supervisor.MarkedAttempts`` reads it), as ``StopAgreement``'s rank 0 writes it: MPICH's
 #: Hydra, having passed a stop on, reports the ranks' 75 as 0 about one time in six,
-#: whatever the ranks run. Nothing is recorded without a run folder. The rank runs as a
-#: background job, which a non-interactive sh starts with SIGINT ignored and stdin from
+#: whatever the ranks run. Nothing is recorded without a run folder. The traps are set before
+#: the rank starts: a signal before it has started is held (``pending``) and passed on once
+#: it has, so that none ends the wrapper and leaves the rank running. bash, not sh: a signal
+#: that reaches the rank between its fork and its exec lands in the shell's handler there
+#: and is lost (dash: 3 of 40 SIGTERMs in the first 6 ms left the wrapper waiting for a rank
+#: that never saw them); bash blocks SIGTERM and SIGINT until the child has reset them. The rank runs as a
+#: background job, which a non-interactive shell starts with SIGINT ignored and stdin from
 #: /dev/null: stdin is handed on, and SIGINT or SIGHUP reach it as SIGTERM. A passed-on
 #: signal ends ``wait`` early
 #: (128 + its number): the trap says so, and the wrapper waits again for the rank's own
 #: status. (Only the trap can say so: a rank killed by a signal also ends with 128 + N, and
 #: a second ``wait`` for a reaped child gives bash's saved status again, not 127.)
 RANK_FAILURE_WRAPPER = (
-    'exec 3<&0; "$@" <&3 3<&- & child=$!; exec 3<&-; interrupted=0; '
+    'child=; pending=; interrupted=0; '
     'rank="${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}"; '
-    'trap \'interrupted=1; kill -USR2 "$child" 2>/dev/null\' USR2; '
-    'trap \'interrupted=1; kill -TERM "$child" 2>/dev/null\' TERM INT HUP; '
+    'pass_on() { interrupted=1; if [ -n "$child" ]; then kill -"$1" "$child" 2>/dev/null; else pending=$1; fi; }; '
+    'trap \'pass_on USR2\' USR2; trap \'pass_on TERM\' TERM INT HUP; '
+    'exec 3<&0; "$@" <&3 3<&- & child=$!; exec 3<&-; '
+    '[ -z "$pending" ] || kill -"$pending" "$child" 2>/dev/null; '
     'status=0; wait "$child" || status=$?; '
     'while [ "$interrupted" = 1 ]; do interrupted=0; again=0; wait "$child" 2>/dev/null || again=$?; '
     '[ "$again" = 127 ] && break; status=$again; done; '
@@ -200,4 +207,4 @@ RANK_FAILURE_WRAPPER = (
 
 
 def recording_rank_failures(argv: Sequence[str]) -> list[str]:
-    return ["sh", "-c", RANK_FAILURE_WRAPPER, "ddp-hpc-rank", *argv]
+    return ["bash", "-c", RANK_FAILURE_WRAPPER, "ddp-hpc-rank", *argv]

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ddp_hpc.contract import AGREED_EXIT_STATUSES, RESTART_COUNT_VAR, ExitStatus
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, PREEMPTED_MARKER, RESTART_COUNT_VAR, ExitStatus
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.restart import Decision, RestartPolicy, status_of_attempt
+from ddp_hpc.launch.restart import Decision, RestartPolicy
 from ddp_hpc.run.torchrun_env import torchrun_variables
 
 log = logging.getLogger(__name__)
@@ -120,22 +120,32 @@ def start_all(processes: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> l
     return started
 
 
-@dataclass
+@dataclass(frozen=True)
 class MarkedAttempts:
     """Starts each attempt (``start_attempt``) and reads its status through the preempted
-    marker rank 0 writes in ``run_folder`` (``restart.status_of_attempt``): for mpiexec on
-    this machine, whose Hydra may report the ranks' 75 as 0 once it passed a SIGTERM on."""
+    marker rank 0 (or, under MPICH, its wrapper) writes in ``run_folder`` after a stop: the
+    ranks stopped, whatever the launcher says. One that ends the other ranks once one exits
+    (srun's ``--kill-on-bad-exit``) reports the stop as a kill; MPICH's Hydra, having passed a
+    SIGTERM on, may report the ranks' 75 as 0. The one reader of the marker.
+
+    The marker is removed before each attempt starts (the one before it has ended), so one
+    found at its end was written during it: no clock is compared (a file system's clock may
+    lag this machine's, or run ahead of it)."""
 
     start_attempt: StartAttempt
     run_folder: Path
-    started_at: float = 0.0
 
     def start(self, attempt: int) -> Sequence[subprocess.Popen]:
-        self.started_at = float(int(time.time()))  # the file system's whole seconds
+        marker = self.run_folder / PREEMPTED_MARKER
+        try:
+            marker.unlink(missing_ok=True)
+        except OSError as exc:  # left there, it would read every end of the attempt as a stop
+            raise UserError(f"cannot remove the preempted marker {marker} before the ranks start: "
+                            f"{exc.strerror or exc}") from None
         return self.start_attempt(attempt)
 
     def read_status(self, attempt: int, status: int) -> int:
-        return status_of_attempt(self.run_folder, self.started_at, status)
+        return ExitStatus.REQUEUE if (self.run_folder / PREEMPTED_MARKER).exists() else status
 
 
 class InJob(Protocol):

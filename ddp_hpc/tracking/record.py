@@ -62,12 +62,12 @@ def _first_line(argv: Sequence[str], cwd: Path | None = None) -> str | None:
 def versions() -> dict[str, str | None]:
     import torch
 
-    import ddp_hpc
+    from ddp_hpc.version import __version__
 
     tools = {"mpi": ["mpiexec", "--version"], "slurm": ["sinfo", "--version"], "pbs": ["qstat", "--version"]}
     with ThreadPoolExecutor(len(tools)) as pool:  # at the start of every run: in parallel
         lines = dict(zip(tools, pool.map(_first_line, tools.values())))
-    return {"python": platform.python_version(), "torch": torch.__version__, "ddp_hpc": ddp_hpc.__version__,
+    return {"python": platform.python_version(), "torch": torch.__version__, "ddp_hpc": __version__,
             **lines}
 
 

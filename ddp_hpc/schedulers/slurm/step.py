@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,9 @@ from typing import IO
 from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
-from ddp_hpc.launch.restart import Decision, record_exit, status_of_attempt
+from ddp_hpc.launch.restart import Decision, record_exit
 from ddp_hpc.launch.script import split_staged
+from ddp_hpc.launch.supervisor import MarkedAttempts
 from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
@@ -148,14 +148,18 @@ class SrunSteps:
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     excluded: list[str] = field(default_factory=list)
     _step_log: _StepLog | None = None
-    _started_at: float = 0.0
+    _marked: MarkedAttempts | None = None
 
-    def start(self, attempt: int) -> list[subprocess.Popen]:
+    def __post_init__(self) -> None:
+        self._marked = MarkedAttempts(self._start_step, self.launch.run_folder)
+
+    def start(self, attempt: int) -> Sequence[subprocess.Popen]:
         if attempt > 0 and self.launch.spare_nodes:
             self._leave_out_failed_node(attempt - 1)
+        return self._marked.start(attempt)
+
+    def _start_step(self, attempt: int) -> list[subprocess.Popen]:
         argv = self.launch.step_argv(self.excluded)
-        # The marker's time is the file system's, in whole seconds (as the bash loop's `date +%s`).
-        self._started_at = float(int(time.time()))
         try:
             step = subprocess.Popen(argv, stderr=subprocess.PIPE,
                                     env={**self.base_env, RESTART_COUNT_VAR: str(attempt)})
@@ -188,7 +192,7 @@ class SrunSteps:
         ``--kill-on-bad-exit`` ended the others, and srun's status says a kill."""
         if self._step_log is not None:
             self._step_log.finished()
-        return status_of_attempt(self.launch.run_folder, self._started_at, status)
+        return self._marked.read_status(attempt, status)
 
     def _leave_out_failed_node(self, failed_attempt: int) -> None:
         line = self._step_log.finished() if self._step_log is not None else None
