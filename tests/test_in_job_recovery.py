@@ -170,7 +170,10 @@ def launcher_flags(launcher: str, tmp_path: Path, request: pytest.FixtureRequest
     return ()
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpich-hostfile", "openmpi", "srun"])
+# The default launcher's kill from outside is an acceptance case: the same path runs in CI as
+# test_a_rank_lost_anywhere_in_a_step_...[after-all-reduce], with the kill where the test says.
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.acceptance), "mpich-hostfile",
+                                      "openmpi", "srun"])
 def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_identical(launcher, reference,
                                                                                          tmp_path, request):
     """Under mpiexec and srun the launcher's task is a node supervisor per node (launch/node.py),
@@ -189,7 +192,6 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_end_bit_i
                    f"received {record['transfer_s']:.1f} s after the launch saw it)")
 
 
-# Under node supervisors (mpiexec, srun) too: run by `scripts/test.sh -m acceptance`, not in CI.
 #: Faults put where each case says (tests/scripts/recovery_faults/sitecustomize.py), in slot LOST.
 FAULTS = str(REPO / "tests" / "scripts" / "recovery_faults")
 
@@ -211,10 +213,17 @@ def test_a_rank_lost_anywhere_in_a_step_is_replaced_and_the_run_ends_bit_identic
     every rank ends bit-identical (RNG streams too), the broken save made again."""
     pids, output = faulty_launch(tmp_path, fault, step, "--recover", "1")
     assert f"rank {LOST} lost (exit 137 (SIGKILL)): replacement started" in output
-    record = assert_recovered_in_place(tmp_path, pids, reference, sent_at=0.0)
+    killed_at = (tmp_path / "fault-rank").stat().st_mtime  # written just before the kill
+    record = assert_recovered_in_place(tmp_path, pids, reference, sent_at=killed_at - 1)
     # The survivors completed the step the lost rank died in (it was past its all-reduce) or
     # the one before (it died in that step's save): the run went on from there.
     assert record["step"] in (step - 1, step)
+    FIGURES.append(f"in-job recovery, rank {LOST} of {RANKS} SIGKILLed {fault_place(fault)}: "
+                   f"{kill_to_next_step(record, killed_at):.1f} s from the kill to the next completed step")
+
+
+def fault_place(fault: str) -> str:
+    return {"window": "after its all-reduce, before step_done", "save": "inside the checkpoint save"}[fault]
 
 
 def test_a_replacement_that_dies_while_the_group_forms_ends_no_survivor(reference, tmp_path):
@@ -255,6 +264,7 @@ def test_when_no_recovery_is_left_the_survivors_end_at_once_and_the_job_restarts
         assert state["resumed"] is not None and state["resumed"].endswith("step-00000005.pt")
 
 
+# Under node supervisors (mpiexec, srun) too: run by `scripts/test.sh -m acceptance`, not in CI.
 @pytest.mark.parametrize("launcher", ["torchrun", *(pytest.param(name, marks=[
     pytest.mark.acceptance, *([pytest.mark.slurm] if name == "srun" else [])]) for name in ("mpich-hostfile", "openmpi", "srun"))])
 def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm_spare(launcher, reference, tmp_path,

@@ -401,7 +401,13 @@ class InJobRecovery:
     def _leave_group(self) -> None:
         self._break_group()
         if dist.is_initialized():
+            # The group's destructor joins gloo's worker threads, and one that an op of the
+            # broken group still holds (seen with rank 0 lost) keeps it until the collective
+            # timeout: the last reference is dropped on a thread of its own, so this rank
+            # goes on to the next group at once.
+            held = [dist.group.WORLD]
             dist.destroy_process_group()
+            threading.Thread(target=held.clear, daemon=True, name="ddp_hpc-broken-group-release").start()
 
     # ----- state --------------------------------------------------------------------------
 
