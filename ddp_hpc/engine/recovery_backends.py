@@ -3,6 +3,8 @@ before any rank starts)."""
 
 from __future__ import annotations
 
+from ddp_hpc.contract import BACKEND_VAR
+
 #: The backends whose broken group a survivor can leave without exiting (gloo: its sockets
 #: shut down). NCCL needs its communicator aborted with error handling that spares the
 #: survivors, XCCL/oneCCL likewise: not built yet, so refused before training starts.
@@ -15,4 +17,4 @@ def backend_refusal(backend: str) -> str | None:
         return None
     return (f"in-job recovery runs over gloo only for now, not {backend}: a broken {backend} group cannot be "
             f"left without ending the process yet; give the backend gloo (DDP over gloo also works with ranks "
-            f"on cuda, e.g. DDP_HPC_BACKEND=gloo), or drop --recover and restart in place (--max-restarts)")
+            f"on cuda, e.g. {BACKEND_VAR}=gloo), or drop --recover and restart in place (--max-restarts)")
