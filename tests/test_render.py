@@ -594,9 +594,11 @@ def test_stage_env_fans_out_once_per_node_then_runs_the_ranks_from_the_copy(tmp_
     assert ("-ppn" in fan_out and fan_out[fan_out.index("-ppn") + 1] == "1") if scheduler == "pbs" else \
         "--ntasks-per-node=1" in fan_out and "--nodes=2" in fan_out
     # The rank's command, run as the launcher would on node n2: `ddp-hpc` is the node's copy's.
-    wrapped = ranks[ranks.index("bash"):]
-    assert wrapped[3:5] == ["ddp-hpc-staged", "ddp-hpc"] and "train" in wrapped
-    assert "ddp-hpc" not in ranks[:ranks.index("bash")]  # nothing from the shared environment runs first
+    # The staged wrapper (inside MPICH's rank wrapper, itself a bash -c now) runs the command.
+    start = ranks.index("ddp-hpc-staged") - 3
+    wrapped = ranks[start:]
+    assert wrapped[:2] == ["bash", "-c"] and wrapped[3:5] == ["ddp-hpc-staged", "ddp-hpc"] and "train" in wrapped
+    assert "ddp-hpc" not in ranks[:start]  # nothing from the shared environment runs first
     job_root = tmp_path / "local" / ("ddp_hpc-env-1.server" if scheduler == "pbs" else "ddp_hpc-env-7")
     (job_root / "n2" / "bin").mkdir(parents=True)
     (job_root / "n2" / "bin" / "ddp-hpc").write_text('#!/bin/sh\necho "copy of $VIRTUAL_ENV: $*"\n')
