@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST_WAIT, FIGURES, REPO, clean_env, ddp_hpc_command
-from cpu_groups import CPU_CGROUP, need_cpu_cgroups, remove_cgroups
+from cpu_groups import CPU_CGROUP, alone_at_the_top, need_cpu_cgroups, remove_cgroups
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.reliability]
 LIMIT_S = 60
@@ -145,14 +145,9 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective_number(lau
                      result.stderr), result.stderr[-3000:]
 
 
-def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_keeps_it(tmp_path):
-    """Rank 1 capped by a cgroup v1 cpu quota to 30% of one CPU: rank 0 names it with its
-    ratio within 50 steps (each rank's median forward time over 20 steps, sent with its
-    heartbeat every second at watchdog_s=10); rank 0 itself, unperturbed, is not named.
-    The whole job runs in a cgroup with the largest cpu.shares, so whatever else runs here
-    (the other xdist worker) does not slow rank 0 too and hide the cap; rank 1's quota group
-    is a child of it. A short period (10 ms) slows every forward pass alike."""
-    need_cpu_cgroups()  # skipped only where DDP_HPC_REQUIRE_ALL allows it, as every other component
+def run_capped(tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """The job in a cgroup with the largest cpu.shares, rank 1 capped to 30% of one CPU in a
+    child group; the result and when it started."""
     job = CPU_CGROUP / f"ddp-hpc-test-{os.getpid()}"
     job.mkdir()
     capped = job / "rank1"
@@ -180,6 +175,19 @@ def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_kee
         result = subprocess.CompletedProcess(joined, job_run.returncode, stdout, stderr)
     finally:
         remove_cgroups(capped, job)
+    return result, started
+
+
+def test_a_rank_capped_to_30_percent_cpu_is_named_a_straggler_and_the_record_keeps_it(tmp_path):
+    """Rank 1 capped by a cgroup v1 cpu quota to 30% of one CPU: rank 0 names it with its
+    ratio within 50 steps (each rank's median forward time over 20 steps, sent with its
+    heartbeat every second at watchdog_s=10); rank 0 itself, unperturbed, is not named.
+    The whole job runs in a cgroup with the largest cpu.shares, so whatever else runs here
+    (the other xdist worker) does not slow rank 0 too and hide the cap; rank 1's quota group
+    is a child of it. A short period (10 ms) slows every forward pass alike."""
+    need_cpu_cgroups()  # skipped only where DDP_HPC_REQUIRE_ALL allows it, as every other component
+    with alone_at_the_top():
+        result, started = run_capped(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     named = re.findall(r"straggler: rank (\d) \(host \S+\) takes ([\d.]+)x the median step time of the other "
                        r"ranks \([\d.e-]+s vs [\d.e-]+s of its own work a step, at step (\d+)\)", result.stderr)
