@@ -203,6 +203,9 @@ class InJobRecovery:
         """
         why = run_refusal(model, checkpointer)
         if why is not None:  # the same on every rank: each exits 2, and the launch spends no recovery on it
+            # The group and the heartbeat end first: left to the interpreter's exit, a live gloo
+            # group's threads can abort the process (SIGABRT, seen), which reads as a lost rank.
+            self.close()
             raise RefusedOnRank(why, self.slot)
         self._model, self._optimizer, self._sampler = model, optimizer, sampler
         self._checkpointer, self._stop_agreement = checkpointer, stop
