@@ -90,7 +90,8 @@ def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launche
     if launcher != "torchrun":
         request.getfixturevalue(launcher)
     script = tmp_path / "x.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # One write per rank (print's pieces are separate writes unbuffered: two ranks' lines interleaved once in CI).
+    script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\")\n")
     launch = [str(Path(sys.executable).parent / "ddp-hpc"), "launch", "--nproc", "2", "--launcher", launcher]
     result = run([*launch, "--", sys.executable, str(script)], env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
