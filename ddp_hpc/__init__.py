@@ -84,6 +84,9 @@ _MOVED = {
     "ddp_hpc.launch.request": "ddp_hpc.specs.request",
     "ddp_hpc.launch.profiles": "ddp_hpc.specs.profiles",
     "ddp_hpc.launch.sweep": "ddp_hpc.specs.sweep",
+    "ddp_hpc.engine.recovery_store": "ddp_hpc.engine.recovery.store",
+    "ddp_hpc.engine.recovery_record": "ddp_hpc.engine.recovery.record",
+    "ddp_hpc.engine.recovery_backends": "ddp_hpc.engine.recovery.backends",
 }
 
 

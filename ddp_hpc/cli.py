@@ -309,7 +309,7 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
 
 def _recovery_limits(args: argparse.Namespace) -> Any:
     from ddp_hpc.device import requested
-    from ddp_hpc.engine.recovery_backends import backend_refusal
+    from ddp_hpc.engine.recovery.backends import backend_refusal
     from ddp_hpc.launch.recovering import RecoveryLimits
 
     backend = requested(None, os.environ, BACKEND_VAR)

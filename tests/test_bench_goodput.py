@@ -7,7 +7,7 @@ import pytest
 
 from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Step, goodput, parse_line
 from ddp_hpc.bench.goodput_run import GoodputPlan
-from ddp_hpc.engine.recovery_record import RecoveryEvent
+from ddp_hpc.engine.recovery.record import RecoveryEvent
 from ddp_hpc.errors import UserError
 
 FIRST, RESTARTED, RECOVERED = (0, 0, 0), (0, 1, 0), (0, 0, 1)
@@ -102,10 +102,10 @@ def test_every_arm_sees_the_same_seeded_fault_schedule_and_bad_plans_are_refused
 
 def test_the_recoveries_the_benchmark_reads_are_those_the_ranks_wrote(tmp_path):
     """The goodput harness reads each recovery back from the run record as the recovering
-    rank 0 wrote it (``engine/recovery_record.py``), in generation order."""
+    rank 0 wrote it (``engine/recovery/record.py``), in generation order."""
     from dataclasses import replace
 
-    from ddp_hpc.engine.recovery_record import read_recoveries, write_recovery
+    from ddp_hpc.engine.recovery.record import read_recoveries, write_recovery
 
     later = replace(RECOVERED_AT_11_3, generation=12, detected_at=40.0)
     for event in (later, RECOVERED_AT_11_3):

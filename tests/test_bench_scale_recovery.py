@@ -31,7 +31,7 @@ def test_the_recovery_part_reports_every_figure_and_every_survivor_holds_each_pl
 
 
 def test_the_plan_is_as_large_at_4096_ranks_as_at_8_and_reads_back_the_same():
-    from ddp_hpc.engine.recovery_store import Plan
+    from ddp_hpc.engine.recovery.store import Plan
 
     def plan(slots: list[int]) -> Plan:
         return Plan(generation=3, world_size=len(slots), ranks={slot: rank for rank, slot in enumerate(slots)},
@@ -49,7 +49,7 @@ def test_the_plan_is_as_large_at_4096_ranks_as_at_8_and_reads_back_the_same():
 
 def test_a_beat_is_two_requests_before_and_after_a_plan_and_reads_the_newest_generation():
     from ddp_hpc.bench.store_calls import CountingStore
-    from ddp_hpc.engine.recovery_store import LaunchStore, Plan, beat, connect
+    from ddp_hpc.engine.recovery.store import LaunchStore, Plan, beat, connect
 
     launch = LaunchStore()
     rank = CountingStore(connect(launch.address, 30))
@@ -62,7 +62,7 @@ def test_a_beat_is_two_requests_before_and_after_a_plan_and_reads_the_newest_gen
 
 def test_the_launch_asks_whether_every_rank_is_ready_in_batches_and_names_the_missing():
     from ddp_hpc.bench.store_calls import CountingStore
-    from ddp_hpc.engine.recovery_store import LaunchStore, ready_key
+    from ddp_hpc.engine.recovery.store import LaunchStore, ready_key
 
     launch = LaunchStore()
     slots = range(1000)

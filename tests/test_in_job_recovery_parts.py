@@ -111,7 +111,7 @@ def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, cap
 def test_recover_under_the_default_launcher_recovers(caplog):
     from ddp_hpc.cli import _in_job_recovery
     from ddp_hpc.contract import RECOVERY_SHRINK_VAR
-    from ddp_hpc.engine.recovery_store import LaunchStore
+    from ddp_hpc.engine.recovery.store import LaunchStore
     from ddp_hpc.launch.local import LocalLaunch
     from ddp_hpc.launch.recovering import Recoverer
 
@@ -181,7 +181,7 @@ def test_node_supervisors_draw_each_generation_once_from_the_store_and_latest_on
     import subprocess
     import sys
 
-    from ddp_hpc.engine.recovery_store import LATEST_KEY, LaunchStore, Plan, plan_key, ready_key
+    from ddp_hpc.engine.recovery.store import LATEST_KEY, LaunchStore, Plan, plan_key, ready_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
     from ddp_hpc.launch.supervisor import LocalRanks
 
@@ -260,7 +260,7 @@ def test_a_ranks_streams_after_any_step_are_rebuilt_from_its_base_seed_alone():
 def test_a_replacement_takes_the_base_seed_its_slot_left_in_the_store_not_its_own():
     import torch
 
-    from ddp_hpc.engine import recovery_store as keys
+    from ddp_hpc.engine.recovery import store as keys
     from ddp_hpc.engine.recovery import InJobRecovery
 
     store = keys.LaunchStore()
@@ -329,7 +329,7 @@ def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is
     import threading
     import time
 
-    from ddp_hpc.engine.recovery_store import ready_key
+    from ddp_hpc.engine.recovery.store import ready_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
     from ddp_hpc.launch.restart import RestartPolicy
     from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
@@ -476,7 +476,7 @@ def test_a_node_supervisor_watches_and_hands_a_spare_to_the_slots_of_its_own_nod
     import sys
     import time
 
-    from ddp_hpc.engine.recovery_store import LaunchStore, Plan, alive_key, plan_key, ready_key, spare_key
+    from ddp_hpc.engine.recovery.store import LaunchStore, Plan, alive_key, plan_key, ready_key, spare_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
     from ddp_hpc.launch.supervisor import LocalRanks
 
@@ -525,7 +525,7 @@ def test_a_node_supervisor_reads_its_ranks_heartbeats_in_a_few_requests_a_tick_w
     from types import SimpleNamespace
 
     from ddp_hpc.bench.store_calls import CountingStore
-    from ddp_hpc.engine.recovery_store import LaunchStore, alive_key, ready_key
+    from ddp_hpc.engine.recovery.store import LaunchStore, alive_key, ready_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
     from ddp_hpc.launch.supervisor import LocalRanks
 
@@ -594,7 +594,7 @@ def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(mo
     ready key gone: the launch no longer watches it)."""
     import ddp_hpc
     from ddp_hpc.contract import RECOVERY_STORE_VAR
-    from ddp_hpc.engine import recovery_store as keys
+    from ddp_hpc.engine.recovery import store as keys
     from conftest import REPO
 
     store = keys.LaunchStore()

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddp_hpc.engine.recovery_record import RecoveryEvent
+from ddp_hpc.engine.recovery.record import RecoveryEvent
 
 Epoch = tuple[int, int, int]
 

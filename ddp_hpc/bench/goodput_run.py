@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Step, goodput, parse_line
-from ddp_hpc.engine.recovery_record import read_recoveries
+from ddp_hpc.engine.recovery.record import read_recoveries
 from ddp_hpc.errors import UserError
 
 ARMS = ("in-job", "in-job-spare", "restart", "requeue")

@@ -1,7 +1,7 @@
 """The recovery part of ``ddp-hpc bench --scale``: in-job recovery's store at N simulated ranks.
 
 The launch of ``ddp-hpc launch --recover`` is a process of its own
-(``scale_recovery_launch``): it serves the real ``LaunchStore`` (engine/recovery_store.py)
+(``scale_recovery_launch``): it serves the real ``LaunchStore`` (engine/recovery/store.py)
 and, on a loss, makes the calls ``Recoverer.on_failure`` makes (``publish_after_loss``:
 the recoveries counted, every rank's ``ready`` key asked, a generation drawn, the lost
 rank forgotten, the ``Plan`` published). The N ranks are
@@ -77,7 +77,7 @@ def recovery_bytes(world_size: int) -> dict[str, int]:
     the plan as written (and in the form that listed every slot, for comparison) times the
     survivors that read it, their ``wait`` and ``get`` requests, and the launch's own
     question whether every rank is ready (its keys, in requests of 256)."""
-    from ddp_hpc.engine.recovery_store import Plan, plan_key, ready_key
+    from ddp_hpc.engine.recovery.store import Plan, plan_key, ready_key
 
     members = {slot: slot for slot in range(world_size)}
     plan = Plan(generation=1, world_size=world_size, ranks=members, lost=world_size // 2, host=socket.gethostname(),
@@ -95,7 +95,7 @@ def recovery_bytes(world_size: int) -> dict[str, int]:
 
 def publish_after_loss(launch: Any, members: dict[int, int], slot: int) -> Any:
     """The launch's calls on a loss with a replacement, as ``Recoverer.on_failure`` makes them."""
-    from ddp_hpc.engine.recovery_store import Plan
+    from ddp_hpc.engine.recovery.store import Plan
 
     launch.generations()
     missing = launch.not_ready(members)

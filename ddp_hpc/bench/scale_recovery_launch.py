@@ -28,7 +28,7 @@ def _cpu_s() -> float:
 
 def main(argv: list[str]) -> int:
     from ddp_hpc.bench.scale_recovery import publish_after_loss
-    from ddp_hpc.engine.recovery_store import LaunchStore, ready_key
+    from ddp_hpc.engine.recovery.store import LaunchStore, ready_key
 
     world_size = int(argv[1])
     launch = LaunchStore(argv[0])

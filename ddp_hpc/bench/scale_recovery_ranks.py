@@ -1,8 +1,8 @@
 """One process of the recovery part of ``bench --scale``: a few simulated ranks of a
 ``ddp-hpc launch --recover`` job, each a pair of threads against the launch's real store.
 
-Each simulated rank does what ``InJobRecovery`` does with the store (engine/recovery.py),
-through the same functions of ``engine/recovery_store.py``: two clients (``connect``), its
+Each simulated rank does what ``InJobRecovery`` does with the store (engine/recovery/rank.py),
+through the same functions of ``engine/recovery/store.py``: two clients (``connect``), its
 ``ready`` key set, a heartbeat thread calling ``beat`` every interval on one client, and a
 main thread that, once its group is broken (the beat saw a newer plan, or the harness says
 a collective failed, as gloo's error would), waits for the next plan (``wait_plan``), reads
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from ddp_hpc.bench.store_calls import CountingStore
-from ddp_hpc.engine import recovery_store as keys
+from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.launch.recovering import WATCH_S
 
 #: The store client's timeout and the plan's wait (``--recovery-wait``'s default).

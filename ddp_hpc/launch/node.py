@@ -112,7 +112,7 @@ class NodeSupervisors:
                 f"(${RECOVERY_STORE_VAR}, a fresh one each attempt)\n{shlex.join(self.argv)}\n")
 
     def start(self, attempt: int) -> list[subprocess.Popen]:
-        from ddp_hpc.engine.recovery_store import LaunchStore
+        from ddp_hpc.engine.recovery.store import LaunchStore
 
         self._store = LaunchStore(self.host)
         return list(self._start_launcher(attempt, {RECOVERY_STORE_VAR: self._store.address}))

@@ -2,7 +2,7 @@
 
 The supervisor owns every rank's process, so it knows which rank was lost and can start
 it again while the others stay up. ``Recoverer`` starts each attempt's ranks (as
-``LocalRanks`` does) around a store it serves itself (``engine/recovery_store.py``): the
+``LocalRanks`` does) around a store it serves itself (``engine/recovery/store.py``): the
 store outlives any rank. When a rank ends with a failure, or its heartbeat stands still
 (a frozen process: it is killed first), and recoveries are left and every rank runs
 ``InJobRecovery``, it publishes the next group's ``Plan`` and starts a replacement in the
@@ -113,7 +113,7 @@ class Recoverer:
         self._held: dict[int, int] = {}
 
     def start(self, attempt: int) -> list[subprocess.Popen]:
-        from ddp_hpc.engine.recovery_store import LaunchStore
+        from ddp_hpc.engine.recovery.store import LaunchStore
 
         self.close()
         if self.store_address is None:
@@ -174,7 +174,7 @@ class Recoverer:
     def on_failure(self, index: int, status: int, children: list[subprocess.Popen]) -> bool:
         """This node's rank ``index`` ended with ``status``: True when the job recovers in
         place (its replacement is in ``children[index]``, or the others go on without it)."""
-        from ddp_hpc.engine.recovery_store import Plan
+        from ddp_hpc.engine.recovery.store import Plan
 
         slot = self._slot(index)
         cause = self._causes.pop(index, describe_cause(status))
@@ -226,7 +226,7 @@ class Recoverer:
         """The last plan: none. Every survivor waiting for a plan, or in a collective that
         the loss broke (its heartbeat sees ``latest`` rise), ends at once instead of waiting
         out the launch's stop and kill."""
-        from ddp_hpc.engine.recovery_store import Plan
+        from ddp_hpc.engine.recovery.store import Plan
 
         self._store.publish(Plan(generation=self._store.next_generation(), world_size=0, ranks={}, lost=slot,
                                  host=socket.gethostname(), cause=cause, detected_at=time.time(), replaced=False,

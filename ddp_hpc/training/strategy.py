@@ -68,7 +68,7 @@ def _wrap_ddp(model: nn.Module, config: Config, ctx: DistContext, *,
               recovering: bool = False) -> DistributedDataParallel:
     """``recovering``: for in-job recovery, which wraps the model anew on each group: with
     ``find_unused_parameters`` the buckets keep their first layout, so a step redone after a
-    recovery sums its gradients in the same order (``engine/recovery.py``)."""
+    recovery sums its gradients in the same order (``engine/recovery/rank.py``)."""
     dist = config.distributed
     wrapped = DistributedDataParallel(
         model, device_ids=ctx.device.ddp_device_ids,

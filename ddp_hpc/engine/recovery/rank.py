@@ -7,7 +7,7 @@ fails (gloo raises within milliseconds once a peer's connection closes; a frozen
 ended by the launch, which closes it):
 
 1. the survivors leave the broken group without exiting (``destroy_process_group``);
-2. they wait for the launch's ``Plan`` of the next generation (``engine/recovery_store.py``):
+2. they wait for the launch's ``Plan`` of the next generation (``engine/recovery/store.py``):
    the same ranks with a replacement the launch started for the lost one, or, where the
    user allowed shrinking, the survivors only, numbered anew;
 3. they form the new group on the store under a fresh prefix (the generation), as torchft
@@ -64,11 +64,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
-from ddp_hpc.engine import recovery_store as keys
+from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
-from ddp_hpc.engine.recovery_backends import backend_refusal
-from ddp_hpc.engine.recovery_record import RecoveryEvent, write_recovery
+from ddp_hpc.engine.recovery.backends import backend_refusal
+from ddp_hpc.engine.recovery.record import RecoveryEvent, write_recovery
 from ddp_hpc.engine.rng import seed_for_step
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement

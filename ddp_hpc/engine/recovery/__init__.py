@@ -1,0 +1,54 @@
+"""In-job recovery: a lost rank replaced inside the running job, its state from the survivors.
+
+One entry, ``InJobRecovery`` (``rank.py``), which a loop or the Trainer runs on every rank;
+the rest are its parts:
+
+- ``store``: the keys the ranks and the launch (``launch/recovering.py``) meet under, in a
+  store the launch serves, and the ``Plan`` of each new group;
+- ``record``: each recovery in the run record (torch-free);
+- ``backends``: which process-group backends a broken group can be left on (torch-free:
+  the launch asks before any rank starts);
+- ``rank``: the rank side: forming each group, the state transfer, the derived streams.
+
+The package imports nothing until a name is asked for, so the torch-free parts stay
+torch-free for the launch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_NAMES = {
+    "InJobRecovery": "rank",
+    "RecoveryError": "rank",
+    "Superseded": "rank",
+    "STREAM_SEED": "rank",
+    "is_collective_error": "rank",
+    "is_sharded": "rank",
+    "run_refusal": "rank",
+    "spare_places": "rank",
+    "broadcast_state": "rank",
+    "state_from_tensor": "rank",
+    "state_to_tensor": "rank",
+    "RecoveryEvent": "record",
+    "read_recoveries": "record",
+    "write_recovery": "record",
+    "backend_refusal": "backends",
+}
+
+__all__ = sorted(_NAMES)
+
+if TYPE_CHECKING:
+    from ddp_hpc.engine.recovery.backends import backend_refusal
+    from ddp_hpc.engine.recovery.rank import (STREAM_SEED, InJobRecovery, RecoveryError, Superseded,
+                                              broadcast_state, is_collective_error, is_sharded, run_refusal,
+                                              spare_places, state_from_tensor, state_to_tensor)
+    from ddp_hpc.engine.recovery.record import RecoveryEvent, read_recoveries, write_recovery
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
