@@ -44,6 +44,7 @@ launch --recover``), a failure ends the rank as before and the launcher restarts
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import logging
@@ -63,12 +64,38 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.contract import RECOVERY_GENERATION_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+from ddp_hpc.contract import (
+    RECOVERY_GENERATION_VAR,
+    RECOVERY_SHRINK_VAR,
+    RECOVERY_SPARE_VAR,
+    RECOVERY_STORE_VAR,
+    RECOVERY_WAIT_VAR,
+    RESTART_COUNT_VAR,
+    RUN_FOLDER_VAR,
+)
 from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.recovery.backends import backend_refusal
-from ddp_hpc.engine.recovery.record import RecoveryEvent, write_recovery
+from ddp_hpc.engine.recovery.record import RecoveryEvent, ResumeEvent, write_recovery, write_resume
+from ddp_hpc.engine.recovery.shards import (
+    DEFAULT_REPLICAS,
+    KEPT_STEPS,
+    Buddies,
+    Rollback,
+    SnapshotFiles,
+    Snapshots,
+    available_memory_bytes,
+    fetch_own,
+    gather_json,
+    newest_common,
+    rebind,
+    reset_after_failure,
+    restored_dtensors,
+    sharding_refusal,
+    snapshot_root,
+    state_bytes,
+)
 from ddp_hpc.engine.rng import seed_for_step
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
@@ -89,6 +116,9 @@ def is_collective_error(exc: BaseException) -> bool:
 DEFAULT_WAIT_S = 120.0
 #: The Checkpointer's rank extra that keeps a rank's base seed across a restart.
 STREAM_SEED = "stream_seed"
+#: Steps between snapshots of a sharded model when neither the caller nor the launch says.
+SNAPSHOT_EVERY_VAR = "DDP_HPC_SNAPSHOT_EVERY"
+DEFAULT_SNAPSHOT_EVERY = 1
 
 
 class RecoveryError(RuntimeError):
@@ -108,15 +138,30 @@ class InJobRecovery:
     to each ``DistributedDataParallel`` (``find_unused_parameters=True`` unless given: it
     keeps the bucket layout, hence the sums, the same across a re-wrap). ``collective_timeout_s``: how long a collective
     may wait for a silent peer before it fails.
+
+    A sharded (FSDP2) model is kept through a lost rank by snapshots (``shards.py``): every
+    ``snapshot_every`` steps (default ``$DDP_HPC_SNAPSHOT_EVERY``, else 1) each rank copies its
+    shards to node-local memory and to ``snapshot_replicas - 1`` buddies ``snapshot_distance``
+    ranks away (default: ``LOCAL_WORLD_SIZE``, the next host).
     """
 
     def __init__(self, backend: str = "gloo", *, run_dir: str | os.PathLike[str] | None = None,
                  ddp_kwargs: Mapping[str, Any] | None = None, collective_timeout_s: float = 300.0,
-                 heartbeat_s: float = 0.25, environ: Mapping[str, str] | None = None) -> None:
+                 heartbeat_s: float = 0.25, snapshot_every: int | None = None,
+                 snapshot_replicas: int = DEFAULT_REPLICAS, snapshot_distance: int | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
         self.slot = int(env.get("RANK", "0"))
         self.enabled = env.get(RECOVERY_STORE_VAR) is not None
+        self.snapshot_every = _snapshot_every(snapshot_every, env, self.slot)
+        self._snapshot_replicas = snapshot_replicas
+        self._snapshot_distance = snapshot_distance
+        self._local_world_size = int(env.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self._shrinks = env.get(RECOVERY_SHRINK_VAR) == "1"
+        self._restarts = int(env.get(RESTART_COUNT_VAR, "0") or 0)
+        self._snapshot_root = snapshot_root(run_dir if run_dir is not None else env.get(RUN_FOLDER_VAR), env)
+        self._snapshots: Snapshots | None = None
         if self.enabled and (why := backend_refusal(backend)) is not None:
             raise RefusedOnRank(why, self.slot)
         available = getattr(dist, "is_backend_available", None)  # torch >= 2.4
@@ -201,7 +246,10 @@ class InJobRecovery:
         ids, a communication hook) should keep ``find_unused_parameters=True`` for the
         reason given in the class's ``__init__``.
         """
-        why = run_refusal(model, checkpointer)
+        sharded = is_sharded(model)
+        why = run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks)
+        if why is None and sharded and self.enabled:
+            why = sharding_refusal(model)
         if why is not None:  # the same on every rank: each exits 2, and the launch spends no recovery on it
             # The group and the heartbeat end first: left to the interpreter's exit, a live gloo
             # group's threads can abort the process (SIGABRT, seen), which reads as a lost rank.
@@ -213,10 +261,14 @@ class InJobRecovery:
             self.step = checkpointer.step  # a restored checkpoint's step
         self.seed = self._base_seed()
         self._follow_group()
+        if sharded and self.enabled:
+            self._start_snapshots(checked=self.joining)
         if self.joining:
             self._join_next(self._plan(self.generation), joining=True)
         else:
             seed_for_step(self.seed, self.step)
+            if self._snapshots is not None and self._restarts > 0:
+                self._resume_from_memory()
         recovered = self.joining  # every member of a new group makes the broken save again, a replacement too
         while True:
             wrapped = None
@@ -225,8 +277,13 @@ class InJobRecovery:
                     checkpointer.save_due()
                 # Inside the try: DDP's constructor checks the parameters with a collective,
                 # which fails like any other when a peer is lost while the group is new.
-                wrapped = wrap(model) if wrap is not None else DistributedDataParallel(model, **self.ddp_kwargs)
-                return train(wrapped)
+                if wrap is not None:
+                    wrapped = wrap(model)
+                else:  # a sharded model is its own wrapper (FSDP2 shards in place)
+                    wrapped = model if sharded else DistributedDataParallel(model, **self.ddp_kwargs)
+                result = train(wrapped)
+                self._end_snapshots()
+                return result
             except RuntimeError as exc:  # DistError is one
                 if not (self.enabled and is_collective_error(exc)):
                     raise
@@ -256,6 +313,8 @@ class InJobRecovery:
         if self.seed is None:  # step_done outside run(): the streams' base is the seed the script set
             self.seed = torch.initial_seed()
         seed_for_step(self.seed, self.step)
+        if self._snapshots is not None and self._snapshots.due(self.step):
+            self._snapshots.take(self.step)
         if self._pending is not None:
             self._finish_recovery()
         if checkpointer is not None and save:  # a collective: a peer lost in it is recovered from this step on
@@ -412,6 +471,131 @@ class InJobRecovery:
             dist.destroy_process_group()
             threading.Thread(target=held.clear, daemon=True, name="ddp_hpc-broken-group-release").start()
 
+    # ----- snapshots of a sharded model -------------------------------------------------
+
+    def _start_snapshots(self, checked: bool) -> None:
+        """Buddies on other hosts, room on each node for its ranks' copies (said, else
+        refused on every rank alike, before the first step), and the group copies travel on.
+        ``checked``: a replacement, whose group passed the checks at its start (its group's
+        collectives come in the state transfer)."""
+        world = dist.get_world_size()
+        distance = self._snapshot_distance
+        if distance is None:  # the next host's rank in the same place; one host: the next rank
+            distance = self._local_world_size if 0 < self._local_world_size < world else 1
+        buddies = Buddies(world_size=world, distance=distance, replicas=self._snapshot_replicas)
+        files = SnapshotFiles(self._snapshot_root)
+        if checked:
+            self._snapshots = Snapshots(self.snapshot_every, buddies, files, self._state)
+            return
+        need = snapshot_bytes(self._state()) * (KEPT_STEPS * buddies.replicas + 1)
+        mine = {"host": socket.gethostname(), "need": need, "free": available_memory_bytes(files.root)}
+        everyone = gather_json(mine)
+        hosts = [one["host"] for one in everyone]
+        why = buddies.refusal(hosts)
+        if why is None:
+            for host in dict.fromkeys(hosts):
+                wanted = sum(one["need"] for one in everyone if one["host"] == host)
+                free = min(one["free"] for one in everyone if one["host"] == host)
+                if wanted > free:
+                    why = (f"the snapshots of the ranks on {host} need about {wanted / 2**30:.2f} GiB of node-local "
+                           f"memory ({KEPT_STEPS} steps x {buddies.replicas} copies of each rank's shards, and its "
+                           f"host buffers) and {free / 2**30:.2f} GiB is free under {files.root.parent}: snapshot "
+                           f"less often does not help; give more memory per rank (fewer ranks per node, more "
+                           f"nodes), or drop --recover")
+                    break
+        if why is not None:
+            self.close()
+            raise RefusedOnRank(why, self.slot)
+        if len(set(hosts)) == 1 and world > 1 and self.slot == 0:
+            log.warning("rank %d: every rank runs on %s: the snapshots survive a lost rank, not a lost host",
+                        self.slot, hosts[0])
+        self._snapshots = Snapshots(self.snapshot_every, buddies, files, self._state)
+        self._attach_snapshots()
+        if self.slot == 0:
+            log.info("snapshots of the sharded state every %d step(s) in %s, each also held %d rank(s) away: about "
+                     "%.1f MiB of node-local memory per rank", self.snapshot_every, files.root, buddies.distance,
+                     need / 2**20)
+
+    def _attach_snapshots(self) -> None:
+        """A group of the new group's members for the copies (its sockets are shut down with
+        the training group's when a rank is lost)."""
+        assert self._snapshots is not None
+        before = socket_fds()
+        group = dist.new_group(backend="gloo")
+        with self._lock:
+            self._group_fds |= socket_fds() - before
+        self._snapshots.attach(group, dist.get_rank())
+
+    def _kept_slots(self) -> list[int]:
+        assert self._snapshots is not None
+        return [self.slot, *self._snapshots.buddies.held_by(self.slot)]
+
+    def _roll_back(self) -> Rollback:
+        """Every member goes back to the newest snapshot every shard has: its own copy, or
+        (a replacement) the lost rank's from a buddy."""
+        snapshots, model = self._snapshots, self._model
+        assert snapshots is not None and model is not None
+        snapshots.wait(self.wait_s)  # the broken group's swap failed at once: its sockets were shut down
+        if not self.joining:
+            reset_after_failure(model)
+        rebind(model)
+        self._attach_snapshots()
+        rollback = self._load_newest_snapshot()
+        if rollback is None:
+            raise RecoveryError(f"rank {self.slot}: no snapshot step is held for every shard (a rank and each of its "
+                                "buddies lost before the first swap ended); the launch restarts the job in place")
+        return rollback
+
+    def _load_newest_snapshot(self) -> Rollback | None:
+        """Load the newest snapshot step every shard has, whoever holds it; its rollback."""
+        snapshots = self._snapshots
+        assert snapshots is not None
+        held = snapshots.files.holdings(self._kept_slots())
+        reports = gather_json({"held": {str(slot): steps for slot, steps in held.items()}, "step": self.step})
+        rollback = newest_common([report["held"] for report in reports])
+        if rollback is None:
+            return None
+        rollback = dataclasses.replace(rollback, redone=max(report["step"] for report in reports) - rollback.step)
+        self._load(state_from_tensor(fetch_own(rollback, snapshots.files)), shrunk=False)
+        for slot in self._kept_slots():
+            snapshots.files.drop_after(slot, rollback.step)  # steps that are done again
+        return rollback
+
+    def _resume_from_memory(self) -> None:
+        """A restart in place: the newest snapshot the nodes kept, where it is newer than
+        the checkpoint the loop restored; which one it was goes to the log and the record."""
+        from_disk = self.step
+        rollback = self._load_newest_snapshot() if self._snapshots is not None else None
+        memory = rollback is not None and rollback.step > from_disk
+        if rollback is not None and not memory:  # older than the disk's: the disk's state stands
+            log.info("rank %d: the node-local snapshot (step %d) is not newer than the checkpoint", self.slot,
+                     rollback.step)
+        if memory:
+            assert rollback is not None and self.seed is not None
+            self.step = rollback.step
+            seed_for_step(self.seed, self.step)
+            if self._stop_agreement is not None:
+                self._stop_agreement.continue_at(self.step)
+        event = ResumeEvent(restart=self._restarts, tier="memory" if memory else "disk", step=self.step,
+                            checkpoint_step=from_disk, from_buddies=_from_buddies(rollback) if memory else ())
+        if dist.get_rank() == 0:
+            log.warning("restarted in place (restart %d) from the %s at step %d", event.restart,
+                        "node-local snapshot" if memory else "checkpoint on disk", event.step)
+            if self.run_dir is not None:
+                write_resume(self.run_dir, event)
+
+    def _end_snapshots(self) -> None:
+        """Training ended on this rank: its node-local copies are not needed any more."""
+        if self._snapshots is not None:
+            self._snapshots.wait(self.wait_s)
+            try:  # every rank's last swap is done before any removes what it wrote
+                dist.barrier(group=self._snapshots.group)
+            except RuntimeError as exc:  # a rank lost at the very end: its copies stay for a restart
+                log.warning("rank %d: the snapshots stay in %s (%s)", self.slot, self._snapshots.files.root,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                return
+            self._snapshots.files.remove(self._kept_slots())
+
     # ----- state --------------------------------------------------------------------------
 
     def _transfer(self, plan: keys.Plan, joining: bool) -> None:
@@ -419,21 +603,26 @@ class InJobRecovery:
         and set this rank's streams to those after that step."""
         formed = time.time()
         self._follow_group()
-        mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
-        steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(steps, mine)
-        done = [int(step) for step in steps]
-        step = min(s for s in done if s >= 0)
-        source = done.index(step)
-        self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source),
-                   shrunk=not plan.replaced)
+        rollback = None
+        if self._snapshots is not None:
+            rollback = self._roll_back()
+            step = rollback.step
+        else:
+            mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
+            steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(steps, mine)
+            done = [int(step) for step in steps]
+            step = min(s for s in done if s >= 0)
+            source = done.index(step)
+            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source),
+                       shrunk=not plan.replaced)
         assert self.seed is not None
         seed_for_step(self.seed, step)
         self.step = step
         if self._stop_agreement is not None:
             self._stop_agreement.continue_at(step)
         self._pending = {"plan": plan, "group_s": formed - plan.detected_at,
-                         "transfer_s": time.time() - plan.detected_at}
+                         "transfer_s": time.time() - plan.detected_at, "rollback": rollback}
 
     def _follow_group(self) -> None:
         """The loop's Checkpointer and StopAgreement act on the group formed last."""
@@ -466,14 +655,19 @@ class InJobRecovery:
 
     def _load(self, state: dict[str, Any], shrunk: bool) -> None:
         self._repeated = 0
+        # A snapshot's shards travel as plain tensors: made DTensors again as the live objects' are.
+        sharded = [path[1:] for path in state.get("dtensors", ()) if path and path[0] == "objects"]
         for name, obj in self._objects().items():
             if isinstance(obj, ResumableSampler):  # dealt out over the new group
                 obj.num_replicas, obj.rank = dist.get_world_size(), dist.get_rank()
-            obj.load_state_dict(state["objects"][name])
+            own = state["objects"][name]
+            obj.load_state_dict(restored_dtensors(name, own, sharded, obj) if sharded else own)
             if isinstance(obj, ResumableSampler) and shrunk:
                 self._repeated = max(self._repeated, obj.repeated)
         if self._checkpointer is not None:
             self._checkpointer.continue_from(state["checkpointer"])
+        if self._optimizer is not None:  # a step the loss broke may have left part of its gradients
+            self._optimizer.zero_grad(set_to_none=True)
 
     def _base_seed(self) -> int:
         """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
@@ -505,7 +699,8 @@ class InJobRecovery:
                               replaced=plan.replaced, world_size=plan.world_size, step=self.step - 1,
                               detected_at=plan.detected_at,
                               group_s=round(pending["group_s"], 4), transfer_s=round(pending["transfer_s"], 4),
-                              recover_s=round(time.time() - plan.detected_at, 4), repeated_samples=self._repeated)
+                              recover_s=round(time.time() - plan.detected_at, 4), repeated_samples=self._repeated,
+                              **_rollback_fields(pending["rollback"]))
         self.recoveries.append(event)
         if dist.get_rank() == 0:
             assert self._store is not None
@@ -524,6 +719,40 @@ class InJobRecovery:
                     self._break_group()
         except (dist.DistError, RuntimeError, OSError):
             return  # the launch is gone: nothing to tell
+
+
+def _snapshot_every(given: int | None, env: Mapping[str, str], slot: int) -> int:
+    raw = given if given is not None else env.get(SNAPSHOT_EVERY_VAR, DEFAULT_SNAPSHOT_EVERY)
+    try:
+        every = int(raw)
+    except (TypeError, ValueError):
+        every = 0
+    if every < 1:
+        where = "snapshot_every" if given is not None else SNAPSHOT_EVERY_VAR
+        raise RefusedOnRank(f"{where} must be a whole number of steps, at least 1, not {raw!r}", slot)
+    return every
+
+
+def snapshot_bytes(state: Any) -> int:
+    """What a snapshot of ``state`` will hold: its tensors' bytes on this rank, with the
+    optimizer's state estimated as twice the parameters' (Adam's two moments) where no step
+    has made it yet."""
+    objects = state.get("objects", {})
+    total = state_bytes(state)
+    optimizer = objects.get("optimizer")
+    if optimizer is not None and not optimizer.get("state"):
+        total += 2 * state_bytes(objects.get("model", {}))
+    return total
+
+
+def _from_buddies(rollback: Rollback | None) -> tuple[int, ...]:
+    return tuple(slot for slot, source in sorted(rollback.sources.items()) if source != slot) if rollback else ()
+
+
+def _rollback_fields(rollback: Rollback | None) -> dict[str, Any]:
+    if rollback is None:
+        return {}
+    return {"snapshot_step": rollback.step, "redone_steps": rollback.redone, "from_buddies": _from_buddies(rollback)}
 
 
 def spare_places(env: Mapping[str, str], slot: int) -> dict[str, str]:
@@ -585,11 +814,11 @@ def socket_fds() -> set[int]:
     return fds
 
 
-def run_refusal(model: nn.Module, checkpointer: Checkpointer | None) -> str | None:
+def run_refusal(model: nn.Module, checkpointer: Checkpointer | None, *, shrinks: bool = False) -> str | None:
     """Why ``InJobRecovery.run`` cannot take ``model`` (one line), or None."""
-    if is_sharded(model):
-        return ("in-job recovery covers DDP only: an FSDP2 model keeps each shard on one rank, so a lost rank's "
-                "part is gone; use --max-restarts (restart from the newest checkpoint)")
+    if is_sharded(model) and shrinks:
+        return ("an FSDP2 model cannot go on with fewer ranks (--shrink): its shards are laid out over every rank; "
+                "launch with --recover alone (a lost rank is replaced, its shards taken from a buddy's snapshot)")
     if isinstance(model, DistributedDataParallel):
         return "InJobRecovery.run takes the model itself: it wraps it in DDP for each group"
     if checkpointer is not None and any(isinstance(obj, DistributedDataParallel)

@@ -37,6 +37,12 @@ class RecoveryEvent:
     #: After a shrink: samples of the rest of the epoch that the new group trains twice,
     #: because the rest does not divide over its ranks (the sampler's padding; 0 otherwise).
     repeated_samples: int = 0
+    #: A sharded model (snapshots): the snapshot step every rank went back to (= ``step``),
+    #: the steps done again from the newest one a member had completed, and the slots whose
+    #: shards came from a buddy's copy.
+    snapshot_step: int | None = None
+    redone_steps: int = 0
+    from_buddies: tuple[int, ...] = ()
 
 
 def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
@@ -53,5 +59,43 @@ def read_recoveries(run_dir: Path) -> list[RecoveryEvent]:
     events = []
     for path in (run_dir / RECORD_DIR).glob(FILE_GLOB):
         raw = json.loads(path.read_text())
+        raw["from_buddies"] = tuple(raw.get("from_buddies", ()))
         events.append(RecoveryEvent(**{name: value for name, value in raw.items() if name in names}))
     return sorted(events, key=lambda event: event.generation)
+
+
+RESUME_GLOB = "resume-*.json"
+
+
+@dataclass(frozen=True)
+class ResumeEvent:
+    """Where a restart in place of a sharded model under ``--recover`` took its state from."""
+
+    #: The restart (``DDP_HPC_RESTART_COUNT``).
+    restart: int
+    #: ``memory`` (the snapshots the nodes kept) or ``disk`` (the newest checkpoint).
+    tier: str
+    #: The step training continued from, and the step of the checkpoint the loop restored.
+    step: int
+    checkpoint_step: int
+    #: Slots whose snapshot came from another rank's node (a buddy's copy).
+    from_buddies: tuple[int, ...] = ()
+
+
+def write_resume(run_dir: Path, event: ResumeEvent) -> Path:
+    """``record/resume-<restart>.json`` in ``run_dir``, written atomically."""
+    path = run_dir / RECORD_DIR / f"resume-{event.restart}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
+    return path
+
+
+def read_resumes(run_dir: Path) -> list[ResumeEvent]:
+    """Every restart in place recorded in ``run_dir``, in order."""
+    names = {field.name for field in fields(ResumeEvent)}
+    events = []
+    for path in (run_dir / RECORD_DIR).glob(RESUME_GLOB):
+        raw = json.loads(path.read_text())
+        raw["from_buddies"] = tuple(raw.get("from_buddies", ()))
+        events.append(ResumeEvent(**{name: value for name, value in raw.items() if name in names}))
+    return sorted(events, key=lambda event: event.restart)

@@ -1,0 +1,513 @@
+"""Copies of a sharded model's state outside its rank: snapshots in node-local memory, each
+also held by buddy ranks on other hosts.
+
+Under FSDP2 each shard and its optimizer state exist on one rank only, so a lost rank's part
+must be kept somewhere else before it is lost. Every ``every`` steps each rank:
+
+1. copies its state (its shards, its optimizer state, its sampler position and the
+   Checkpointer's bookkeeping) into host buffers kept from one snapshot to the next
+   (``host_copy.snapshot``: pinned and non-blocking from a GPU): the only part training
+   waits for;
+2. then, on a thread of its own: writes the copy, serialized, into node-local memory (a file
+   under ``/dev/shm``, which outlives the process, so that a restart in place on the same
+   node reads it there), and swaps copies with its buddies over a process group of its own
+   (peer to peer, not through rank 0): it sends its copy to the ``replicas - 1`` ranks
+   ``distance`` apart after it (``distance`` = ranks per host by default: another host) and
+   keeps the copies of the ranks as far before it.
+
+Each rank keeps the two newest steps of its own copy and of each copy it holds: the newest
+may still be on its way to a buddy when a rank is lost, and the step before it is then the
+newest every shard has. Node-local memory per rank: ``2 x replicas`` times its snapshot,
+plus the host buffers (one more time) while it trains.
+
+Where Gemini (SOSP 2023) keeps checkpoints in the CPU memory of the machine and its peers,
+and NVIDIA's resiliency extension replicates local checkpoints to ``replication_jump``-apart
+ranks (``CliqueReplicationStrategy``) for a restart, this is read back inside the running
+job too (``rank.py``): survivors roll back to the newest step every shard has, a
+replacement takes its shards from a buddy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_hpc.contract import atomic_write
+from ddp_hpc.engine.host_copy import snapshot
+
+log = logging.getLogger(__name__)
+
+#: Where snapshots live: a folder on node-local memory (default ``/dev/shm``).
+SNAPSHOT_DIR_VAR = "DDP_HPC_SNAPSHOT_DIR"
+#: Copies of each snapshot kept is the rank's own plus ``replicas - 1`` on its buddies.
+DEFAULT_REPLICAS = 2
+#: Steps of each copy kept (the newest may be incomplete at a buddy when a rank is lost).
+KEPT_STEPS = 2
+_STEP_FILE = re.compile(r"step(\d+)\.pt$")
+
+
+@dataclass(frozen=True)
+class Buddies:
+    """Who holds whose copies: the copies of ``slot`` are held by the ``replicas - 1`` slots
+    ``distance``, ``2 x distance``, ... after it (modulo the world)."""
+
+    world_size: int
+    distance: int
+    replicas: int = DEFAULT_REPLICAS
+
+    def holders(self, slot: int) -> list[int]:
+        return [(slot + j * self.distance) % self.world_size for j in range(1, self.replicas)]
+
+    def held_by(self, slot: int) -> list[int]:
+        """The slots whose copies ``slot`` holds."""
+        return [(slot - j * self.distance) % self.world_size for j in range(1, self.replicas)]
+
+    def refusal(self, hosts: Sequence[str] | None = None) -> str | None:
+        """Why these buddies cannot keep every shard through the loss of a rank (or of a
+        host, where ``hosts`` names each slot's), one line; or None."""
+        if self.replicas < 2:
+            return f"snapshot replicas must be at least 2 (the rank's own copy and a buddy's), not {self.replicas}"
+        if self.distance < 1:
+            return f"the buddy distance must be at least 1 rank, not {self.distance}"
+        for slot in range(self.world_size):
+            holders = self.holders(slot)
+            if slot in holders or len(set(holders)) < len(holders):
+                return (f"{self.replicas} copies of each snapshot, {self.distance} ranks apart, do not fit in "
+                        f"{self.world_size} ranks: slot {slot}'s copies would be held by "
+                        f"{sorted(set(holders) | {slot})}")
+            if hosts is not None and len(set(hosts)) > 1:
+                same = [holder for holder in holders if hosts[holder] == hosts[slot]]
+                if same:
+                    return (f"the buddy of rank {slot} (rank {same[0]}) is on its host {hosts[slot]}: a lost host "
+                            f"would lose both copies; make the buddy distance ({self.distance}) the number of "
+                            f"ranks per host (LOCAL_WORLD_SIZE), with the ranks of a host numbered together")
+        return None
+
+
+class SnapshotFiles:
+    """The snapshots this node holds, one file per slot and step:
+    ``<root>/<host>/slot<k>/step<N>.pt``, written atomically (a reader sees a whole copy
+    or none)."""
+
+    def __init__(self, root: Path, host: str | None = None) -> None:
+        self.root = root
+        self.directory = root / (host or socket.gethostname())
+
+    def path(self, slot: int, step: int) -> Path:
+        return self.directory / f"slot{slot}" / f"step{step:09d}.pt"
+
+    def write(self, slot: int, step: int, payload: torch.Tensor) -> None:
+        path = self.path(slot, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, memoryview(payload.numpy()), durable=False)
+        self._prune(slot)
+
+    def read(self, slot: int, step: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.path(slot, step).read_bytes()), dtype=torch.uint8)
+
+    def steps(self, slot: int) -> list[int]:
+        folder = self.directory / f"slot{slot}"
+        found = (_STEP_FILE.search(path.name) for path in folder.glob("step*.pt")) if folder.is_dir() else ()
+        return sorted(int(match.group(1)) for match in found if match)
+
+    def holdings(self, slots: Iterable[int]) -> dict[int, list[int]]:
+        return {slot: steps for slot in slots if (steps := self.steps(slot))}
+
+    def drop_after(self, slot: int, step: int) -> None:
+        """Forget the copies of steps after ``step`` (the steps are redone)."""
+        for later in self.steps(slot):
+            if later > step:
+                self.path(slot, later).unlink(missing_ok=True)
+
+    def remove(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            shutil.rmtree(self.directory / f"slot{slot}", ignore_errors=True)
+        for folder in (self.directory, self.root):
+            try:
+                folder.rmdir()  # only where nothing else is left in it
+            except OSError:
+                pass
+
+    def _prune(self, slot: int) -> None:
+        for old in self.steps(slot)[:-KEPT_STEPS]:
+            self.path(slot, old).unlink(missing_ok=True)
+
+
+def snapshot_root(run_dir: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
+    """The folder of this run's snapshots on node-local memory: one per run folder (so that
+    a restart in place finds the last attempt's), under ``$DDP_HPC_SNAPSHOT_DIR``, or
+    ``/dev/shm`` where the node has it."""
+    base = environ.get(SNAPSHOT_DIR_VAR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    where = os.path.abspath(os.fspath(run_dir) if run_dir is not None else os.getcwd())
+    key = hashlib.sha1(where.encode()).hexdigest()[:12]
+    return Path(base) / f"ddp_hpc-snapshots-{os.getuid()}-{key}"
+
+
+# ----- DTensors in and out of a payload -------------------------------------------------
+
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def localized(tree: Any, path: tuple = (), found: list[list] | None = None) -> tuple[Any, list[list]]:
+    """``tree`` with each DTensor replaced by its local shard, and the key paths where they
+    were (a payload holds plain tensors only: it is read with ``weights_only=True``)."""
+    found = [] if found is None else found
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(tree, dtensor):
+        found.append(list(path))
+        return tree.to_local(), found
+    if isinstance(tree, Mapping):
+        return {k: localized(v, (*path, k), found)[0] for k, v in tree.items()}, found
+    if isinstance(tree, list):
+        return [localized(v, (*path, i), found)[0] for i, v in enumerate(tree)], found
+    if isinstance(tree, tuple):
+        return tuple(localized(v, (*path, i), found)[0] for i, v in enumerate(tree)), found
+    return tree, found
+
+
+def _set_path(tree: Any, path: Sequence[Any], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _get_path(tree: Any, path: Sequence[Any]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def as_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a shard of a DTensor laid out as ``like`` (a live one), on its device."""
+    dtensor = _dtensor_class()
+    assert dtensor is not None
+    return dtensor.from_local(local.to(like.to_local().device), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())
+
+
+def restored_dtensors(name: str, state: Any, paths: Iterable[Sequence[Any]], obj: Any) -> Any:
+    """``state`` (the object ``name``'s, from a payload) with the DTensors at ``paths`` made
+    again from their local shards, laid out as the live ``obj``'s: a module's own tensors,
+    or, for an optimizer, the parameter each state entry belongs to."""
+    live_module = obj.state_dict() if isinstance(obj, torch.nn.Module) else None
+    params = [p for group in obj.param_groups for p in group["params"]] if isinstance(
+        obj, torch.optim.Optimizer) else None
+    for path in paths:
+        if not path or path[0] != name:
+            continue
+        inner = path[1:]
+        if live_module is not None:
+            like = live_module[inner[0]]
+        elif params is not None and len(inner) >= 2 and inner[0] == "state":
+            like = params[int(inner[1])]
+        else:
+            raise RuntimeError(f"a sharded tensor of {name} at {'/'.join(map(str, inner))} has no live counterpart")
+        _set_path(state, inner, as_dtensor(_get_path(state, inner), like))
+    return state
+
+
+# ----- the snapshots of one rank --------------------------------------------------------
+
+class Snapshots:
+    """Takes this rank's snapshots every ``every`` steps and swaps copies with its buddies.
+
+    ``state``: returns the rank's state to copy (tensors may be DTensors on any device).
+    ``files``: where this node keeps copies. ``buddies``: who holds whose.
+    """
+
+    def __init__(self, every: int, buddies: Buddies, files: SnapshotFiles,
+                 state: Callable[[], dict[str, Any]]) -> None:
+        self.every, self.buddies, self.files, self._state = every, buddies, files, state
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._group: Any = None
+        self._slot = 0
+        #: Seconds training waited for the host copy of the newest snapshot.
+        self.last_stall_s = 0.0
+        #: Bytes of the newest snapshot (this rank's own copy, serialized).
+        self.last_bytes = 0
+
+    def attach(self, group: Any, slot: int) -> None:
+        """The group the copies travel over from now on (a group of the same members as the
+        training group, so that a swap never waits behind a training collective)."""
+        self._group, self._slot = group, slot
+
+    @property
+    def group(self) -> Any:
+        return self._group
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.every == 0
+
+    def take(self, step: int) -> None:
+        """Copy this rank's state of ``step`` to host buffers (training waits for that only),
+        then keep and swap it in the background."""
+        import time
+
+        self.wait()
+        started = time.perf_counter()
+        copied = snapshot(self._state(), self._cache)
+        self.last_stall_s = time.perf_counter() - started
+        self._thread = threading.Thread(target=self._keep, args=(step, copied), daemon=True,
+                                        name="ddp_hpc-snapshot")
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """The background part of the newest snapshot is done (or failed)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                self._thread = None
+
+    def _keep(self, step: int, copied: dict[str, Any]) -> None:
+        from ddp_hpc.engine.recovery.rank import state_to_tensor
+
+        try:
+            local, paths = localized(copied)
+            payload = state_to_tensor({**local, "dtensors": paths})
+            self.last_bytes = payload.numel()
+            self.files.write(self._slot, step, payload)
+            self._swap(step, payload)
+        except (RuntimeError, OSError) as exc:  # a buddy lost meanwhile: the recovery deals with it
+            log.warning("rank %d: snapshot of step %d not swapped with its buddies (%s)", self._slot, step,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+    def _swap(self, step: int, payload: torch.Tensor) -> None:
+        group = self._group
+        if group is None:
+            return
+        sends = []
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        for holder in self.buddies.holders(self._slot):
+            sends.append(dist.isend(size, holder, group=group))
+            sends.append(dist.isend(payload, holder, group=group))
+        for source in self.buddies.held_by(self._slot):
+            incoming = torch.zeros(1, dtype=torch.int64)
+            dist.recv(incoming, source, group=group)
+            copy = torch.empty(int(incoming), dtype=torch.uint8)
+            dist.recv(copy, source, group=group)
+            self.files.write(source, step, copy)
+        for work in sends:
+            work.wait()
+
+
+# ----- the newest step every shard has, and moving copies to where they are needed ------
+
+def gather_json(value: Any) -> list[Any]:
+    """``value`` of every rank of the current group, as JSON (no pickle travels)."""
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [json.loads(bytes(t[:int(size)].tolist()).decode()) for t, size in zip(gathered, sizes, strict=True)]
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The newest step every slot's copy is found at, and where each slot's is taken from."""
+
+    step: int
+    #: slot -> the group rank that has its copy (its own rank where it holds one itself).
+    sources: dict[int, int]
+    #: Steps done again: from the newest step a member had completed back to ``step``.
+    redone: int = 0
+
+
+def newest_common(holdings: Sequence[Mapping[str, Sequence[int]]]) -> Rollback | None:
+    """From each rank's holdings (by group rank: ``{slot: [steps]}``, JSON keys), the newest
+    step at which every slot of the group (one per rank) has a copy somewhere; None if none."""
+    world = len(holdings)
+    where: dict[int, dict[int, list[int]]] = {slot: {} for slot in range(world)}
+    for rank, held in enumerate(holdings):
+        for slot, steps in held.items():
+            if int(slot) in where:
+                for step in steps:
+                    where[int(slot)].setdefault(int(step), []).append(rank)
+    common = set.intersection(*(set(steps) for steps in where.values())) if where else set()
+    if not common:
+        return None
+    step = max(common)
+    sources = {slot: (slot if slot in where[slot][step] else min(where[slot][step])) for slot in range(world)}
+    return Rollback(step=step, sources=sources)
+
+
+def fetch_own(rollback: Rollback, files: SnapshotFiles) -> torch.Tensor:
+    """This rank's copy at the rollback step: its own file, or sent by the rank that has it
+    (peer to peer, in slot order so that every send meets its receive)."""
+    rank = dist.get_rank()
+    mine: torch.Tensor | None = None
+    for slot in sorted(rollback.sources):
+        source = rollback.sources[slot]
+        if source == slot:
+            continue
+        if rank == source:
+            payload = files.read(slot, rollback.step)
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), slot)
+            dist.send(payload, slot)
+        elif rank == slot:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, source)
+            mine = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(mine, source)
+    if mine is None:
+        mine = files.read(rank, rollback.step)
+    return mine
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of the tensors in ``tree`` on this rank (a DTensor's local shard)."""
+    dtensor = _dtensor_class()
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if dtensor is not None and isinstance(tree, dtensor) else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, Mapping):
+        return sum(state_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_bytes(v) for v in tree)
+    return 0
+
+
+def available_memory_bytes(folder: Path) -> int:
+    """What the node can still hold: its available memory, and the free space of the file
+    system under ``folder`` (``/dev/shm`` is capped below the memory), whichever is less."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return min(free, available) if available is not None else free
+
+
+# ----- an FSDP2 model on a new group ----------------------------------------------------
+
+def _fsdp_states(model: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module._get_fsdp_state() for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13 may hold several
+    if groups is None:
+        groups = [state._fsdp_param_group]
+    return [group for group in groups if group is not None]
+
+
+def rebind(model: torch.nn.Module) -> None:
+    """Point ``model``'s FSDP2 state at the process group formed last (the default group).
+
+    A survivor keeps its model object across a recovery, but FSDP2 keeps the group of the
+    mesh it was sharded over (``FSDPMeshInfo.shard_process_group``), and the mesh names its
+    group: the default group made anew has a name of its own. Both are pointed at the new
+    group, whose members and ranks are the old one's (a replaced rank, never a shrink), so
+    every shard stays where it was. torchft gets the same through a process group wrapper
+    whose inner group it swaps (``ManagedProcessGroup``); here nothing wraps the user's
+    group. One-dimensional meshes over the whole world only (``sharding_refusal``)."""
+    world = dist.group.WORLD
+    assert world is not None
+    for state in _fsdp_states(model):
+        for param_group in _param_groups(state):
+            infos = {id(info): info for info in (param_group.mesh_info, param_group.post_forward_mesh_info)
+                     if info is not None}
+            for info in infos.values():
+                mesh = info.mesh
+                if getattr(mesh, "_dim_group_names", None) is not None:
+                    mesh._dim_group_names = [world.group_name]
+                registry = getattr(mesh, "_pg_registry", None)
+                if registry is not None:
+                    registry.clear()
+                    registry[world.group_name] = world
+                info.shard_process_group = world
+                if getattr(info, "reduce_scatter_process_group", None) is not None:
+                    info.reduce_scatter_process_group = None
+
+
+def reset_after_failure(model: torch.nn.Module) -> None:
+    """FSDP2's state of the step a lost peer broke, cleared: parameters sharded again, no
+    all-gather or reduce-scatter pending, every module idle, so that the next forward starts
+    afresh (torch >= 2.13: the root's ``reset_iter_state``, made for this; before it, the
+    same flags by hand). The step's gradients are lost; it is done again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    reset = getattr(roots[0], "reset_iter_state", None) if roots else None
+    if reset is not None:
+        try:
+            reset()
+            return
+        except RuntimeError as exc:  # a wait on the broken group's work: the flags below do without it
+            log.debug("reset_iter_state failed (%s): clearing FSDP2's step state by hand", exc)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for state in _fsdp_states(model):
+        state._training_state = TrainingState.IDLE
+        if hasattr(state, "_modules_to_run_forward"):
+            state._modules_to_run_forward.clear()
+        context = state._state_ctx
+        context.iter_forward_root = None
+        context.post_backward_final_callback_queued = False
+        comm = state._comm_ctx
+        if hasattr(comm, "all_gather_state"):
+            comm.all_gather_state = None
+        if hasattr(comm, "reduce_scatter_state"):
+            comm.reduce_scatter_state = None
+        for name in ("reduce_scatter_states", "post_forward_order"):
+            if hasattr(comm, name):
+                getattr(comm, name).clear()
+        for param_group in _param_groups(state):
+            param_group._training_state = TrainingState.IDLE
+            for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state",
+                         "_reshard_after_forward_event", "_partial_reduce_output"):
+                if hasattr(param_group, name):
+                    setattr(param_group, name, None)
+            param_group._to_sharded()
+
+
+def sharding_refusal(model: torch.nn.Module) -> str | None:
+    """Why the snapshots cannot recover ``model`` (one line), or None: a mesh of one
+    dimension over every rank, as ``fully_shard`` makes by default, is what ``rebind`` knows."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return (f"in-job recovery of an FSDP2 model needs torch >= 2.6 (this is {torch.__version__}); use "
+                "--max-restarts")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            param_group = getattr(state, "_fsdp_param_group", None)
+            if param_group is None:
+                continue
+            mesh = param_group.mesh_info.mesh
+            if mesh.ndim != 1 or mesh.size() != dist.get_world_size():
+                return ("in-job recovery of an FSDP2 model covers a mesh of one dimension over every rank (HSDP "
+                        "and 2-D meshes are not rebuilt on a new group); use --max-restarts")
+    return None
