@@ -12,10 +12,12 @@ When the launch gives up (more losses than ``--recover`` allows) and restarts in
 (``--max-restarts``), the restarted ranks read the snapshots the nodes kept where they are
 newer than the checkpoint on disk (``RUN_DIR/record/resume-<N>.json`` says which).
 
-Settings (environment): RUN_DIR (default runs/sharded_recovering_loop; dcp checkpoints every
-10 steps), EPOCHS (default 2), SNAPSHOT_EVERY, STEP_DELAY_S (a pause after each step). At
+Settings (environment): RUN_DIR (default runs/sharded_recovering_loop), CHECKPOINT_EVERY
+(steps between dcp checkpoints, default 10), EPOCHS (default 2), SNAPSHOT_EVERY, STEP_DELAY_S
+(a pause after each step). At
 the end each rank writes RUN_DIR/final/rank-<N>.pt: its shards (local parts), its
-optimizer state's, the step and the number of recoveries.
+optimizer state's, the step, the number of recoveries, its pid and the checkpoint it
+resumed from (none where nothing came from disk).
 """
 
 import ddp_hpc
@@ -66,7 +68,7 @@ def main() -> None:
     # A generator of its own: a new iterator (after a recovery) draws no number from the streams dropout uses.
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, generator=torch.Generator())
     checkpointer = ddp_hpc.Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
-                                        every_n_steps=10, format="dcp")
+                                        every_n_steps=int(os.environ.get("CHECKPOINT_EVERY", "10")), format="dcp")
     stop = ddp_hpc.StopAgreement(checkpointer)
     stop.handle_signals()
     if not recovery.joining:  # a replacement takes its shards from a buddy's snapshot
@@ -89,7 +91,8 @@ def main() -> None:
     checkpointer.save(wait=True)
     (run_dir / "final").mkdir(exist_ok=True)
     torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),
-                "step": recovery.step, "recoveries": len(recovery.recoveries), "pid": os.getpid()},
+                "step": recovery.step, "recoveries": len(recovery.recoveries), "pid": os.getpid(),
+                "resumed": str(checkpointer.resumed.path) if checkpointer.resumed else None},
                run_dir / "final" / f"rank-{recovery.slot}.pt")
     print(f"rank {recovery.slot}: step {recovery.step}, {len(recovery.recoveries)} recoveries\n", end="", flush=True)
     recovery.close()

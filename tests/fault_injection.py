@@ -61,11 +61,16 @@ class KillLaunchAfterCheckpoint(Callback):
 
 
 class _AtStep(Callback):
-    def __init__(self, rank: int, step: int, marker: str = "") -> None:
-        self.rank, self.step, self.marker = rank, step, marker
+    """``once``: only where ``marker`` was not written yet (a replacement that redoes the
+    step, after a roll-back to a snapshot before it, is not hit again)."""
+
+    def __init__(self, rank: int, step: int, marker: str = "", once: bool = False) -> None:
+        self.rank, self.step, self.marker, self.once = rank, step, marker, once
 
     def hit(self, trainer) -> bool:
         if trainer.ctx.rank != self.rank or trainer.progress.global_step != self.step:
+            return False
+        if self.once and Path(self.marker).exists():
             return False
         if self.marker:
             Path(self.marker).write_text(repr(time.time()))

@@ -563,14 +563,14 @@ SMALL_TRAINER = ["job.params.samples=256", "job.params.val_samples=0", "job.para
 
 
 @pytest.mark.parametrize("override, why", [
-    ("training.strategy=fsdp2", "in-job recovery \\(--recover\\).*under fsdp2 each rank holds one shard of the model"),
     ("training.zero_optimizer=true", "in-job recovery \\(--recover\\).*each rank holds one shard of the optimizer state"),
     ("shrink", "the Trainer does not yet go on with fewer ranks under --recover --shrink"),
 ])
 def test_the_trainer_refuses_in_job_recovery_where_it_cannot_go_on(monkeypatch, tmp_path, override, why):
     """Under `ddp-hpc launch --recover` (its store's address in the environment) the Trainer
-    refuses, in one line, before it starts a group or makes its run folder: fsdp2 and ZeRO
-    (a survivor lacks the lost rank's shard) and --shrink (not re-planned for fewer ranks yet)."""
+    refuses, in one line, before it starts a group or makes its run folder: ZeRO (a survivor
+    lacks the lost rank's optimizer shard, of which no snapshot is kept) and --shrink (not
+    re-planned for fewer ranks yet)."""
     import ddp_hpc
     from ddp_hpc.config_loader import ConfigError
     from ddp_hpc.contract import RECOVERY_SHRINK_VAR, RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR

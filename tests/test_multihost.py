@@ -402,3 +402,47 @@ def test_doctor_links_passes_a_clean_world_and_names_a_rate_limited_host(world):
     took = re.search(r"took ([\d.]+) s", clean.stdout).group(1)
     FIGURES.append(f"doctor --links, 2 hosts over hsn0 (srun, 1 rank per host): clean run {clean_s:.1f} s "
                    f"end to end (measurement {took} s)")
+
+
+def test_a_hosts_ranks_of_a_sharded_model_lost_with_their_memory_come_back_from_the_other_hosts_copies(
+        world, mpich, tmp_path):
+    """examples/sharded_recovering_loop.py, 2 ranks on each of h1 and h2 (``--hostfile``,
+    MPICH, a node supervisor per host, ``--recover 2``): both ranks of h2 remove the
+    snapshots in h2's memory and die after step 7's optimizer step, as the loss of the host
+    would leave them. Their replacements take their shards from the copies on h1 (the buddy
+    2 ranks away), h1's ranks keep their processes, nothing is read from disk, and every
+    rank's shards end as in the same launch without a loss."""
+    from conftest import assert_same_model_and_optimizer
+    import torch
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\nh2\n")
+    example = str(REPO / "examples" / "sharded_recovering_loop.py")
+
+    def launch(run: Path, **fault: str) -> str:
+        command = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--hostfile", str(hostfile), "--nodes", "2",
+                   "--nproc", "2", "--recover", "2", "--run-folder", str(run / "launch"), "--", "python", example]
+        settings = {"RUN_DIR": str(run), "EPOCHS": "1", "STEP_DELAY_S": "0.2", "HYDRA_LAUNCHER_EXEC": ON_HOST,
+                    "DDP_HPC_SNAPSHOT_DIR": str(tmp_path / "node-memory"), **fault}
+        result = run_on_h1(command, settings)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
+        return output
+
+    def run_on_h1(command: list[str], settings: dict[str, str]) -> subprocess.CompletedProcess:
+        exports = [f"{key}={value}" for key, value in settings.items()]
+        return run(on_host("h1", ["env", *exports, *command]), timeout=3 * TIMEOUT)
+
+    launch(tmp_path / "reference")
+    lost = tmp_path / "lost"
+    output = launch(lost, PYTHONPATH=str(REPO / "tests" / "scripts" / "recovery_faults"), RECOVERY_FAULT="host",
+                    RECOVERY_FAULT_SLOT="2,3", RECOVERY_FAULT_STEP="7")
+    assert "rank 2 lost" in output and "rank 3 lost" in output, output[-4000:]
+    records = [json.loads(path.read_text()) for path in sorted((lost / "record").glob("recovery-*.json"))]
+    assert records and set(records[-1]["from_buddies"]) == {2, 3}, records
+    killed = {int((lost / f"fault-rank-{slot}").read_text()) for slot in (2, 3)}
+    for slot in range(4):
+        expected = torch.load(tmp_path / "reference" / "final" / f"rank-{slot}.pt", weights_only=True)
+        state = torch.load(lost / "final" / f"rank-{slot}.pt", weights_only=True)
+        assert state["pid"] not in killed and state["resumed"] is None
+        assert_same_model_and_optimizer(expected, state)

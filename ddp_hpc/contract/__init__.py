@@ -23,6 +23,8 @@ from ddp_hpc.contract.variables import (  # noqa: F401
     RECOVERY_SPARE_VAR,
     RECOVERY_SHRINK_VAR,
     RUN_FOLDER_VAR,
+    SNAPSHOT_DIR_VAR,
+    SNAPSHOT_EVERY_VAR,
     DEADLINE_VAR,
     START_TIME_VAR,
     WALLTIME_VAR,

@@ -25,6 +25,10 @@ RECOVERY_SPARE_VAR = "DDP_HPC_RECOVERY_SPARE"
 #: Set to 1 under ``--shrink``: a lost rank is not replaced, the survivors go on renumbered
 #: (a loop that cannot continue on fewer ranks refuses at start-up).
 RECOVERY_SHRINK_VAR = "DDP_HPC_RECOVERY_SHRINK"
+#: In-job recovery of a sharded model: steps between snapshots of each rank's shards (default
+#: 1), and the folder on node-local memory they are kept in (default ``/dev/shm``).
+SNAPSHOT_EVERY_VAR = "DDP_HPC_SNAPSHOT_EVERY"
+SNAPSHOT_DIR_VAR = "DDP_HPC_SNAPSHOT_DIR"
 #: The run folder (also read by ``ddp-hpc status``).
 RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 #: The job's end (walltime limit) in seconds since the epoch.

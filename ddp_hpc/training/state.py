@@ -111,7 +111,7 @@ class TrainingState:
     ``on_written``: rank 0 hears of each checkpoint once its file is complete;
     ``on_saving``: every rank, before each save begins. ``recovery``: the group is kept by
     in-job recovery, which wraps the model in DDP for each group (``ddp_model`` is the bare
-    model until then); a replacement (``recovery.joining``) takes every object's state from
+    model until then; an FSDP2 model is sharded here, once); a replacement (``recovery.joining``) takes every object's state from
     the survivors, so it neither checks the initial weights with them nor reads a checkpoint.
     """
 
@@ -133,7 +133,10 @@ class TrainingState:
             raise UserError("checkpoint.format dcp cannot save training.zero_optimizer's state: use "
                             "checkpoint.format=file")
         self.model = self._build_model(job, check=not joining)
-        self.ddp_model = self.model if recovery is not None else wrap_model(self.model, config, ctx)
+        # Under in-job recovery DDP wraps the model for each group; FSDP2 shards it in place once
+        # (a recovery points the shards at each new group).
+        sharded_here = recovery is None or training.strategy == "fsdp2"
+        self.ddp_model = wrap_model(self.model, config, ctx) if sharded_here else self.model
         self.lr = scaled_lr(training, ctx.world_size)
         self.optimizer = build_optimizer(self.model.parameters(), training, self.lr,
                                          shard_state=training.zero_optimizer and ctx.group_initialized)

@@ -37,16 +37,13 @@ def check_supported(config: Config) -> None:
 
 def recovery_refusal(config: Config, *, shrink: bool = False) -> str | None:
     """Why in-job recovery (``ddp-hpc launch --recover``) cannot keep this run going, or
-    None: it rebuilds a lost rank from a survivor's memory, so every survivor must hold the
-    whole state. ``shrink``: the launch goes on with fewer ranks (``--shrink``)."""
+    None: it rebuilds a lost rank from a survivor's memory (ddp) or from the snapshots of
+    its shards a buddy holds (fsdp2); ZeRO's optimizer shards have no snapshots.
+    ``shrink``: the launch goes on with fewer ranks (``--shrink``)."""
     if shrink:
         return ("the Trainer does not yet go on with fewer ranks under --recover --shrink (the rest of the epoch, "
                 "the learning rate and the schedule would need re-planning): launch with --recover alone, where a "
                 "replacement takes the lost rank's place")
-    if config.training.strategy == "fsdp2":
-        return ("in-job recovery (--recover) covers training.strategy ddp only: under fsdp2 each rank holds one "
-                "shard of the model, so a lost rank's part is gone; launch without --recover (a failure then "
-                "restarts from the newest checkpoint)")
     if config.training.zero_optimizer:
         return ("in-job recovery (--recover) cannot keep training.zero_optimizer: each rank holds one shard of the "
                 "optimizer state, so a lost rank's part is gone; set training.zero_optimizer=false or launch "

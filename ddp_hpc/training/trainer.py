@@ -233,9 +233,10 @@ class Trainer:
         recovery = self.recovery
         if recovery is None:
             return self.loop.run()
+        sharded = self.config.training.strategy == "fsdp2"  # sharded in place: its own wrapper on each group
         return recovery.run(self._train_from_here, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
                             checkpointer=self.state.checkpointer, stop=self.stop,
-                            wrap=lambda model: wrap_ddp_for_recovery(model, self.config, self.ctx))
+                            wrap=None if sharded else lambda model: wrap_ddp_for_recovery(model, self.config, self.ctx))
 
     def _train_from_here(self, wrapped: nn.Module) -> str:
         if torch.distributed.get_world_size() != self.ctx.world_size:  # train() refuses --shrink first

@@ -53,7 +53,7 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -72,6 +72,7 @@ from ddp_hpc.contract import (
     RECOVERY_WAIT_VAR,
     RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
+    SNAPSHOT_EVERY_VAR,
 )
 from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
@@ -85,6 +86,7 @@ from ddp_hpc.engine.recovery.shards import (
     Rollback,
     SnapshotFiles,
     Snapshots,
+    SwapLink,
     available_memory_bytes,
     fetch_own,
     gather_json,
@@ -117,7 +119,6 @@ DEFAULT_WAIT_S = 120.0
 #: The Checkpointer's rank extra that keeps a rank's base seed across a restart.
 STREAM_SEED = "stream_seed"
 #: Steps between snapshots of a sharded model when neither the caller nor the launch says.
-SNAPSHOT_EVERY_VAR = "DDP_HPC_SNAPSHOT_EVERY"
 DEFAULT_SNAPSHOT_EVERY = 1
 
 
@@ -200,7 +201,9 @@ class InJobRecovery:
                         "the job and the launcher restarts it in place")
             dist.init_process_group(backend, timeout=self.collective_timeout)
             self._store: dist.Store | None = None
+            self._address: str | None = None
             return
+        self._address = address
         self._store = keys.connect(address, self.wait_s)
         spare = env.get(RECOVERY_SPARE_VAR)
         if spare is not None:
@@ -491,18 +494,7 @@ class InJobRecovery:
         mine = {"host": socket.gethostname(), "need": need, "free": available_memory_bytes(files.root)}
         everyone = gather_json(mine)
         hosts = [one["host"] for one in everyone]
-        why = buddies.refusal(hosts)
-        if why is None:
-            for host in dict.fromkeys(hosts):
-                wanted = sum(one["need"] for one in everyone if one["host"] == host)
-                free = min(one["free"] for one in everyone if one["host"] == host)
-                if wanted > free:
-                    why = (f"the snapshots of the ranks on {host} need about {wanted / 2**30:.2f} GiB of node-local "
-                           f"memory ({KEPT_STEPS} steps x {buddies.replicas} copies of each rank's shards, and its "
-                           f"host buffers) and {free / 2**30:.2f} GiB is free under {files.root.parent}: snapshot "
-                           f"less often does not help; give more memory per rank (fewer ranks per node, more "
-                           f"nodes), or drop --recover")
-                    break
+        why = buddies.refusal(hosts) or memory_refusal(everyone, buddies.replicas, files.root)
         if why is not None:
             self.close()
             raise RefusedOnRank(why, self.slot)
@@ -517,26 +509,24 @@ class InJobRecovery:
                      need / 2**20)
 
     def _attach_snapshots(self) -> None:
-        """A group of the new group's members for the copies (its sockets are shut down with
-        the training group's when a rank is lost)."""
-        assert self._snapshots is not None
-        before = socket_fds()
-        group = dist.new_group(backend="gloo")
-        with self._lock:
-            self._group_fds |= socket_fds() - before
-        self._snapshots.attach(group, dist.get_rank())
+        """The swaps of the group formed last meet under its generation's prefix."""
+        assert self._snapshots is not None and self._address is not None
+        self._snapshots.attach(SwapLink(address=self._address, prefix=f"{keys.group_prefix(self.generation)}snapshots-{self._restarts}/",
+                                        rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                        timeout_s=self.collective_timeout.total_seconds()))
 
     def _kept_slots(self) -> list[int]:
         assert self._snapshots is not None
         return [self.slot, *self._snapshots.buddies.held_by(self.slot)]
 
-    def _roll_back(self) -> Rollback:
+    def _roll_back(self, joining: bool) -> Rollback:
         """Every member goes back to the newest snapshot every shard has: its own copy, or
-        (a replacement) the lost rank's from a buddy."""
+        (a replacement) the lost rank's from a buddy. A survivor first clears what the broken
+        step left in FSDP2 (a survivor lost in its backward holds gathered parameters and
+        hooks of that step, and would start the redone step elsewhere than its peers)."""
         snapshots, model = self._snapshots, self._model
         assert snapshots is not None and model is not None
-        snapshots.wait(self.wait_s)  # the broken group's swap failed at once: its sockets were shut down
-        if not self.joining:
+        if not joining:
             reset_after_failure(model)
         rebind(model)
         self._attach_snapshots()
@@ -587,9 +577,8 @@ class InJobRecovery:
     def _end_snapshots(self) -> None:
         """Training ended on this rank: its node-local copies are not needed any more."""
         if self._snapshots is not None:
-            self._snapshots.wait(self.wait_s)
             try:  # every rank's last swap is done before any removes what it wrote
-                dist.barrier(group=self._snapshots.group)
+                self._snapshots.barrier()
             except RuntimeError as exc:  # a rank lost at the very end: its copies stay for a restart
                 log.warning("rank %d: the snapshots stay in %s (%s)", self.slot, self._snapshots.files.root,
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -605,7 +594,7 @@ class InJobRecovery:
         self._follow_group()
         rollback = None
         if self._snapshots is not None:
-            rollback = self._roll_back()
+            rollback = self._roll_back(joining)
             step = rollback.step
         else:
             mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
@@ -731,6 +720,21 @@ def _snapshot_every(given: int | None, env: Mapping[str, str], slot: int) -> int
         where = "snapshot_every" if given is not None else SNAPSHOT_EVERY_VAR
         raise RefusedOnRank(f"{where} must be a whole number of steps, at least 1, not {raw!r}", slot)
     return every
+
+
+def memory_refusal(reports: Sequence[Mapping[str, Any]], replicas: int, root: Path) -> str | None:
+    """Why the snapshots of the ranks would not fit in their nodes' memory (one line), or
+    None. ``reports``: each rank's host, the bytes its snapshots need, the bytes free there."""
+    hosts = [report["host"] for report in reports]
+    for host in dict.fromkeys(hosts):
+        wanted = sum(report["need"] for report in reports if report["host"] == host)
+        free = min(report["free"] for report in reports if report["host"] == host)
+        if wanted > free:
+            return (f"the snapshots of the ranks on {host} need about {wanted / 2**30:.2f} GiB of node-local memory "
+                    f"({KEPT_STEPS} steps x {replicas} copies of each rank's shards, and its host buffers) and "
+                    f"{free / 2**30:.2f} GiB is free under {root.parent}: give each rank more memory (fewer ranks "
+                    f"per node, more nodes), or drop --recover")
+    return None
 
 
 def snapshot_bytes(state: Any) -> int:

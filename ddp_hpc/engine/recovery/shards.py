@@ -15,10 +15,13 @@ must be kept somewhere else before it is lost. Every ``every`` steps each rank:
    ``distance`` apart after it (``distance`` = ranks per host by default: another host) and
    keeps the copies of the ranks as far before it.
 
-Each rank keeps the two newest steps of its own copy and of each copy it holds: the newest
-may still be on its way to a buddy when a rank is lost, and the step before it is then the
-newest every shard has. Node-local memory per rank: ``2 x replicas`` times its snapshot,
-plus the host buffers (one more time) while it trains.
+Each rank keeps the three newest steps of its own copy and of each copy it holds. Why three:
+the ranks' completed steps differ by at most one (every step has collectives of all), and a
+rank swaps a snapshot before it takes the next, so a buddy that took snapshot ``b`` holds the
+lost rank's copy of ``b - 1`` for sure, while a survivor may already hold ``b + 1``: ``b - 1``
+is the newest step every shard has, and it is among the three newest of every rank.
+Node-local memory per rank: ``3 x replicas`` times its snapshot, plus the host buffers (one
+more time) while it trains.
 
 Where Gemini (SOSP 2023) keeps checkpoints in the CPU memory of the machine and its peers,
 and NVIDIA's resiliency extension replicates local checkpoints to ``replication_jump``-apart
@@ -46,17 +49,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.contract import atomic_write
+from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.host_copy import snapshot
 
 log = logging.getLogger(__name__)
 
-#: Where snapshots live: a folder on node-local memory (default ``/dev/shm``).
-SNAPSHOT_DIR_VAR = "DDP_HPC_SNAPSHOT_DIR"
 #: Copies of each snapshot kept is the rank's own plus ``replicas - 1`` on its buddies.
 DEFAULT_REPLICAS = 2
-#: Steps of each copy kept (the newest may be incomplete at a buddy when a rank is lost).
-KEPT_STEPS = 2
+#: Steps of each copy kept (see the module's docstring for why three).
+KEPT_STEPS = 3
 _STEP_FILE = re.compile(r"step(\d+)\.pt$")
 
 
@@ -227,11 +228,28 @@ def restored_dtensors(name: str, state: Any, paths: Iterable[Sequence[Any]], obj
 
 # ----- the snapshots of one rank --------------------------------------------------------
 
+@dataclass(frozen=True)
+class SwapLink:
+    """Where a group's snapshot swaps meet: the launch's store, under a key prefix of that
+    group's own (its generation), with the group's rank and size."""
+
+    address: str
+    prefix: str
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
 class Snapshots:
     """Takes this rank's snapshots every ``every`` steps and swaps copies with its buddies.
 
     ``state``: returns the rank's state to copy (tensors may be DTensors on any device).
     ``files``: where this node keeps copies. ``buddies``: who holds whose.
+
+    The swaps run on a gloo group of their own, which the swapping thread makes itself on
+    its first swap for each training group (``attach``): made on the training thread,
+    a group whose member died starting would hold training in its rendezvous until the
+    timeout, where the training group's next collective fails at once and recovers.
     """
 
     def __init__(self, every: int, buddies: Buddies, files: SnapshotFiles,
@@ -239,21 +257,22 @@ class Snapshots:
         self.every, self.buddies, self.files, self._state = every, buddies, files, state
         self._cache: dict[tuple, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
+        self._link: SwapLink | None = None
         self._group: Any = None
-        self._slot = 0
         #: Seconds training waited for the host copy of the newest snapshot.
         self.last_stall_s = 0.0
         #: Bytes of the newest snapshot (this rank's own copy, serialized).
         self.last_bytes = 0
 
-    def attach(self, group: Any, slot: int) -> None:
-        """The group the copies travel over from now on (a group of the same members as the
-        training group, so that a swap never waits behind a training collective)."""
-        self._group, self._slot = group, slot
+    def attach(self, link: SwapLink) -> None:
+        """The group the copies travel over from now on. A swap of the group before, still
+        running, is left to fail on its own (its peers' sockets are gone): whatever it still
+        writes is a whole copy of its step, which a redone step makes bit for bit again."""
+        self._link, self._group, self._thread = link, None, None
 
     @property
-    def group(self) -> Any:
-        return self._group
+    def slot(self) -> int:
+        return self._link.rank if self._link is not None else 0
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
@@ -267,7 +286,7 @@ class Snapshots:
         started = time.perf_counter()
         copied = snapshot(self._state(), self._cache)
         self.last_stall_s = time.perf_counter() - started
-        self._thread = threading.Thread(target=self._keep, args=(step, copied), daemon=True,
+        self._thread = threading.Thread(target=self._keep, args=(step, copied, self._link), daemon=True,
                                         name="ddp_hpc-snapshot")
         self._thread.start()
 
@@ -278,33 +297,49 @@ class Snapshots:
             if not self._thread.is_alive():
                 self._thread = None
 
-    def _keep(self, step: int, copied: dict[str, Any]) -> None:
+    def barrier(self) -> None:
+        """Every member's swaps are done (a collective of the swap group, where one was made)."""
+        self.wait()
+        if self._group is not None:
+            self._group.barrier().wait()
+
+    def _keep(self, step: int, copied: dict[str, Any], link: SwapLink | None) -> None:
         from ddp_hpc.engine.recovery.rank import state_to_tensor
 
+        slot = link.rank if link is not None else 0
         try:
             local, paths = localized(copied)
             payload = state_to_tensor({**local, "dtensors": paths})
             self.last_bytes = payload.numel()
-            self.files.write(self._slot, step, payload)
-            self._swap(step, payload)
-        except (RuntimeError, OSError) as exc:  # a buddy lost meanwhile: the recovery deals with it
-            log.warning("rank %d: snapshot of step %d not swapped with its buddies (%s)", self._slot, step,
+            self.files.write(slot, step, payload)
+            if link is not None:
+                self._swap(step, payload, link)
+        except (RuntimeError, OSError, ValueError) as exc:  # a buddy lost meanwhile: the recovery deals with it
+            log.warning("rank %d: snapshot of step %d not swapped with its buddies (%s)", slot, step,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
-    def _swap(self, step: int, payload: torch.Tensor) -> None:
+    def _swap(self, step: int, payload: torch.Tensor, link: SwapLink) -> None:
+        from datetime import timedelta
+
+        from ddp_hpc.engine.recovery.store import connect
+
+        if self._group is None or self._link is not link:
+            store = dist.PrefixStore(link.prefix, connect(link.address, link.timeout_s))
+            group = dist.ProcessGroupGloo(store, link.rank, link.world_size, timedelta(seconds=link.timeout_s))
+            if self._link is not link:  # the training group changed meanwhile
+                return
+            self._group = group
         group = self._group
-        if group is None:
-            return
         sends = []
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        for holder in self.buddies.holders(self._slot):
-            sends.append(dist.isend(size, holder, group=group))
-            sends.append(dist.isend(payload, holder, group=group))
-        for source in self.buddies.held_by(self._slot):
+        for holder in self.buddies.holders(link.rank):
+            sends.append(group.send([size], holder, step))
+            sends.append(group.send([payload], holder, step))
+        for source in self.buddies.held_by(link.rank):
             incoming = torch.zeros(1, dtype=torch.int64)
-            dist.recv(incoming, source, group=group)
+            group.recv([incoming], source, step).wait()
             copy = torch.empty(int(incoming), dtype=torch.uint8)
-            dist.recv(copy, source, group=group)
+            group.recv([copy], source, step).wait()
             self.files.write(source, step, copy)
         for work in sends:
             work.wait()

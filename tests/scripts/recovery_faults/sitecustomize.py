@@ -9,6 +9,11 @@ ddp_hpc's public parts in the rank in slot ``RECOVERY_FAULT_SLOT`` only.
   and before the barrier after which rank 0 writes the file that makes it count;
 - ``replacement``: as ``window``, and its first replacement dies once its new group has
   formed, before it took the state (the survivors are in the transfer).
+- ``backward``: that rank dies before its backward of step ``RECOVERY_FAULT_STEP`` (its
+  forward done): its peers fail inside their backward's collectives;
+- ``host``: as ``window``, in every slot of ``RECOVERY_FAULT_SLOT`` (a comma-separated list:
+  the ranks of one host), and each first removes the snapshots it kept in its node's memory
+  (``InJobRecovery``'s sharded snapshots), as the loss of the host would.
 
 Each death happens once per run folder (a file in ``RUN_DIR`` says it happened), so that a
 restart in place runs clean.
@@ -43,6 +48,11 @@ def _patch() -> None:
     def faulty_step_done(self, *args, **kwargs):
         if generation == 0 and FAULT in ("window", "replacement") and self.step + 1 == step:
             _die("rank")
+        if generation == 0 and FAULT == "host" and self.step + 1 == step:
+            if self._snapshots is not None:  # its swaps done first: nothing of it is written after
+                self._snapshots.wait()
+                self._snapshots.files.remove(self._kept_slots())
+            _die(f"rank-{self.slot}")
         return step_done(self, *args, **kwargs)
 
     def faulty_save_rank_part(directory, global_step, rank, part):
@@ -53,14 +63,28 @@ def _patch() -> None:
 
     def faulty_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
+        ranks.append(self)
         if FAULT == "replacement" and generation == 1:
             _die("replacement")
+
+    ranks: list = []
+    if FAULT == "backward":
+        import torch
+
+        backward = torch.Tensor.backward
+
+        def faulty_backward(tensor, *args, **kwargs):
+            if generation == 0 and ranks and ranks[0].step + 1 == step:
+                _die("rank")
+            return backward(tensor, *args, **kwargs)
+
+        torch.Tensor.backward = faulty_backward
 
     Recovery.step_done, Recovery.__init__ = faulty_step_done, faulty_init
     checkpoint_files.save_rank_part = faulty_save_rank_part
 
 
 # `ddp-hpc run` runs the script through its script runner: the script is the last argument.
-if FAULT and os.environ.get("RANK") == os.environ.get("RECOVERY_FAULT_SLOT") and \
+if FAULT and os.environ.get("RANK") in os.environ.get("RECOVERY_FAULT_SLOT", "").split(",") and \
         sys.argv[-1].endswith("recovering_loop.py"):
     _patch()

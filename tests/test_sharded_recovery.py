@@ -1,0 +1,246 @@
+"""In-job recovery of a sharded model (issue 38): examples/sharded_recovering_loop.py, 4
+ranks of an FSDP2 model under ``ddp-hpc launch --recover``, snapshots every step in
+node-local memory and at a buddy rank; its parts in process first."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_same_model_and_optimizer, clean_env, ddp_hpc_command
+
+EXAMPLE = str(REPO / "examples" / "sharded_recovering_loop.py")
+FAULTS = str(REPO / "tests" / "scripts" / "recovery_faults")
+RANKS, LOST = 4, 2
+#: One epoch of 12 steps; the pause keeps the faults' step mid-epoch on a loaded machine.
+SETTINGS = {"EPOCHS": "1", "STEP_DELAY_S": "0.2"}
+LAUNCH_TIMEOUT_S = 500
+
+
+# ----- the parts ---------------------------------------------------------------------------
+
+def test_each_copy_is_held_the_host_size_away_and_buddies_on_one_host_are_refused():
+    from ddp_hpc.engine.recovery.shards import Buddies
+
+    buddies = Buddies(world_size=4, distance=2)
+    assert [buddies.holders(slot) for slot in range(4)] == [[2], [3], [0], [1]]
+    assert [buddies.held_by(slot) for slot in range(4)] == [[2], [3], [0], [1]]
+    assert buddies.refusal(["h1", "h1", "h2", "h2"]) is None
+    # Ranks numbered round-robin over the hosts: the buddy 2 away sits on the same host.
+    why = Buddies(world_size=4, distance=2).refusal(["h1", "h2", "h1", "h2"])
+    assert why is not None and "the buddy of rank 0 (rank 2) is on its host h1" in why
+    assert "copies would be held by [0]" in Buddies(world_size=4, distance=4).refusal()
+    assert "at least 2" in Buddies(world_size=4, distance=1, replicas=1).refusal()
+    three = Buddies(world_size=6, distance=2, replicas=3)
+    assert three.holders(5) == [1, 3] and three.held_by(1) == [5, 3] and three.refusal() is None
+
+
+def test_the_rollback_is_the_newest_step_every_slot_has_somewhere_taken_from_its_own_copy_first():
+    from ddp_hpc.engine.recovery.shards import newest_common
+
+    # Slot 2 was lost: its replacement holds nothing; slot 0 holds its copies up to step 6
+    # (the swap of 7 was on its way), the survivors already have 7 of their own.
+    holdings = [{"0": [5, 6, 7], "2": [5, 6]}, {"1": [6, 7], "3": [6, 7]}, {}, {"3": [5, 6, 7], "1": [5, 6, 7]}]
+    rollback = newest_common(holdings)
+    assert rollback is not None and rollback.step == 6
+    assert rollback.sources == {0: 0, 1: 1, 2: 0, 3: 3}
+    assert newest_common([{"0": [7]}, {"1": [7]}, {}, {"3": [7]}]) is None  # slot 2's copy is gone
+
+
+def test_a_node_keeps_the_three_newest_steps_of_each_slot_written_whole(tmp_path):
+    import torch
+
+    from ddp_hpc.engine.recovery.shards import KEPT_STEPS, SnapshotFiles
+
+    files = SnapshotFiles(tmp_path, host="h1")
+    for step in range(1, 6):
+        files.write(0, step, torch.full((8,), step, dtype=torch.uint8))
+    assert files.steps(0) == list(range(6 - KEPT_STEPS, 6)) and KEPT_STEPS == 3
+    assert torch.equal(files.read(0, 5), torch.full((8,), 5, dtype=torch.uint8))
+    assert not list(files.directory.rglob("*.tmp*"))
+    files.drop_after(0, 4)
+    assert files.steps(0) == [3, 4]
+    files.remove([0])
+    assert not tmp_path.exists()  # nothing of the run is left on the node
+
+
+def test_a_sharded_state_travels_as_plain_tensors_and_comes_back_as_the_live_objects_dtensors(tmp_path):
+    """One rank's FSDP2 model and AdamW state through a payload (``weights_only``) into a
+    fresh model and optimizer: the shards equal, laid out as the live ones."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ddp_hpc.engine.recovery.rank import state_from_tensor, state_to_tensor
+    from ddp_hpc.engine.recovery.shards import localized, restored_dtensors
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        def build():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            fully_shard(model)
+            return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+        model, optimizer = build()
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+        local, paths = localized({"objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict()}})
+        payload = state_from_tensor(state_to_tensor({**local, "dtensors": paths}))
+        assert not any(isinstance(t, DTensor) for t in payload["objects"]["model"].values())
+        fresh, fresh_optimizer = build()
+        inner = [path[1:] for path in payload["dtensors"]]
+        fresh.load_state_dict(restored_dtensors("model", payload["objects"]["model"], inner, fresh))
+        fresh_optimizer.load_state_dict(restored_dtensors("optimizer", payload["objects"]["optimizer"], inner,
+                                                          fresh_optimizer))
+        for key, value in model.state_dict().items():
+            assert torch.equal(value.to_local(), fresh.state_dict()[key].to_local()), key
+        moments = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
+        assert isinstance(moments, DTensor)
+        assert torch.equal(moments.to_local(), optimizer.state_dict()["state"][0]["exp_avg"].to_local())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_snapshot_cadence_below_one_step_is_refused_in_one_line_before_any_group(capsys):
+    from ddp_hpc.engine.recovery.rank import InJobRecovery
+    from ddp_hpc.errors import RefusedOnRank
+
+    for given, environ, named in ((0, {}, "snapshot_every"), (None, {"DDP_HPC_SNAPSHOT_EVERY": "-3"},
+                                                             "DDP_HPC_SNAPSHOT_EVERY")):
+        with pytest.raises(RefusedOnRank) as refused:
+            InJobRecovery("gloo", snapshot_every=given, environ=environ)
+        assert refused.value.code == 2 and named in str(refused.value) and "at least 1" in str(refused.value)
+
+
+def test_snapshots_that_do_not_fit_in_a_nodes_memory_are_refused_naming_the_host():
+    from ddp_hpc.engine.recovery.rank import memory_refusal
+
+    gib = 2**30
+    reports = [{"host": "h1", "need": 3 * gib, "free": 10 * gib}, {"host": "h1", "need": 3 * gib, "free": 10 * gib},
+               {"host": "h2", "need": 6 * gib, "free": 10 * gib}, {"host": "h2", "need": 6 * gib, "free": 10 * gib}]
+    why = memory_refusal(reports, replicas=2, root=Path("/dev/shm/x"))
+    assert why is not None and why.startswith("the snapshots of the ranks on h2 need about 12.00 GiB")
+    assert memory_refusal(reports[:2], replicas=2, root=Path("/dev/shm/x")) is None
+
+
+# ----- real launches -----------------------------------------------------------------------
+
+def launch(run_dir: Path, *flags: str, settings: dict[str, str] | None = None,
+           status: int = 0) -> str:
+    result = subprocess.run([*ddp_hpc_command(), "launch", "--nproc", str(RANKS), *flags, "--", "python", EXAMPLE],
+                            env=clean_env({**SETTINGS, **(settings or {}), "RUN_DIR": str(run_dir),
+                                           "DDP_HPC_SNAPSHOT_DIR": str(run_dir.parent / "node-memory")}),
+                            cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    output = result.stdout + result.stderr
+    (run_dir.parent / f"{run_dir.name}.log").write_text(output)
+    launch_lines = "\n".join(line for line in output.splitlines() if not line.startswith("[rank"))
+    assert result.returncode == status, launch_lines[-4000:]
+    return output
+
+
+def final(run_dir: Path, slot: int) -> dict:
+    import torch
+
+    return torch.load(run_dir / "final" / f"rank-{slot}.pt", weights_only=True)
+
+
+def fault(name: str, step: int, slots: str = str(LOST)) -> dict[str, str]:
+    return {"PYTHONPATH": FAULTS, "RECOVERY_FAULT": name, "RECOVERY_FAULT_SLOT": slots,
+            "RECOVERY_FAULT_STEP": str(step)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The same launch, nothing lost: each rank's final shards."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    launch(run_dir, "--recover", "1")
+    assert not (run_dir / "record").exists()
+    assert not (run_dir.parent / "node-memory").exists() or not any((run_dir.parent / "node-memory").iterdir())
+    return [final(run_dir, slot) for slot in range(RANKS)]
+
+
+@pytest.mark.parametrize("where", ["window", "backward"], ids=["after-its-optimizer-step", "before-its-backward"])
+@pytest.mark.reliability
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_rank_of_a_sharded_model_is_replaced_from_snapshots_and_the_run_ends_bit_identical(reference,
+                                                                                                      tmp_path, where):
+    """Slot 2 dies in step 7, after its optimizer step or before its backward (its peers
+    then fail inside their backward, holding gathered parameters and hooks of that step):
+    the survivors keep their processes and go back to the newest snapshot every shard has,
+    the replacement takes slot 2's shards from a snapshot, nothing is read from disk, and
+    every rank's shards and optimizer state end bit-identical to the run without a loss."""
+    run_dir = tmp_path / "run"
+    launch(run_dir, "--recover", "1", settings=fault(where, 7))
+    record = json.loads((run_dir / "record" / "recovery-1.json").read_text())
+    assert record["rank"] == LOST and record["replaced"] and record["snapshot_step"] in (5, 6)
+    assert record["step"] == record["snapshot_step"] and record["redone_steps"] >= 0
+    lost_pid = int((run_dir / "fault-rank").read_text())
+    for slot in range(RANKS):
+        state = final(run_dir, slot)
+        assert (state["pid"] != lost_pid) and state["resumed"] is None and state["recoveries"] == 1
+        assert state["step"] == reference[slot]["step"]
+        assert_same_model_and_optimizer(reference[slot], state)
+
+
+@pytest.mark.reliability
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_when_no_recovery_is_left_the_restart_in_place_reads_the_nodes_snapshots_and_ends_bit_identical(reference,
+                                                                                                         tmp_path):
+    """``--recover 1 --max-restarts 1``: slot 2 dies after step 9's optimizer step and its
+    replacement dies while the group forms: the launch gives up, the survivors end at once,
+    and the restart in place restores the checkpoint of step 5, then reads the snapshots
+    the nodes kept (newer: step 7 or 8), says so in its log and record, and ends
+    bit-identical to the run without a loss."""
+    restarted = tmp_path / "restarted"
+    output = launch(restarted, "--recover", "1", "--max-restarts", "1",
+                    settings={**fault("replacement", 9), "CHECKPOINT_EVERY": "5"})
+    assert "the launch gave up in-job recovery" in output and "from the node-local snapshot at step" in output
+    resume = json.loads((restarted / "record" / "resume-1.json").read_text())
+    assert resume["tier"] == "memory" and resume["checkpoint_step"] == 5 and resume["step"] in (7, 8)
+    for slot in range(RANKS):
+        state = final(restarted, slot)
+        assert state["resumed"] is not None  # the checkpoint of step 5 was restored, then the newer snapshot
+        assert_same_model_and_optimizer(reference[slot], state)
+
+
+@pytest.mark.reliability
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_trainer_with_fsdp2_replaces_a_killed_rank_from_snapshots_and_ends_bit_identical(tmp_path):
+    """``ddp-hpc train`` with ``training.strategy=fsdp2``, 4 ranks under ``launch --recover 1``;
+    rank 2 is SIGKILLed after step 6 of 32: the run's last (sharded) checkpoint holds the
+    weights and optimizer state of the same run without the loss, and the record says the
+    ranks went back to a snapshot."""
+    from conftest import load_last_checkpoint
+    from test_in_job_recovery import KILLED_AT, TRAINER, TRAINER_STEPS
+
+    def trainer(folder: Path, *callbacks: str) -> Path:
+        argv = [*ddp_hpc_command(), "launch", "--nproc", str(RANKS), "--recover", "1", "--", *ddp_hpc_command(),
+                *TRAINER, "training.strategy=fsdp2", f"logging.run_dir={folder / 'runs'}", "job.name=synthetic",
+                f"callbacks=[{', '.join(callbacks)}]"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=REPO,
+                                env=clean_env({"PYTHONPATH": str(REPO / "tests"),
+                                               "DDP_HPC_SNAPSHOT_DIR": str(folder / "node-memory")}))
+        (folder / "launch.log").write_text(result.stdout + result.stderr)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        [run] = list((folder / "runs").iterdir())
+        return run
+
+    whole = trainer(tmp_path / "whole")
+    lost = trainer(tmp_path / "lost", f"{{target: 'fault_injection:KillRankAtStep', params: {{rank: {LOST}, "
+                                      f"step: {KILLED_AT}, marker: '{tmp_path / 'killed-at'}', once: true}}}}")
+    record = json.loads((lost / "record" / "recovery-1.json").read_text())
+    # Killed right after its snapshot of step 6 was taken: it may not have reached a node's memory.
+    assert record["rank"] == LOST and record["snapshot_step"] == record["step"] in (KILLED_AT - 1, KILLED_AT)
+    expected, actual = load_last_checkpoint(whole / "checkpoints"), load_last_checkpoint(lost / "checkpoints")
+    assert actual["progress"]["global_step"] == expected["progress"]["global_step"] == TRAINER_STEPS
+    assert_same_model_and_optimizer(expected, actual)
