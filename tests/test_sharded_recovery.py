@@ -179,6 +179,9 @@ def test_a_killed_rank_of_a_sharded_model_is_replaced_from_snapshots_and_the_run
     launch(run_dir, "--recover", "1", settings=fault(where, 7))
     record = json.loads((run_dir / "record" / "recovery-1.json").read_text())
     assert record["rank"] == LOST and record["replaced"] and record["snapshot_step"] in (5, 6)
+    plan = json.loads((run_dir / "record" / "snapshots.json").read_text())
+    assert (plan["every"], plan["replicas"], plan["distance"], plan["kept_steps"]) == (1, 2, 1, 3)
+    assert sorted(plan["bytes_per_rank"]) == ["0", "1", "2", "3"] and min(plan["bytes_per_rank"].values()) > 0
     assert record["step"] == record["snapshot_step"] and record["redone_steps"] >= 0
     lost_pid = int((run_dir / "fault-rank").read_text())
     for slot in range(RANKS):

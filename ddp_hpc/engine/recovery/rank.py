@@ -78,7 +78,14 @@ from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.recovery.backends import backend_refusal
-from ddp_hpc.engine.recovery.record import RecoveryEvent, ResumeEvent, write_recovery, write_resume
+from ddp_hpc.engine.recovery.record import (
+    RecoveryEvent,
+    ResumeEvent,
+    SnapshotPlan,
+    write_recovery,
+    write_resume,
+    write_snapshot_plan,
+)
 from ddp_hpc.engine.recovery.shards import (
     DEFAULT_REPLICAS,
     KEPT_STEPS,
@@ -507,6 +514,11 @@ class InJobRecovery:
             log.info("snapshots of the sharded state every %d step(s) in %s, each also held %d rank(s) away: about "
                      "%.1f MiB of node-local memory per rank", self.snapshot_every, files.root, buddies.distance,
                      need / 2**20)
+            if self.run_dir is not None:
+                write_snapshot_plan(self.run_dir, SnapshotPlan(
+                    every=self.snapshot_every, replicas=buddies.replicas, distance=buddies.distance,
+                    kept_steps=KEPT_STEPS, folder=str(files.root),
+                    bytes_per_rank={str(rank): report["need"] for rank, report in enumerate(everyone)}))
 
     def _attach_snapshots(self) -> None:
         """The swaps of the group formed last meet under its generation's prefix."""

@@ -7,10 +7,12 @@ import json
 import socket
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ddp_hpc.contract import RECORD_DIR, atomic_write
 
 FILE_GLOB = "recovery-*.json"
+E = TypeVar("E")
 
 
 @dataclass(frozen=True)
@@ -45,23 +47,33 @@ class RecoveryEvent:
     from_buddies: tuple[int, ...] = ()
 
 
-def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
-    """``record/recovery-<generation>.json`` in ``run_dir``, written atomically."""
-    path = run_dir / RECORD_DIR / f"recovery-{event.generation}.json"
+def _write(run_dir: Path, name: str, event: Any) -> Path:
+    """``record/<name>`` in ``run_dir``: ``event`` and the host that wrote it, atomically."""
+    path = run_dir / RECORD_DIR / name
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
     return path
 
 
-def read_recoveries(run_dir: Path) -> list[RecoveryEvent]:
-    """Every recovery recorded in ``run_dir``, by generation."""
-    names = {field.name for field in fields(RecoveryEvent)}
+def _read(run_dir: Path, pattern: str, kind: type[E]) -> list[E]:
+    """Every ``kind`` recorded under ``record/<pattern>`` (fields it lacks at their default)."""
+    names = {field.name for field in fields(kind)}
     events = []
-    for path in (run_dir / RECORD_DIR).glob(FILE_GLOB):
+    for path in (run_dir / RECORD_DIR).glob(pattern):
         raw = json.loads(path.read_text())
         raw["from_buddies"] = tuple(raw.get("from_buddies", ()))
-        events.append(RecoveryEvent(**{name: value for name, value in raw.items() if name in names}))
-    return sorted(events, key=lambda event: event.generation)
+        events.append(kind(**{name: value for name, value in raw.items() if name in names}))
+    return events
+
+
+def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
+    """``record/recovery-<generation>.json`` in ``run_dir``, written atomically."""
+    return _write(run_dir, f"recovery-{event.generation}.json", event)
+
+
+def read_recoveries(run_dir: Path) -> list[RecoveryEvent]:
+    """Every recovery recorded in ``run_dir``, by generation."""
+    return sorted(_read(run_dir, FILE_GLOB, RecoveryEvent), key=lambda event: event.generation)
 
 
 RESUME_GLOB = "resume-*.json"
@@ -84,18 +96,31 @@ class ResumeEvent:
 
 def write_resume(run_dir: Path, event: ResumeEvent) -> Path:
     """``record/resume-<restart>.json`` in ``run_dir``, written atomically."""
-    path = run_dir / RECORD_DIR / f"resume-{event.restart}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps({**asdict(event), "recorded_by": socket.gethostname()}, indent=1) + "\n")
-    return path
+    return _write(run_dir, f"resume-{event.restart}.json", event)
 
 
 def read_resumes(run_dir: Path) -> list[ResumeEvent]:
     """Every restart in place recorded in ``run_dir``, in order."""
-    names = {field.name for field in fields(ResumeEvent)}
-    events = []
-    for path in (run_dir / RECORD_DIR).glob(RESUME_GLOB):
-        raw = json.loads(path.read_text())
-        raw["from_buddies"] = tuple(raw.get("from_buddies", ()))
-        events.append(ResumeEvent(**{name: value for name, value in raw.items() if name in names}))
-    return sorted(events, key=lambda event: event.restart)
+    return sorted(_read(run_dir, RESUME_GLOB, ResumeEvent), key=lambda event: event.restart)
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """How a sharded model's snapshots are kept (``record/snapshots.json``, by rank 0 at the
+    start of each attempt under ``--recover``)."""
+
+    every: int
+    replicas: int
+    distance: int
+    kept_steps: int
+    folder: str
+    #: Node-local memory each rank's snapshots take (its own and the copies it holds, every
+    #: kept step, and its host buffers), by rank.
+    bytes_per_rank: dict[str, int]
+
+
+def write_snapshot_plan(run_dir: Path, plan: SnapshotPlan) -> Path:
+    path = run_dir / RECORD_DIR / "snapshots.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(asdict(plan), indent=1) + "\n")
+    return path
