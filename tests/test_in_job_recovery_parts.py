@@ -8,12 +8,14 @@ import pytest
 from ddp_hpc.errors import UserError
 
 
-def test_fsdp2_is_refused_in_one_line(tmp_path):
+def test_fsdp2_is_taken_and_refused_in_one_line_under_shrink_or_on_a_mesh_it_cannot_rebuild(tmp_path):
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from ddp_hpc.engine.recovery import run_refusal
+    from ddp_hpc.engine.recovery.shards import sharding_refusal
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -21,8 +23,13 @@ def test_fsdp2_is_refused_in_one_line(tmp_path):
         assert run_refusal(plain, None) is None  # DDP's module: accepted
         sharded = nn.Sequential(nn.Linear(4, 4))
         fully_shard(sharded)
-        why = run_refusal(sharded, None)
-        assert why is not None and why.startswith("in-job recovery covers DDP only") and "\n" not in why
+        assert run_refusal(sharded, None) is None and sharding_refusal(sharded) is None  # snapshots keep it
+        why = run_refusal(sharded, None, shrinks=True)
+        assert why is not None and why.startswith("an FSDP2 model cannot go on with fewer ranks") and "\n" not in why
+        hybrid = nn.Sequential(nn.Linear(4, 4))
+        fully_shard(hybrid, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+        why = sharding_refusal(hybrid)
+        assert why is not None and "a mesh of one dimension over every rank" in why and "\n" not in why
     finally:
         dist.destroy_process_group()
 

@@ -8,7 +8,9 @@ the rest are its parts:
 - ``record``: each recovery in the run record (torch-free);
 - ``backends``: which process-group backends a broken group can be left on (torch-free:
   the launch asks before any rank starts);
-- ``rank``: the rank side: forming each group, the state transfer, the derived streams.
+- ``rank``: the rank side: forming each group, the state transfer, the derived streams;
+- ``shards``: a sharded model's snapshots in node-local memory, swapped with buddy ranks;
+- ``payload``: a state as one uint8 tensor (``weights_only`` on the way back); ``errors``.
 
 The package imports nothing until a name is asked for, so the torch-free parts stay
 torch-free for the launch.
@@ -21,16 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 _NAMES = {
     "InJobRecovery": "rank",
-    "RecoveryError": "rank",
-    "Superseded": "rank",
+    "RecoveryError": "errors",
+    "Superseded": "errors",
     "STREAM_SEED": "rank",
     "is_collective_error": "rank",
     "is_sharded": "rank",
     "run_refusal": "rank",
     "spare_places": "rank",
     "broadcast_state": "rank",
-    "state_from_tensor": "rank",
-    "state_to_tensor": "rank",
+    "state_from_tensor": "payload",
+    "state_to_tensor": "payload",
     "RecoveryEvent": "record",
     "read_recoveries": "record",
     "write_recovery": "record",
@@ -41,9 +43,10 @@ __all__ = sorted(_NAMES)
 
 if TYPE_CHECKING:
     from ddp_hpc.engine.recovery.backends import backend_refusal
-    from ddp_hpc.engine.recovery.rank import (STREAM_SEED, InJobRecovery, RecoveryError, Superseded,
-                                              broadcast_state, is_collective_error, is_sharded, run_refusal,
-                                              spare_places, state_from_tensor, state_to_tensor)
+    from ddp_hpc.engine.recovery.errors import RecoveryError, Superseded
+    from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
+    from ddp_hpc.engine.recovery.rank import (STREAM_SEED, InJobRecovery, broadcast_state, is_collective_error,
+                                              is_sharded, run_refusal, spare_places)
     from ddp_hpc.engine.recovery.record import RecoveryEvent, read_recoveries, write_recovery
 
 

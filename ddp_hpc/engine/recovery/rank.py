@@ -46,10 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -78,6 +76,8 @@ from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.recovery.backends import backend_refusal
+from ddp_hpc.engine.recovery.errors import RecoveryError, Superseded
+from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
 from ddp_hpc.engine.recovery.record import (
     RecoveryEvent,
     ResumeEvent,
@@ -127,15 +127,6 @@ DEFAULT_WAIT_S = 120.0
 STREAM_SEED = "stream_seed"
 #: Steps between snapshots of a sharded model when neither the caller nor the launch says.
 DEFAULT_SNAPSHOT_EVERY = 1
-
-
-class RecoveryError(RuntimeError):
-    """The job cannot recover in place (no new group in time, the launch gave up): the rank
-    exits with a failure and the launch restarts in place from the newest checkpoint."""
-
-
-class Superseded(RuntimeError):
-    """The group being formed lost a member before it formed: the next plan follows."""
 
 
 class InJobRecovery:
@@ -793,24 +784,6 @@ def broadcast_state(state: dict[str, Any] | None, source: int) -> dict[str, Any]
     payload = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(payload, src=source)
     return state_from_tensor(payload)
-
-
-def state_to_tensor(state: dict[str, Any]) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def state_from_tensor(payload: torch.Tensor) -> dict[str, Any]:
-    from ddp_hpc.engine.checkpoint_files import unsupported_global
-
-    try:
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = unsupported_global(exc) or "unreadable"
-        raise RecoveryError(f"the state from the survivors holds an object other than tensors and plain data "
-                            f"({found}): it is read with torch.load(weights_only=True), as checkpoints are; give "
-                            "the sampler, the Checkpointer's objects and extras plain state") from None
 
 
 def socket_fds() -> set[int]:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.host_copy import snapshot
+from ddp_hpc.engine.recovery.payload import state_to_tensor
 
 log = logging.getLogger(__name__)
 
@@ -304,8 +305,6 @@ class Snapshots:
             self._group.barrier().wait()
 
     def _keep(self, step: int, copied: dict[str, Any], link: SwapLink | None) -> None:
-        from ddp_hpc.engine.recovery.rank import state_to_tensor
-
         slot = link.rank if link is not None else 0
         try:
             local, paths = localized(copied)
