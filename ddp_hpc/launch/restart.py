@@ -17,6 +17,7 @@ in that launch) and a submitit command job. docs/reliability.md has the table.
 from __future__ import annotations
 
 import logging
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,3 +54,27 @@ def record_exit(run_folder: Path, job_id: str, status: int) -> None:
         atomic_write(run_folder / exit_file_name(job_id), f"{status}\n")
     except OSError as exc:
         log.error("cannot write the exit status to %s: %s", run_folder, exc.strerror or exc)
+
+
+@dataclass(frozen=True)
+class LaunchEnd:
+    """A launch's one end action, after the policy's last decision: the job requeued after a
+    stop where the launch can (``requeue``: the scheduler's command, ``scontrol requeue ID``),
+    else its exit status written as ``RUN/exit-<job_id>`` where it has a job id."""
+
+    run_folder: Path | None = None
+    job_id: str = ""
+    requeue: tuple[str, ...] = ()
+
+    def __call__(self, decision: Decision) -> int:
+        if self.requeue and decision.requeue:
+            log.warning("requeueing job %s", self.job_id)
+            try:
+                done = subprocess.run(list(self.requeue), check=False).returncode == 0
+            except OSError:
+                done = False
+            if not done:
+                log.error("requeue failed")
+        elif self.job_id and self.run_folder is not None:
+            record_exit(self.run_folder, self.job_id, decision.status)
+        return decision.status

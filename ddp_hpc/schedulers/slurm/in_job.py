@@ -23,7 +23,7 @@ from ddp_hpc.contract import (RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMIS
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.specs.request import CommandPayload, TrainPayload
 from ddp_hpc.launch.restart import RestartPolicy
-from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
+from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
 
