@@ -2,7 +2,7 @@
 
 One implementation per way (``ddp-hpc launch --launcher ...``): ``local.LocalRanks`` (each rank
 a child of the launch, with torchrun's variables), ``local.MpiexecHere`` (one mpiexec on this
-machine), ``hosts.HostfileSteps`` (one mpiexec over the hosts of a file), ``srun.SrunSteps``
+machine), ``hosts.HostfileAttempts`` (one mpiexec over the hosts of a file), ``srun.SrunSteps``
 (one srun step in a SLURM allocation). Two wrappers take any of them: ``MarkedAttempts``
 (the attempt's status through the preempted marker) and ``node.NodeSupervisors`` (one node
 supervisor per node around the recovery store). ``entry.launch`` runs them under the one

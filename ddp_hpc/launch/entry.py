@@ -26,7 +26,7 @@ from ddp_hpc.contract import RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_V
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch import supervisor as supervisors
 from ddp_hpc.launch.attempts import Attempts, MarkedAttempts
-from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, record_this_launch, recovery_store_host
+from ddp_hpc.launch.hosts import HostfileAttempts, HostLaunch, record_this_launch, recovery_store_host
 from ddp_hpc.launch.local import LocalRanks, mpiexec_here, rank_command
 from ddp_hpc.launch.mpi import STOP_PASSED_ON, STOP_STATUS_LOST
 from ddp_hpc.launch.node import NodeSupervisors, node_place, node_supervisor_command, rank_base_environment, store_host
@@ -95,7 +95,7 @@ def plan_launch(spec: LaunchSpec, folder: Path | None) -> Plan:
         hosts = HostLaunch(spec.launcher, spec.hosts, spec.node_count, spec.nproc, spec.command, spec.run_folder,
                            spec.max_restarts, host_suffix=spec.host_suffix or "", program=spec.mpiexec,
                            cpu_bind=spec.cpu_bind, depth=spec.depth, recovery=limits)
-        attempts: Attempts = MarkedAttempts(HostfileSteps(hosts), spec.run_folder)
+        attempts: Attempts = MarkedAttempts(HostfileAttempts(hosts), spec.run_folder)
         if limits is not None:
             attempts = NodeSupervisors(attempts, host=recovery_store_host(hosts, environ))
         return Plan(attempts, None, LaunchEnd(spec.run_folder, spec.job_id or ""))

@@ -2,7 +2,7 @@
 
 Each attempt is one mpiexec over the first ``--nodes`` hosts not left out, under the
 launch's one ``Supervisor`` and restart policy (launch/supervisor.py, launch/restart.py):
-``HostfileSteps`` starts it and reads its status. When the file lists more hosts than
+``HostfileAttempts`` starts it and reads its status. When the file lists more hosts than
 ``--nodes`` and restarts are allowed, each rank runs under a wrapper that records how it
 failed (``RANK_FAILURE_WRAPPER``), and the restart leaves out the host of the first rank
 that failed, taking a spare one; each left-out host is recorded in
@@ -133,7 +133,7 @@ def recovery_store_host(launch: HostLaunch, environ: Mapping[str, str]) -> str:
 
 
 @dataclass
-class HostfileSteps:
+class HostfileAttempts:
     """The attempts of one launch (an ``Attempts``, launch/attempts.py; the launch reads their
     status through the preempted marker, ``attempts.MarkedAttempts``)."""
 
@@ -223,3 +223,13 @@ def record_this_launch(run_folder: Path, world_size: int, command_line: Sequence
                world_size=world_size, submitted_at=time.time(), kind="command",
                command_line=tuple(command_line)).record()
     return job_id
+
+
+def __getattr__(name: str) -> object:
+    if name == "HostfileSteps":  # the old name: its attempts are mpiexec runs, not srun steps
+        import warnings
+
+        warnings.warn("ddp_hpc.launch.hosts.HostfileSteps is deprecated: use HostfileAttempts", DeprecationWarning,
+                      stacklevel=2)
+        return HostfileAttempts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
