@@ -82,7 +82,8 @@ def test_launch_with_restarts_gives_each_attempt_a_fresh_store():
     assert result.stdout.splitlines()[-1].endswith(" -m ddp_hpc run -- python train.py")
 
 
-@pytest.mark.parametrize("launcher,recover", [("torchrun", []), ("mpich", []), ("mpich", ["--recover", "1"])])
+@pytest.mark.parametrize("launcher,recover", [("torchrun", []), ("mpich", []), ("mpich", ["--recover", "1"])],
+                         ids=["torchrun", "mpich", "mpich-recover"])
 def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launcher, recover, tmp_path, request):
     """``/venv/bin/ddp-hpc launch`` with only /usr/bin and /bin on PATH (a cron job, a batch
     script): what the launch starts of its own (``ddp-hpc run`` around each rank; under

@@ -30,7 +30,7 @@ from ddp_hpc.contract import (HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RANK_FAILURES_PR
 from ddp_hpc.environment.hosts import with_suffix
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import signal_running, start_all
-from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
+from ddp_hpc.launch.left_out import LeftOutHost, leave_out
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.node import node_supervisor_command, store_host
@@ -204,14 +204,9 @@ class HostfileAttempts:
         per_host = self.launch.tasks_per_host
         if not task.isdigit() or int(task) // per_host >= len(self.hosts):
             return
-        host = self.hosts[int(task) // per_host]
-        if host in self.excluded:
-            return
-        self.excluded.append(host)
         failed = f"rank {task}" if self.launch.recovery is None else f"the node supervisor of host {task}"
-        reason = f"{failed} exited with status {status.strip()}"
-        record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, reason))
-        log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), reason)
+        leave_out(self.launch.run_folder, self.excluded, LeftOutHost(
+            self.hosts[int(task) // per_host], failed_attempt, f"{failed} exited with status {status.strip()}"))
 
 
 def record_this_launch(run_folder: Path, world_size: int, command_line: Sequence[str]) -> str:

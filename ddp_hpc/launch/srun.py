@@ -29,7 +29,7 @@ from typing import IO
 from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
+from ddp_hpc.launch.left_out import LeftOutHost, leave_out
 from ddp_hpc.launch.attempts import signal_running
 from ddp_hpc.launch.restart import LaunchEnd
 from ddp_hpc.launch.script import split_staged
@@ -184,12 +184,8 @@ class SrunSteps:
     def _leave_out_failed_node(self, failed_attempt: int) -> None:
         line = self._step_log.finished() if self._step_log is not None else None
         match = _FAILED_TASK.match(line or "")
-        if match is None or match.group(1) in self.excluded:
-            return
-        host = match.group(1)
-        self.excluded.append(host)
-        record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, line or ""))
-        log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), line)
+        if match is not None:
+            leave_out(self.launch.run_folder, self.excluded, LeftOutHost(match.group(1), failed_attempt, line or ""))
 
 
 def srun_end(run_folder: Path, environ: Mapping[str, str], *, requeue: bool) -> LaunchEnd:
