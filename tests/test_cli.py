@@ -82,6 +82,20 @@ def test_launch_with_restarts_gives_each_attempt_a_fresh_store():
     assert result.stdout.splitlines()[-1].endswith(" -m ddp_hpc run -- python train.py")
 
 
+
+def test_a_refused_launch_over_a_hostfile_still_ends_the_pbs_job_it_runs_in(tmp_path, capsys):
+    """A PBS script's launch (``--job-id``) that refuses its arguments exits 2 in one line and
+    writes the job's exit file as failed: ``--wait`` and ``status`` see the job end."""
+    from ddp_hpc import cli
+
+    (tmp_path / "hosts").write_text("h1\nh2\n")
+    (tmp_path / "run").mkdir()  # the script's (mkdir -p "$DDP_HPC_RUN_FOLDER")
+    args = cli.parse(["launch", "--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--nodes", "3",
+                      "--run-folder", str(tmp_path / "run"), "--job-id", "8.server", "--", "true"])
+    assert cli._run(args) == 2
+    assert capsys.readouterr().err == "ddp-hpc: error: --nodes 3: the hostfile lists 2 host(s)\n"
+    assert (tmp_path / "run" / "exit-8.server").read_text() == "1\n"
+
 @pytest.mark.parametrize("launcher,recover", [("torchrun", []), ("mpich", []), ("mpich", ["--recover", "1"])],
                          ids=["torchrun", "mpich", "mpich-recover"])
 def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launcher, recover, tmp_path, request):
