@@ -87,6 +87,8 @@ _MOVED = {
     "ddp_hpc.engine.recovery_store": "ddp_hpc.engine.recovery.store",
     "ddp_hpc.engine.recovery_record": "ddp_hpc.engine.recovery.record",
     "ddp_hpc.engine.recovery_backends": "ddp_hpc.engine.recovery.backends",
+    "ddp_hpc.schedulers.slurm.step": "ddp_hpc.launch.srun",
+    "ddp_hpc.schedulers.slurm.job_key": "ddp_hpc.contract.slurm_job_key",
 }
 
 

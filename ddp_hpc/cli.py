@@ -12,7 +12,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from ddp_hpc.contract import (
     BACKEND_VAR,
@@ -21,14 +21,13 @@ from ddp_hpc.contract import (
     HOST_SUFFIX_VAR,
     STAGE_ROOT_VAR,
     RECOVERY_STORE_VAR,
-    RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
     STAGE_TIME_IMPORT_VAR,
     ExitStatus,
 )
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging
-from ddp_hpc.stop import StopSignal, stop_signal_arg
+from ddp_hpc.stop import stop_signal_arg
 from ddp_hpc.version import __version__
 
 
@@ -178,61 +177,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from ddp_hpc.bench.command import bench
 
-    from ddp_hpc.bench.results_file import check_output
-
-    # Before the heavy imports: a refused output answers at once, not after minutes of work.
-    check_output(Path(args.output))
-    from ddp_hpc.bench.runner import parse_sizes, run_bench
-
-    if args.device != "auto" and not (args.checkpoints or args.mfu):
-        raise UserError(f"--device {args.device}: only --mfu and --checkpoints run on a chosen device; "
-                        "the other figures measure CPU ranks")
-    if args.checkpoints:
-        from ddp_hpc.bench.checkpoint_formats import run_checkpoint_formats
-
-        if args.checkpoint_saves < 1:
-            raise UserError(f"--checkpoint-saves {args.checkpoint_saves}: give at least 1")
-        output = Path(args.output)
-        run_checkpoint_formats(parse_sizes(args.checkpoint_sizes, flag="--checkpoint-sizes", smallest=1),
-                               args.checkpoint_mb, output, output.parent / "checkpoint-formats",
-                               saves=args.checkpoint_saves, device=args.device)
-        return 0
-    if args.mfu:
-        from ddp_hpc.bench.device_run import run_device_bench
-
-        if args.mfu_ranks < 1:
-            raise UserError(f"--mfu-ranks {args.mfu_ranks}: give at least 1")
-        run_device_bench(Path(args.output), args.device, args.mfu_ranks, args.quick)
-        return 0
-    if args.goodput:
-        from ddp_hpc.bench.goodput_run import GoodputPlan, run_goodput
-
-        plan = GoodputPlan(arms=tuple(args.goodput_arms.split(",")), duration_s=args.goodput_minutes * 60,
-                           interval_s=args.goodput_interval, world_size=args.goodput_ranks, fault=args.goodput_fault,
-                           seed=args.goodput_seed, rounds=args.goodput_rounds,
-                           checkpoint_every=args.goodput_checkpoint_every, hang_timeout_s=args.goodput_hang_timeout,
-                           step_work_s=args.goodput_step_work)
-        output = Path(args.output)
-        run_goodput(plan, output, output.parent / "goodput")
-        return 0
-    if args.own_cpu:
-        from ddp_hpc.bench.runner import run_own_cpu
-
-        run_own_cpu(Path(args.output))
-        return 0
-    if args.scale:
-        from ddp_hpc.bench.scale import run_scale
-
-        check = parse_sizes(args.scale_check, flag="--scale-check") if args.scale_check else ()
-        if len(check) > 1:
-            raise UserError(f"--scale-check {args.scale_check!r}: one world size (e.g. 32), or '' for none")
-        run_scale(parse_sizes(args.scale, flag="--scale"), Path(args.output), check_size=check[0] if check else None)
-        return 0
-    run_bench(args.quick, Path(args.output), Path(args.plot) if args.plot else None,
-              startup_sizes=parse_sizes(args.startup_sizes) if args.startup_sizes else None)
-    return 0
+    return bench(args)
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
@@ -307,296 +254,11 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
     fan_out.set_defaults(func=_cmd_stage_fan_out)
 
 
-def _recovery_limits(args: argparse.Namespace) -> Any:
-    from ddp_hpc.device import requested
-    from ddp_hpc.engine.recovery.backends import backend_refusal
-    from ddp_hpc.launch.recovering import RecoveryLimits
-
-    backend = requested(None, os.environ, BACKEND_VAR)
-    if backend != "auto" and (why := backend_refusal(backend)) is not None:
-        raise UserError(f"--recover with ${BACKEND_VAR}={backend}: {why}")
-    return RecoveryLimits(args.recover, wait_s=args.recovery_wait, shrink=args.shrink, hang_s=args.hang_timeout,
-                          warm_spare=args.warm_spare)
-
-
-def _in_job_recovery(args: argparse.Namespace, launch: Any, run_folder: Any) -> Any:
-    """``--recover N``: a ``Recoverer`` around this launch's own ranks (the default
-    launcher), or, under mpiexec, ``NodeSupervisors``: one mpiexec task per node, each a
-    node supervisor (launch/node.py) with its ranks, which see ``run_folder``."""
-    import dataclasses
-
-    from ddp_hpc.launch.local import attempt_starter, mpiexec_here
-    from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command
-    from ddp_hpc.launch.recovering import Recoverer
-    from ddp_hpc.launch.supervisor import LocalRanks
-
-    if not args.recover:
-        return None
-    limits = _recovery_limits(args)
-    starter = attempt_starter(launch)
-    if isinstance(starter, LocalRanks):
-        return Recoverer(starter, limits)
-    one = mpiexec_here(launch.launcher, 1, node_supervisor_command(launch.nproc, limits, launch.command), run_folder,
-                       forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR))
-    return NodeSupervisors(lambda attempt, extra: dataclasses.replace(
-        one, base_env={**one.base_env, **extra}).start(attempt), argv=one.argv)
-
-
 def _cmd_launch(args: argparse.Namespace) -> int:
-    import contextlib
-    import tempfile
+    from ddp_hpc.launch.entry import launch
+    from ddp_hpc.launch.spec import from_arguments
 
-    from ddp_hpc.launch.local import LocalLaunch
-    from ddp_hpc.launch.mpi import STOP_STATUS_LOST
-
-    if args.node_supervisor:
-        return _run_node_supervisor(args)
-    if args.hostfile:
-        return _launch_on_hosts(args)
-    given = _hostfile_options(args)
-    if given:
-        raise UserError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with --hostfile (mpiexec over "
-                        "listed hosts)")
-    if args.launcher == "pals":
-        raise UserError("--launcher pals starts ranks over the hosts of a --hostfile (a PBS job's nodes): give "
-                        "--hostfile FILE")
-    if args.launcher == "srun":
-        return _launch_under_srun(args)
-    if args.nodes is not None:
-        raise UserError("--nodes goes with --hostfile or --launcher srun (a launch on this machine has one node)")
-    if args.stop_signal is not None or args.requeue or args.torchrun is not None:
-        raise UserError("--stop-signal, --requeue and --torchrun go with --launcher srun (--stop-signal also with "
-                        "--hostfile)")
-    launch = LocalLaunch(nproc=args.nproc, command=list(args.command), launcher=args.launcher,
-                         max_restarts=args.max_restarts)
-    folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
-    # mpiexec's status may lose the ranks' 75 (mpi.STOP_STATUS_LOST): they say they stopped in
-    # a folder of the launch's own where it has none.
-    scratch = (tempfile.TemporaryDirectory(prefix="ddp-hpc-launch-")
-               if launch.launcher in STOP_STATUS_LOST and not folder else contextlib.nullcontext(folder))
-    with scratch as folder:
-        return _launch_here(args, launch, folder)
-
-
-def _launch_here(args: argparse.Namespace, launch: Any, folder: str | None) -> int:
-    """``ddp-hpc launch`` on this machine; mpiexec's ranks see ``folder`` as their run folder,
-    where the launch reads their preempted marker."""
-    from pathlib import Path
-
-    from ddp_hpc.launch.local import attempt_starter, describe
-    from ddp_hpc.launch.mpi import STOP_PASSED_ON
-    from ddp_hpc.launch.node import NodeSupervisors
-    from ddp_hpc.launch.restart import RestartPolicy, record_exit
-    from ddp_hpc.launch.supervisor import MarkedAttempts, OneLauncher, Supervisor
-
-    run_folder = Path(folder) if folder else None
-    in_job = _in_job_recovery(args, launch, run_folder)
-    starter = attempt_starter(launch, run_folder)
-    if args.dry_run:
-        print(in_job.describe() if isinstance(in_job, NodeSupervisors) else describe(starter, launch), end="")
-        return 0
-    sys.stdout.flush()
-    start, read_status = (in_job.start if in_job else starter.start), None
-    mpiexec = isinstance(in_job, NodeSupervisors) or (in_job is None and isinstance(starter, OneLauncher))
-    if run_folder is not None and (mpiexec or args.run_folder):
-        marked = MarkedAttempts(start, run_folder)  # mpiexec's status through the marker
-        start, read_status = marked.start, marked.read_status
-    supervisor = Supervisor(start, RestartPolicy(launch.max_restarts), in_job=in_job, read_status=read_status)
-    # A stop signal (preemption, the time limit) reaches the ranks through the
-    # supervisor, which then restarts nothing: the launch exits with the ranks' 75. Through
-    # mpiexec, as the signal it passes on to the ranks; to node supervisors through the store, as it came.
-    passed_on = None if isinstance(in_job, NodeSupervisors) else STOP_PASSED_ON.get(args.launcher)
-    for signum in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(passed_on or signum))
-    # A closed terminal ends the ranks with the launch, as Ctrl-C does.
-    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
-    status = supervisor.run()
-    if args.run_folder:  # a `submit local` script exec's this launch: the job id is its pid
-        record_exit(Path(args.run_folder), str(os.getpid()), status)
-    return status
-
-
-def _run_node_supervisor(args: argparse.Namespace) -> int:
-    """``--node-supervisor``: this node's ranks of a launch whose recovery store is at
-    ``$DDP_HPC_RECOVERY_STORE``, recovered in place; no restarts of its own (the outer
-    launch's): exits 0, 75 after a stop, else the ranks' failure."""
-    from ddp_hpc.launch.local import rank_command
-    from ddp_hpc.launch.node import node_place, rank_base_environment
-    from ddp_hpc.launch.recovering import Recoverer
-    from ddp_hpc.launch.restart import RestartPolicy
-    from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
-
-    address = os.environ.get(RECOVERY_STORE_VAR, "").strip()
-    if not address:
-        raise UserError(f"--node-supervisor runs under `ddp-hpc launch --recover N --launcher mpich|openmpi|srun`, "
-                        f"which serves the recovery store: ${RECOVERY_STORE_VAR} is not set")
-    if not args.command:
-        raise UserError("no command to launch: give it after '--'")
-    if args.nproc < 1:
-        raise UserError(f"--nproc {args.nproc} must be >= 1")
-    node_rank, nodes = node_place(os.environ)
-    ranks = LocalRanks(args.nproc, rank_command(args.command), base_env=rank_base_environment(os.environ),
-                       node_rank=node_rank, num_nodes=nodes, master_addr=address.rpartition(":")[0])
-    recoverer = Recoverer(ranks, _recovery_limits(args), store_address=address)
-    attempt = int(os.environ.get(RESTART_COUNT_VAR, "0") or 0)
-    sys.stdout.flush()
-    supervisor = Supervisor(lambda _: recoverer.start(attempt), RestartPolicy(0), in_job=recoverer)
-    recoverer.on_stop = supervisor.request_stop  # a stop the outer launch asked for through the store
-    for signum in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(signum))
-    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
-    return supervisor.run()
-
-
-def _launch_under_srun(args: argparse.Namespace) -> int:
-    """One srun step per attempt in this SLURM allocation, under the one restart policy; then
-    the requeue or the exit file, as a batch script's end (schedulers/slurm/step.py)."""
-    from pathlib import Path
-
-    import subprocess
-
-    from ddp_hpc.launch.local import rank_command
-    from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command, store_host
-    from ddp_hpc.launch.restart import RestartPolicy
-    from ddp_hpc.launch.supervisor import Supervisor
-    from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR
-    from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, TorchrunAgents, allocated_nodes, end_of_job
-
-    if args.max_restarts < 0:
-        raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
-    folder = args.run_folder or os.environ.get(RUN_FOLDER_VAR)
-    if not folder:
-        raise UserError(f"--launcher srun needs --run-folder DIR (or ${RUN_FOLDER_VAR}): where the launch records its "
-                        "exit status and the nodes it leaves out")
-    allocated = allocated_nodes(os.environ)
-    nodes = allocated if args.nodes is None else args.nodes
-    limits = _recovery_limits(args) if args.recover else None
-    torchrun = None
-    if args.torchrun is not None:
-        if limits is not None:
-            raise UserError("--torchrun and --recover: torchrun's agents restart every rank on a failure; in-job "
-                            "recovery starts its own node supervisors (give one of them)")
-        if ":" not in args.torchrun:
-            raise UserError(f"--torchrun {args.torchrun!r}: give the rendezvous endpoint as HOST:PORT")
-        torchrun = TorchrunAgents(args.torchrun, os.environ.get(JOB_ID_VAR, ""))
-    if limits is None:
-        launch = SrunLaunch(nodes, args.nproc, tuple(rank_command(args.command)) if args.command else (),
-                            Path(folder).resolve(), allocated, torchrun)
-    else:  # in-job recovery: each step is one node supervisor per node, which starts --nproc ranks there
-        if limits.shrink and nodes > 1:
-            raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
-        launch = SrunLaunch(nodes, 1, tuple(node_supervisor_command(args.nproc, limits, args.command))
-                            if args.command else (), Path(folder).resolve(), allocated)
-    if args.dry_run:
-        print(shlex.join(launch.step_argv([])))
-        return 0
-    launch.run_folder.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    steps = SrunSteps(launch)
-    in_job = None
-    if limits is not None:
-        base_env = dict(steps.base_env)
-
-        def start_step(attempt: int, extra: Any) -> list[subprocess.Popen]:
-            steps.base_env = {**base_env, **extra}  # the attempt's store
-            return steps.start(attempt)
-
-        in_job = NodeSupervisors(start_step, host=store_host(os.environ, local=nodes == 1), argv=launch.step_argv([]))
-    supervisor = Supervisor(in_job.start if in_job else steps.start, RestartPolicy(args.max_restarts),
-                            in_job=in_job, read_status=steps.read_status,
-                            forward_stop=steps.forward_stop if torchrun is not None else None)
-    stop = (args.stop_signal or StopSignal.default()).signal
-    signal.signal(stop, lambda signum, frame: supervisor.request_stop(launch.forwarded_stop))
-    # Any other end (scancel's SIGTERM, a closed terminal) is no stop: the step ends with the launch.
-    for signum in {signal.SIGTERM, signal.SIGHUP} - {stop}:
-        signal.signal(signum, _raise_keyboard_interrupt)
-    decision = supervisor.run_to_decision()
-    end_of_job(decision, launch.run_folder, os.environ, requeue=args.requeue)
-    return decision.status
-
-
-def _hostfile_options(args: argparse.Namespace) -> list[str]:
-    """The options given that only a launch over a hostfile reads."""
-    return [flag for flag, value in (("--mpiexec", args.mpiexec), ("--cpu-bind", args.cpu_bind),
-                                     ("--depth", args.depth), ("--host-suffix", args.host_suffix),
-                                     ("--job-id", args.job_id)) if value is not None]
-
-
-def _launch_on_hosts(args: argparse.Namespace) -> int:
-    """mpiexec over the hosts of a file, each attempt under the one restart policy
-    (launch/hosts.py); recorded as a ``local`` job in the run folder, or, with ``--job-id``
-    (a PBS script's launch), written as that job's exit file. With ``--recover``, mpiexec
-    starts a node supervisor per host around the recovery store this launch serves."""
-    from pathlib import Path
-
-    from ddp_hpc.launch.restart import record_exit
-
-    if not args.run_folder:
-        raise UserError("--hostfile needs --run-folder DIR: where the launch records its exit status and the hosts "
-                        "it leaves out")
-    if args.requeue or args.torchrun is not None:
-        raise UserError("--requeue and --torchrun go with --launcher srun (a launch over a hostfile requeues nothing: "
-                        "it exits 75 after a stop)")
-    if args.job_id is not None and not args.job_id.strip():
-        raise UserError("--job-id is empty: give the scheduler's job id (a PBS script passes \"$PBS_JOBID\")")
-    try:
-        return _run_on_hosts(args)
-    except (UserError, OSError):
-        if args.job_id:  # the job's end, for `--wait` and `status`, as a launch that ran would write it
-            record_exit(Path(args.run_folder).resolve(), args.job_id, ExitStatus.FAILED)
-        raise
-
-
-def _run_on_hosts(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile, recovery_store_host
-    from ddp_hpc.launch.mpi import STOP_PASSED_ON
-    from ddp_hpc.launch.node import NodeSupervisors
-    from ddp_hpc.launch.restart import RestartPolicy, record_exit
-    from ddp_hpc.launch.supervisor import MarkedAttempts, Supervisor
-    from ddp_hpc.schedulers.local.backend import record_this_launch
-
-    hosts = read_hostfile(Path(args.hostfile))
-    launch = HostLaunch(args.launcher, hosts, len(hosts) if args.nodes is None else args.nodes, args.nproc,
-                        tuple(args.command), Path(args.run_folder).resolve(), args.max_restarts,
-                        host_suffix=args.host_suffix or "", program=args.mpiexec, cpu_bind=args.cpu_bind,
-                        depth=args.depth, recovery=_recovery_limits(args) if args.recover else None)
-    steps = HostfileSteps(launch)
-    if args.dry_run:
-        print(steps.describe(), end="")
-        return 0
-    launch.run_folder.mkdir(parents=True, exist_ok=True)
-    # Inside a scheduler's job (a PBS script passes its job id) the job is the scheduler's, whose
-    # submission is already recorded: the launch only writes its exit file.
-    job_id = args.job_id or record_this_launch(launch.run_folder, launch.world_size, sys.argv)
-    sys.stdout.flush()
-    marked = MarkedAttempts(steps.start, launch.run_folder)  # mpiexec's status through the preempted marker
-    in_job = None
-    if launch.recovery is not None:
-        def start_attempt(attempt: int, extra: Any) -> Any:
-            steps.attempt_env = extra  # the attempt's recovery store
-            return marked.start(attempt)
-
-        in_job = NodeSupervisors(start_attempt, host=recovery_store_host(launch, os.environ), argv=steps.argv())
-    supervisor = Supervisor(in_job.start if in_job else marked.start, RestartPolicy(launch.max_restarts),
-                            in_job=in_job, read_status=marked.read_status)
-    # A stop (preemption, the time limit, `ddp-hpc cancel RUN`, a batch script's --stop-signal)
-    # reaches the ranks as the signal mpiexec passes on, or, to node supervisors, through the
-    # store as it came; a closed terminal ends the launch.
-    stop = {signal.SIGUSR2, signal.SIGTERM} | ({args.stop_signal.signal} if args.stop_signal else set())
-    for signum in stop:
-        signal.signal(signum, lambda signum, frame: supervisor.request_stop(
-            signum if in_job else STOP_PASSED_ON[launch.flavour]))
-    if signal.SIGHUP not in stop:
-        signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
-    status = supervisor.run()
-    record_exit(launch.run_folder, job_id, status)
-    return status
-
-
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    return launch(from_arguments(args, os.environ, sys.argv), signal.signal)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -82,17 +82,33 @@ def test_launch_with_restarts_gives_each_attempt_a_fresh_store():
     assert result.stdout.splitlines()[-1].endswith(" -m ddp_hpc run -- python train.py")
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpich"])
-def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launcher, tmp_path, request):
+
+def test_a_refused_launch_over_a_hostfile_still_ends_the_pbs_job_it_runs_in(tmp_path, capsys):
+    """A PBS script's launch (``--job-id``) that refuses its arguments exits 2 in one line and
+    writes the job's exit file as failed: ``--wait`` and ``status`` see the job end."""
+    from ddp_hpc import cli
+
+    (tmp_path / "hosts").write_text("h1\nh2\n")
+    (tmp_path / "run").mkdir()  # the script's (mkdir -p "$DDP_HPC_RUN_FOLDER")
+    args = cli.parse(["launch", "--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--nodes", "3",
+                      "--run-folder", str(tmp_path / "run"), "--job-id", "8.server", "--", "true"])
+    assert cli._run(args) == 2
+    assert capsys.readouterr().err == "ddp-hpc: error: --nodes 3: the hostfile lists 2 host(s)\n"
+    assert (tmp_path / "run" / "exit-8.server").read_text() == "1\n"
+
+@pytest.mark.parametrize("launcher,recover", [("torchrun", []), ("mpich", []), ("mpich", ["--recover", "1"])],
+                         ids=["torchrun", "mpich", "mpich-recover"])
+def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launcher, recover, tmp_path, request):
     """``/venv/bin/ddp-hpc launch`` with only /usr/bin and /bin on PATH (a cron job, a batch
-    script): what the launch starts of its own (``ddp-hpc run`` around each rank) is its own
-    interpreter's, not a name looked up on PATH."""
+    script): what the launch starts of its own (``ddp-hpc run`` around each rank; under
+    ``--recover`` and mpiexec, the node supervisor around them) is its own interpreter's, not a
+    name looked up on PATH."""
     if launcher != "torchrun":
         request.getfixturevalue(launcher)
     script = tmp_path / "x.py"
     # One write per rank (print's pieces are separate writes unbuffered: two ranks' lines interleaved once in CI).
     script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\")\n")
-    launch = [str(Path(sys.executable).parent / "ddp-hpc"), "launch", "--nproc", "2", "--launcher", launcher]
+    launch = [str(Path(sys.executable).parent / "ddp-hpc"), "launch", "--nproc", "2", "--launcher", launcher, *recover]
     result = run([*launch, "--", sys.executable, str(script)], env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank ")) == [

@@ -99,16 +99,17 @@ def test_a_warm_spare_on_another_node_takes_a_local_rank_of_that_node():
 
 @pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
 def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, caplog):
-    from ddp_hpc.cli import _in_job_recovery
-    from ddp_hpc.launch.local import LocalLaunch
+    from ddp_hpc.launch.entry import plan_launch
     from ddp_hpc.launch.node import NodeSupervisors
+    from ddp_hpc.launch.recovering import RecoveryLimits
+    from ddp_hpc.launch.spec import LaunchSpec
 
-    args = argparse.Namespace(recover=1, recovery_wait=120.0, shrink=False, hang_timeout=10.0, launcher=launcher,
-                              warm_spare=True)
+    limits = RecoveryLimits(1, wait_s=120.0, shrink=False, hang_s=10.0, warm_spare=True)
     with caplog.at_level(logging.WARNING, logger="ddp_hpc"):
-        supervisors = _in_job_recovery(args, LocalLaunch(nproc=4, command=["python", "train.py"], launcher=launcher), None)
+        supervisors = plan_launch(LaunchSpec(("python", "train.py"), nproc=4, launcher=launcher, recovery=limits),
+                                  None).attempts
     assert isinstance(supervisors, NodeSupervisors) and not caplog.records
-    argv = list(supervisors.argv)
+    argv = list(supervisors.attempts.argv)
     assert argv[argv.index("-n") + 1] == "1"  # one task: the node supervisor, which starts the 4 ranks
     node = argv[argv.index("launch") + 1:]
     assert node == ["--node-supervisor", "--nproc", "4", "--recover", "1", "--recovery-wait", "120",
@@ -116,16 +117,16 @@ def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, cap
 
 
 def test_recover_under_the_default_launcher_recovers(caplog):
-    from ddp_hpc.cli import _in_job_recovery
     from ddp_hpc.contract import RECOVERY_SHRINK_VAR
     from ddp_hpc.engine.recovery.store import LaunchStore
-    from ddp_hpc.launch.local import LocalLaunch
-    from ddp_hpc.launch.recovering import Recoverer
+    from ddp_hpc.launch.entry import plan_launch
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+    from ddp_hpc.launch.spec import LaunchSpec
 
-    args = argparse.Namespace(recover=2, recovery_wait=60.0, shrink=True, hang_timeout=5.0, launcher="torchrun",
-                              warm_spare=False)
-    recoverer = _in_job_recovery(args, LocalLaunch(nproc=2, command=["true"]), None)
-    assert isinstance(recoverer, Recoverer)
+    limits = RecoveryLimits(2, wait_s=60.0, shrink=True, hang_s=5.0, warm_spare=False)
+    plan = plan_launch(LaunchSpec(("true",), nproc=2, recovery=limits), None)
+    recoverer = plan.attempts
+    assert isinstance(recoverer, Recoverer) and plan.in_job is recoverer
     assert (recoverer.limits.max_recoveries, recoverer.limits.shrink, recoverer.limits.hang_s) == (2, True, 5.0)
     recoverer._store = LaunchStore()  # each rank hears of --shrink (the Trainer refuses it)
     assert recoverer._environment(0)[RECOVERY_SHRINK_VAR] == "1"
@@ -156,7 +157,7 @@ def test_a_node_supervisors_ranks_read_their_own_places_not_the_launchers_task_v
     from ddp_hpc.environment import resolve_env
     from ddp_hpc.environment.launchers import LAUNCHERS
     from ddp_hpc.launch.node import node_place, rank_base_environment
-    from ddp_hpc.launch.supervisor import LocalRanks
+    from ddp_hpc.launch.local import LocalRanks
 
     task = {"PATH": "/usr/bin", "HOME": "/root", RECOVERY_STORE_VAR: "n1:29400", **NODE_SUPERVISOR_TASKS[launcher]}
     assert node_place(task) == (1, 2)
@@ -190,7 +191,7 @@ def test_node_supervisors_draw_each_generation_once_from_the_store_and_latest_on
 
     from ddp_hpc.engine.recovery.store import LATEST_KEY, LaunchStore, Plan, plan_key, ready_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
-    from ddp_hpc.launch.supervisor import LocalRanks
+    from ddp_hpc.launch.local import LocalRanks
 
     served = LaunchStore()
     rank = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -339,7 +340,8 @@ def test_a_stop_that_comes_while_a_replacement_starts_is_held_for_it_until_it_is
     from ddp_hpc.engine.recovery.store import ready_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
     from ddp_hpc.launch.restart import RestartPolicy
-    from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
+    from ddp_hpc.launch.local import LocalRanks
+    from ddp_hpc.launch.supervisor import Supervisor
 
     def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -485,7 +487,7 @@ def test_a_node_supervisor_watches_and_hands_a_spare_to_the_slots_of_its_own_nod
 
     from ddp_hpc.engine.recovery.store import LaunchStore, Plan, alive_key, plan_key, ready_key, spare_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
-    from ddp_hpc.launch.supervisor import LocalRanks
+    from ddp_hpc.launch.local import LocalRanks
 
     served = LaunchStore()
     rank = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -534,7 +536,7 @@ def test_a_node_supervisor_reads_its_ranks_heartbeats_in_a_few_requests_a_tick_w
     from ddp_hpc.bench.store_calls import CountingStore
     from ddp_hpc.engine.recovery.store import LaunchStore, alive_key, ready_key
     from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
-    from ddp_hpc.launch.supervisor import LocalRanks
+    from ddp_hpc.launch.local import LocalRanks
 
     served = LaunchStore()
     ranks = 600

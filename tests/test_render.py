@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conftest import REPO
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.restart import Decision
 from ddp_hpc.specs.profiles import load_profile
 from ddp_hpc.specs.request import CommandPayload, SubmitRequest, TrainPayload, parse_walltime
 from ddp_hpc.schedulers import dry_run
@@ -108,10 +109,10 @@ def test_a_pbs_script_passes_a_stop_to_mpiexec_as_the_signal_it_passes_on(cluste
         def request_stop(self, signum: int) -> None:
             passed.append(signum)
 
-        def run(self) -> int:
+        def run_to_decision(self) -> Decision:
             for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1):
                 signal.raise_signal(signum)
-            return 75
+            return Decision(restart=False, status=75, requeue=True)
 
     kept = {signum: signal.getsignal(signum) for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM,
                                                              signal.SIGHUP)}
@@ -151,11 +152,11 @@ def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_
         def request_stop(self, signum: int) -> None:
             pass
 
-        def run(self) -> int:
+        def run_to_decision(self) -> Decision:
             self.start(0)
             (tmp_path / "run" / "rank-failures-0").write_text("0 137\n")
             self.start(1)
-            return 0
+            return Decision(restart=False, status=0)
 
     monkeypatch.setattr(supervisor, "Supervisor", TwoAttempts)
     assert args.func(args) == 0
@@ -623,7 +624,7 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     import shlex
 
     from ddp_hpc.launch import hosts as hostfile_launch
-    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch, read_hostfile
+    from ddp_hpc.launch.hosts import HostfileAttempts, HostLaunch, read_hostfile
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("h1\n# the spare:\nh2  # slow disk\nh1\n\n")
@@ -633,14 +634,14 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     monkeypatch.setattr(hostfile_launch, "start_all", lambda processes: started.extend(
         (list(argv), dict(env)) for argv, env in processes) or [])
 
-    def attempt(steps: HostfileSteps, number: int) -> tuple[str, dict[str, str], str]:
+    def attempt(steps: HostfileAttempts, number: int) -> tuple[str, dict[str, str], str]:
         steps.start(number)
         argv, env = started[-1]
         return shlex.join(argv), env, steps.hostfile.read_text()
 
     run = tmp_path / "run"
     run.mkdir()
-    spare = HostfileSteps(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
+    spare = HostfileAttempts(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
     line, env, written = attempt(spare, 0)
     assert f"ddp-hpc-rank {sys.executable} -m ddp_hpc run -- sh -c 'exit 0'" in line  # the launch's interpreter
     assert f"-n 2 -ppn 2 -f {run / '.hosts'}" in line
@@ -651,7 +652,7 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     assert [json.loads(entry) for entry in (run / "left-out-hosts.jsonl").read_text().splitlines()] == [
         {"host": "h1", "attempt": 0, "reason": "rank 1 exited with status 137"}]
 
-    every = HostfileSteps(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "every", 1),
+    every = HostfileAttempts(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "every", 1),
                           base_env={})
     (tmp_path / "every").mkdir()
     line, env, written = attempt(every, 0)
@@ -669,15 +670,16 @@ def test_ranks_under_mpich_run_in_the_wrapper_that_says_they_stopped(tmp_path):
     ranks need none."""
     import shlex
 
-    from ddp_hpc.launch.hosts import HostfileSteps, HostLaunch
-    from ddp_hpc.launch.local import LocalLaunch, attempt_starter
+    from ddp_hpc.launch.hosts import HostfileAttempts, HostLaunch
+    from ddp_hpc.launch.entry import plan_launch
+    from ddp_hpc.launch.spec import LaunchSpec
 
     wrapper = f"ddp-hpc-rank {sys.executable} -m ddp_hpc run"
     for flavour, wrapped in (("mpich", True), ("openmpi", False)):
-        one = attempt_starter(LocalLaunch(2, ["sh", "-c", "exit 75"], flavour), tmp_path)
+        one = plan_launch(LaunchSpec(("sh", "-c", "exit 75"), launcher=flavour), tmp_path).attempts.attempts
         assert (wrapper in shlex.join(one.argv)) is wrapped
         assert one.base_env["DDP_HPC_RUN_FOLDER"] == str(tmp_path)
-        hosts = HostfileSteps(HostLaunch(flavour, ("h1",), 1, 2, ("sh", "-c", "exit 75"), tmp_path))
+        hosts = HostfileAttempts(HostLaunch(flavour, ("h1",), 1, 2, ("sh", "-c", "exit 75"), tmp_path))
         assert (wrapper in shlex.join(hosts.argv())) is wrapped
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.launch.restart import Decision, RestartPolicy
-from ddp_hpc.launch.supervisor import LocalRanks, Supervisor
+from ddp_hpc.launch.local import LocalRanks
+from ddp_hpc.launch.supervisor import Supervisor
 
 
 @pytest.mark.parametrize("status,attempt,stop,expected", [
@@ -96,10 +97,10 @@ def test_an_attempt_whose_ranks_wrote_the_preempted_marker_is_a_stop_whatever_mp
     preempted marker rank 0 wrote during the attempt says they stopped (75, never restarted),
     and without it a 0 is the end of the run."""
     from ddp_hpc.contract import PREEMPTED_MARKER
-    from ddp_hpc.launch.supervisor import MarkedAttempts
+    from ddp_hpc.launch.attempts import MarkedAttempts
 
     rank0 = f"touch {tmp_path / PREEMPTED_MARKER}; exit 0" if marked else "exit 0"
-    attempts = MarkedAttempts(sh(rank0, "exit 0").start, tmp_path)
+    attempts = MarkedAttempts(sh(rank0, "exit 0"), tmp_path)
     decision = Supervisor(attempts.start, RestartPolicy(1), read_status=attempts.read_status).run_to_decision()
     assert decision.status == expected and decision.requeue == marked and not decision.restart
 
@@ -110,12 +111,12 @@ def test_whether_an_attempt_stopped_depends_on_no_clock(tmp_path, stamp):
     it with; one left by an earlier launch (or attempt) is not, whatever its time: a launch
     whose rank 0 stamps its marker stops (mpiexec says 0), the next one finishes."""
     from ddp_hpc.contract import PREEMPTED_MARKER
-    from ddp_hpc.launch.supervisor import MarkedAttempts
+    from ddp_hpc.launch.attempts import MarkedAttempts
 
     marker = tmp_path / PREEMPTED_MARKER
     rank0 = f'touch {marker}; touch {stamp} {marker}; exit 0'
-    stopped = MarkedAttempts(sh(rank0, "exit 0").start, tmp_path)
+    stopped = MarkedAttempts(sh(rank0, "exit 0"), tmp_path)
     assert Supervisor(stopped.start, RestartPolicy(1), read_status=stopped.read_status).run() == ExitStatus.REQUEUE
-    later = MarkedAttempts(sh("exit 0", "exit 0").start, tmp_path)
+    later = MarkedAttempts(sh("exit 0", "exit 0"), tmp_path)
     decision = Supervisor(later.start, RestartPolicy(1), read_status=later.read_status).run_to_decision()
     assert decision == Decision(restart=False, status=ExitStatus.OK)

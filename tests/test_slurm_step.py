@@ -1,4 +1,4 @@
-"""``ddp-hpc launch --launcher srun`` (schedulers/slurm/step.py): each attempt one srun step
+"""``ddp-hpc launch --launcher srun`` (launch/srun.py): each attempt one srun step
 under the one Supervisor, as a rendered sbatch script runs it. srun and scontrol are small
 shell stand-ins: nothing here needs the SLURM cluster or torch."""
 
@@ -16,8 +16,9 @@ import pytest
 
 from ddp_hpc.contract import PREEMPTED_MARKER, ExitStatus
 from ddp_hpc.launch.restart import Decision, RestartPolicy
+from ddp_hpc.launch.attempts import MarkedAttempts
+from ddp_hpc.launch.srun import SrunLaunch, SrunSteps, TorchrunAgents, srun_end
 from ddp_hpc.launch.supervisor import Supervisor
-from ddp_hpc.schedulers.slurm.step import SrunLaunch, SrunSteps, TorchrunAgents, end_of_job
 
 #: Records the attempt and its arguments, one line per call; then does what ``$PLAN`` says for this call
 #: (its number, 1 first): a shell snippet per call, ``;;``-separated.
@@ -40,12 +41,13 @@ def bin_dir(tmp_path) -> Path:
     return folder
 
 
-def steps(tmp_path: Path, bin_dir: Path, plan: str, *, nodes: int = 1, allocated: int = 1) -> SrunSteps:
+def steps(tmp_path: Path, bin_dir: Path, plan: str, *, nodes: int = 1, allocated: int = 1) -> MarkedAttempts:
+    """The launch's srun attempts, their status read through the preempted marker, as ``launch`` runs them."""
     launch = SrunLaunch(nodes, 2, ("ddp-hpc", "train", "c.yaml"), tmp_path / "run", allocated)
     launch.run_folder.mkdir(exist_ok=True)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RECORD": str(tmp_path / "record"), "PLAN": plan,
            "DDP_HPC_RUN_FOLDER": str(launch.run_folder)}
-    return SrunSteps(launch, base_env=env)
+    return MarkedAttempts(SrunSteps(launch, base_env=env), launch.run_folder)
 
 
 def calls(tmp_path: Path) -> list[str]:
@@ -191,10 +193,10 @@ def test_a_stop_before_the_step_started_requeues_the_job_without_starting_it(tmp
     decision = supervisor.run_to_decision()
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("RECORD", str(tmp_path / "record"))
-    end_of_job(decision, srun.launch.run_folder, {"SLURM_JOB_ID": "7"}, requeue=True)
+    srun_end(srun.run_folder, {"SLURM_JOB_ID": "7"}, requeue=True)(decision)
     assert not (tmp_path / "record").exists()  # srun never ran
     assert (tmp_path / "record.scontrol").read_text() == "requeue 7\n"
-    assert decision.status == 75 and not list(srun.launch.run_folder.glob("exit-*"))
+    assert decision.status == 75 and not list(srun.run_folder.glob("exit-*"))
 
 
 @pytest.mark.parametrize("decision,requeue,exit_file", [
@@ -208,7 +210,7 @@ def test_the_end_of_the_job_is_its_exit_file_or_its_requeue(tmp_path, bin_dir, m
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("RECORD", str(tmp_path / "record"))
     environ = {"SLURM_JOB_ID": "110", "SLURM_ARRAY_JOB_ID": "104", "SLURM_ARRAY_TASK_ID": "3"}
-    end_of_job(decision, tmp_path, environ, requeue=requeue)
+    srun_end(tmp_path, environ, requeue=requeue)(decision)
     assert [p.read_text() for p in tmp_path.glob("exit-*")] == ([exit_file] if exit_file else [])
     if exit_file:
         assert (tmp_path / "exit-104_3").exists()

@@ -6,7 +6,8 @@ import the same names. This package only re-exports its modules:
 - ``variables``: the ``DDP_HPC_*`` environment variables they share;
 - ``exit_status``: the exit statuses (:class:`ExitStatus`);
 - ``run_files``: the run folder's file names;
-- ``atomic``: :func:`atomic_write`, the one way a file is replaced.
+- ``atomic``: :func:`atomic_write`, the one way a file is replaced;
+- ``submission``: a job's record in its run folder (:class:`Submission`).
 """
 
 from __future__ import annotations
@@ -73,4 +74,9 @@ from ddp_hpc.contract.run_files import (  # noqa: F401
 from ddp_hpc.contract.atomic import (  # noqa: F401
     fsync_directory,
     atomic_write,
+)
+from ddp_hpc.contract.submission import (  # noqa: F401
+    LOCAL_SCHEDULER,
+    ElementRecord,
+    Submission,
 )

@@ -1,14 +1,17 @@
-"""Launching: starting a job's ranks and restarting them under the one restart policy.
+"""Launching: ``ddp-hpc launch``, the whole of it, and the pieces of the rendered scripts.
 
-- ``ddp-hpc launch`` on this machine: ``supervisor.py`` (the supervisor that owns the ranks'
-  processes, passes stop signals on, ends the others when one fails), ``local.py`` (the ranks:
-  ``ddp-hpc`` itself with torchrun's variables, or one ``mpiexec`` per attempt, built by
-  ``mpi.py``), ``recovering.py`` (``--recover``: in-job recovery, the launch side) and
-  ``hosts.py`` (``launch --hostfile``: mpiexec over listed hosts).
+- ``spec.py``: ``LaunchSpec``, the arguments checked once; ``entry.py``: ``launch(spec)``, the
+  one ``Supervisor`` (``supervisor.py``), signal table and end action.
+- ``attempts.py``: the ``Attempts`` interface, one implementation per way of starting ranks:
+  ``local.py`` (``LocalRanks``: ddp-hpc itself with torchrun's variables; ``MpiexecHere``),
+  ``hosts.py`` (``launch --hostfile``: mpiexec over listed hosts), ``srun.py`` (one srun
+  step per attempt); ``mpi.py`` builds the mpiexec lines. Wrappers around any of them:
+  ``attempts.MarkedAttempts`` (the preempted marker) and ``node.NodeSupervisors`` (a node
+  supervisor per node under ``--recover``); ``recovering.py`` recovers a node's ranks.
+- ``restart.py``: the one restart policy and exit-status contract, and ``LaunchEnd``.
 - The rendered scripts: ``script.py`` (the pieces every family renders; each script ends in
   ``exec ddp-hpc launch``, and the rank wrappers the launch uses), ``left_out.py`` (nodes
   left out after a failure).
-- ``restart.py``: the one restart policy and exit-status contract, asked by all of them.
 
 What is submitted (the request, cluster profiles, sweeps) is in ``ddp_hpc/specs/``; the
 scheduler families that submit it are in ``ddp_hpc/schedulers/``, above this package.

@@ -2,7 +2,7 @@
 
 Each attempt is one mpiexec over the first ``--nodes`` hosts not left out, under the
 launch's one ``Supervisor`` and restart policy (launch/supervisor.py, launch/restart.py):
-``HostfileSteps`` starts it and reads its status. When the file lists more hosts than
+``HostfileAttempts`` starts it and reads its status. When the file lists more hosts than
 ``--nodes`` and restarts are allowed, each rank runs under a wrapper that records how it
 failed (``RANK_FAILURE_WRAPPER``), and the restart leaves out the host of the first rank
 that failed, taking a spare one; each left-out host is recorded in
@@ -20,20 +20,22 @@ import re
 import shlex
 import socket
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.contract import HOST_SUFFIX_VAR, RANK_FAILURES_PREFIX, RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, atomic_write
+from ddp_hpc.contract import (HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RANK_FAILURES_PREFIX, RECOVERY_STORE_VAR,
+                              RESTART_COUNT_VAR, RUN_FOLDER_VAR, Submission, atomic_write)
 from ddp_hpc.environment.hosts import with_suffix
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
+from ddp_hpc.launch.attempts import signal_running, start_all
+from ddp_hpc.launch.left_out import LeftOutHost, leave_out
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.node import node_supervisor_command, store_host
 from ddp_hpc.launch.recovering import RecoveryLimits
 from ddp_hpc.launch.script import recording_rank_failures
-from ddp_hpc.launch.supervisor import start_all
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ def read_hostfile(path: Path) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class HostLaunch:
     """``per_node`` ranks on each of the first ``nodes`` hosts; the hosts after those are
-    spares that a restart takes in place of one where a rank failed."""
+    spares that a restart takes in place of one where a rank failed. Built from a checked
+    ``LaunchSpec`` (launch/spec.py), which refuses what does not fit."""
 
     flavour: str
     hosts: tuple[str, ...]
@@ -96,26 +99,6 @@ class HostLaunch:
     #: ``--recover``: mpiexec starts one node supervisor per host (``launch/node.py``), which
     #: starts that host's ranks and replaces a lost one in place.
     recovery: RecoveryLimits | None = None
-
-    def __post_init__(self) -> None:
-        if self.flavour not in HOSTFILE_LAUNCHERS:
-            raise UserError(f"--hostfile starts ranks on other hosts through mpiexec: give --launcher "
-                            f"{' or '.join(HOSTFILE_LAUNCHERS)} (not {self.flavour})")
-        if not 1 <= self.nodes <= len(self.hosts):
-            raise UserError(f"--nodes {self.nodes}: the hostfile lists {len(self.hosts)} host(s)")
-        if self.per_node < 1:
-            raise UserError(f"--nproc {self.per_node} must be >= 1")
-        if self.max_restarts < 0:
-            raise UserError(f"--max-restarts {self.max_restarts} must be >= 0")
-        if not self.command:
-            raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
-        if self.depth is not None and self.depth < 1:
-            raise UserError(f"--depth {self.depth} must be >= 1")
-        if (self.cpu_bind is not None or self.depth is not None) and self.flavour != "pals":
-            raise UserError(f"--cpu-bind and --depth are Cray PALS's mpiexec options: give --launcher pals "
-                            f"(not {self.flavour}), or leave them out")
-        if self.recovery is not None and self.recovery.shrink and self.nodes > 1:
-            raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
 
     def master_addr(self, host: str) -> str:
         """Rank 0's address on ``host``."""
@@ -150,17 +133,15 @@ def recovery_store_host(launch: HostLaunch, environ: Mapping[str, str]) -> str:
 
 
 @dataclass
-class HostfileSteps:
-    """The attempts of one launch: ``start`` for the supervisor (whose status the CLI reads
-    through the preempted marker, ``supervisor.MarkedAttempts``)."""
+class HostfileAttempts:
+    """The attempts of one launch (an ``Attempts``, launch/attempts.py; the launch reads their
+    status through the preempted marker, ``attempts.MarkedAttempts``)."""
 
     launch: HostLaunch
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     excluded: list[str] = field(default_factory=list)
     #: The hosts of the attempt started last, in rank order (``per_node`` ranks each).
     hosts: tuple[str, ...] = ()
-    #: Variables the next attempt adds (under ``--recover``: the recovery store's address).
-    attempt_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def hostfile(self) -> Path:
@@ -189,7 +170,7 @@ class HostfileSteps:
                 f"{self.launch.spare_nodes} spare; rank 0 on the first host of each attempt "
                 f"({', '.join(self.launch.hosts[:self.launch.nodes])} first)\n{shlex.join(self.argv())}\n")
 
-    def start(self, attempt: int) -> list[subprocess.Popen]:
+    def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
         if attempt > 0 and self.launch.leaves_out_failed_hosts:
             self._leave_out_failed_host(attempt - 1)
         self.hosts = tuple(host for host in self.launch.hosts if host not in self.excluded)[:self.launch.nodes]
@@ -199,13 +180,19 @@ class HostfileSteps:
         port = self.base_env.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
         master = self.launch.master_addr(self.hosts[0])
         env = {**self.base_env, "MASTER_ADDR": master, "MASTER_PORT": port,
-               RUN_FOLDER_VAR: str(self.launch.run_folder), RESTART_COUNT_VAR: str(attempt), **self.attempt_env}
+               RUN_FOLDER_VAR: str(self.launch.run_folder), RESTART_COUNT_VAR: str(attempt), **(extra_env or {})}
         if attempt == 0:
             log.warning("launch %d: %d ranks on %d host(s), rank 0 at %s:%s; run folder %s", os.getpid(),
                         self.launch.world_size, len(self.hosts), master, port, self.launch.run_folder)
         elif self.excluded:
             log.warning("next attempt on %s, rank 0 at %s", ",".join(self.hosts), master)
         return start_all([(self.argv(), env)])
+
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
+        signal_running(children, signum)
+
+    def read_status(self, attempt: int, status: int) -> int:
+        return status
 
     def _leave_out_failed_host(self, failed_attempt: int) -> None:
         """The host of the first rank that failed (the wrapper's first line: ``RANK STATUS``)."""
@@ -217,11 +204,27 @@ class HostfileSteps:
         per_host = self.launch.tasks_per_host
         if not task.isdigit() or int(task) // per_host >= len(self.hosts):
             return
-        host = self.hosts[int(task) // per_host]
-        if host in self.excluded:
-            return
-        self.excluded.append(host)
         failed = f"rank {task}" if self.launch.recovery is None else f"the node supervisor of host {task}"
-        reason = f"{failed} exited with status {status.strip()}"
-        record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, reason))
-        log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), reason)
+        leave_out(self.launch.run_folder, self.excluded, LeftOutHost(
+            self.hosts[int(task) // per_host], failed_attempt, f"{failed} exited with status {status.strip()}"))
+
+
+def record_this_launch(run_folder: Path, world_size: int, command_line: Sequence[str]) -> str:
+    """Record this process (``ddp-hpc launch --hostfile``, which writes ``exit-<pid>`` when it
+    ends) as a ``local`` job in ``run_folder``, so that ``ddp-hpc status``/``cancel`` work
+    from the folder; its job id, the pid."""
+    job_id = str(os.getpid())
+    Submission(scheduler=LOCAL_SCHEDULER, job_id=job_id, run_folder=str(run_folder), workdir=str(Path.cwd()),
+               world_size=world_size, submitted_at=time.time(), kind="command",
+               command_line=tuple(command_line)).record()
+    return job_id
+
+
+def __getattr__(name: str) -> object:
+    if name == "HostfileSteps":  # the old name: its attempts are mpiexec runs, not srun steps
+        import warnings
+
+        warnings.warn("ddp_hpc.launch.hosts.HostfileSteps is deprecated: use HostfileAttempts", DeprecationWarning,
+                      stacklevel=2)
+        return HostfileAttempts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,10 +8,13 @@ restart runs without it, with ``record_left_out``; so does a submitit command jo
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc.contract import LEFT_OUT_FILE
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,16 @@ def record_left_out(run_folder: Path, host: LeftOutHost) -> None:
     line = json.dumps({"host": host.host, "attempt": host.attempt, "reason": host.reason}) + "\n"
     with open(run_folder / LEFT_OUT_FILE, "a") as handle:
         handle.write(line)
+
+
+def leave_out(run_folder: Path, excluded: list[str], host: LeftOutHost) -> None:
+    """A launch's restart runs without ``host`` (where its attempt's first rank failed): added
+    to the hosts it ``excluded``, recorded and said, once."""
+    if host.host in excluded:
+        return
+    excluded.append(host.host)
+    record_left_out(run_folder, host)
+    log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(excluded), host.reason)
 
 
 def read_left_out(run_folder: Path) -> list[LeftOutHost]:

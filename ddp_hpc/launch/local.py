@@ -1,40 +1,27 @@
-"""``ddp-hpc launch`` on this machine: what starts the ranks (ddp-hpc itself with torchrun's
-variables, or mpiexec of either MPI); ``launch/supervisor.py`` runs and restarts them."""
+"""``ddp-hpc launch`` on this machine: two ``Attempts`` (launch/attempts.py), each rank a child
+of the launch with torchrun's variables (``LocalRanks``, ``--launcher torchrun``), or one
+mpiexec of either MPI (``MpiexecHere``, ``--launcher openmpi|mpich``)."""
 
 from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.errors import UserError
-from ddp_hpc.contract import RUN_FOLDER_VAR
+from ddp_hpc.contract import RESTART_COUNT_VAR, RUN_FOLDER_VAR
+from ddp_hpc.environment import DistEnv
+from ddp_hpc.environment.ports import free_port
+from ddp_hpc.launch.attempts import signal_running, start_all
 from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.script import recording_rank_failures, split_staged
-from ddp_hpc.launch.supervisor import LocalRanks, OneLauncher
+from ddp_hpc.run.torchrun_env import torchrun_variables
 
 LOCAL_LAUNCHERS = ("torchrun", "openmpi", "mpich")
-
-
-@dataclass(frozen=True)
-class LocalLaunch:
-    nproc: int
-    command: Sequence[str]
-    launcher: str = "torchrun"
-    max_restarts: int = 0
-
-    def __post_init__(self) -> None:
-        if self.launcher not in LOCAL_LAUNCHERS:
-            raise UserError(f"unknown launcher {self.launcher!r}: choose one of {', '.join(LOCAL_LAUNCHERS)}")
-        if self.nproc < 1:
-            raise UserError(f"--nproc {self.nproc} must be >= 1")
-        if not self.command:
-            raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
-        if self.max_restarts < 0:
-            raise UserError(f"--max-restarts {self.max_restarts} must be >= 0")
 
 
 def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
@@ -57,17 +44,82 @@ def rank_command(command: Sequence[str]) -> list[str]:
     return [*staged, *(command if own else [*ddp_hpc, "run", "--", *command])]
 
 
-def attempt_starter(launch: LocalLaunch, run_folder: Path | None = None) -> LocalRanks | OneLauncher:
-    """What starts each attempt's ranks: ddp-hpc itself (``torchrun``: torchrun's variables,
-    no torchrun), or one mpiexec (``mpiexec_here``)."""
-    command = rank_command(launch.command)
-    if launch.launcher == "torchrun":
-        return LocalRanks(launch.nproc, command)
-    return mpiexec_here(launch.launcher, launch.nproc, command, run_folder)
+@dataclass(frozen=True)
+class LocalRanks:
+    """``nproc`` ranks of ``command`` on this machine, each with torchrun's worker variables
+    (``torch/distributed/elastic/agent/server/local_elastic_agent.py``, ``_start_workers``):
+    scripts written for torchrun and ddp_hpc's own verbs (``TorchrunEnvironment``) read them."""
+
+    nproc: int
+    command: Sequence[str]
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    #: A node supervisor's (``launch/node.py``): this node's place among ``num_nodes``, each
+    #: with ``nproc`` ranks, and where they meet.
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.num_nodes
+
+    def environment(self, local_rank: int, attempt: int, port: int, run_id: str) -> dict[str, str]:
+        rank = DistEnv(rank=self.node_rank * self.nproc + local_rank, world_size=self.world_size,
+                       local_rank=local_rank, local_world_size=self.nproc, node_rank=self.node_rank,
+                       num_nodes=self.num_nodes, master_addr=self.master_addr, master_port=port,
+                       source="ddp-hpc launch")
+        env = {**self.base_env, **torchrun_variables(rank, run_id, attempt), RESTART_COUNT_VAR: str(attempt)}
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if self.nproc > 1 and not env.get("OMP_NUM_THREADS", "").strip():
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node do not oversubscribe it
+        return env
+
+    def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
+        """Every rank of attempt ``attempt``; rank 0 serves a fresh store on a free port."""
+        port, run_id = free_port(), uuid.uuid4().hex[:12]
+        return start_all([(self.command, {**self.environment(local_rank, attempt, port, run_id), **(extra_env or {})})
+                          for local_rank in range(self.nproc)])
+
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
+        signal_running(children, signum)
+
+    def read_status(self, attempt: int, status: int) -> int:
+        return status
+
+    def describe(self) -> str:
+        return (f"# {self.nproc} ranks, each with torchrun's worker variables (RANK, LOCAL_RANK, WORLD_SIZE, "
+                f"MASTER_ADDR, MASTER_PORT, ...); rank 0 serves a fresh store on a free port each attempt\n"
+                f"{shlex.join(self.command)}\n")
+
+
+@dataclass(frozen=True)
+class MpiexecHere:
+    """One mpiexec per attempt on this machine, which starts the ranks itself (or, under
+    ``--recover``, one node supervisor). Each attempt's ranks meet on a free port (unless
+    ``MASTER_PORT`` is set): a rank of one machine otherwise derives it from its parent, which
+    the rank wrapper replaces."""
+
+    argv: Sequence[str]
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
+        env = {**self.base_env, RESTART_COUNT_VAR: str(attempt), **(extra_env or {})}
+        if not env.get("MASTER_PORT", "").strip():
+            env["MASTER_PORT"] = str(free_port())
+        return start_all([(self.argv, env)])
+
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
+        signal_running(children, signum)
+
+    def read_status(self, attempt: int, status: int) -> int:
+        return status
+
+    def describe(self) -> str:
+        return f"{shlex.join(self.argv)}\n"
 
 
 def mpiexec_here(flavour: str, tasks: int, command: Sequence[str], run_folder: Path | None,
-                 forward: Sequence[str] = ()) -> OneLauncher:
+                 forward: Sequence[str] = ()) -> MpiexecHere:
     """One mpiexec of ``tasks`` tasks on this machine (the ranks, or a node supervisor), which
     see ``run_folder`` as ``$DDP_HPC_RUN_FOLDER``; under MPICH each runs in the wrapper that
     says there that rank 0 stopped (``mpi.STOP_STATUS_LOST``)."""
@@ -76,16 +128,6 @@ def mpiexec_here(flavour: str, tasks: int, command: Sequence[str], run_folder: P
         env[RUN_FOLDER_VAR] = str(run_folder)
         if flavour in STOP_STATUS_LOST:
             command = recording_rank_failures(command)
-    return OneLauncher(build_mpiexec(MpiLaunch(flavour, nodes=1, ranks_per_node=tasks, command=list(command),
+    return MpiexecHere(build_mpiexec(MpiLaunch(flavour, nodes=1, ranks_per_node=tasks, command=list(command),
                                                forward=tuple(forward), oversubscribe=True,
                                                allow_root=os.geteuid() == 0)), env)
-
-
-def describe(starter: LocalRanks | OneLauncher, launch: LocalLaunch) -> str:
-    """``--dry-run``: what each attempt starts (``attempt_starter``'s), and the restarts."""
-    restarts = f"at most {launch.max_restarts} restart(s) after a failure, none after a stop (75)"
-    if isinstance(starter, OneLauncher):
-        return f"{shlex.join(starter.argv)}\n# {restarts}\n"
-    return (f"# {launch.nproc} ranks, each with torchrun's worker variables (RANK, LOCAL_RANK, WORLD_SIZE, "
-            f"MASTER_ADDR, MASTER_PORT, ...); rank 0 serves a fresh store on a free port each attempt; {restarts}\n"
-            f"{shlex.join(starter.command)}\n")

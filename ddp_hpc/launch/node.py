@@ -9,7 +9,8 @@ The launcher starts one task per node, a *node supervisor* (``ddp-hpc launch
 replacement there while every other rank, on every node, stays up, and the launcher sees
 nothing (its task still runs). A node supervisor exits when its ranks do (0, 75) or when
 recovery is spent (the ranks' failure): then the launcher ends the others and the outer
-launch restarts in place, its one restart loop (``NodeSupervisors``).
+launch restarts in place, its one restart loop (``NodeSupervisors``, a wrapper around the
+launcher's ``Attempts``: mpiexec here, mpiexec over a hostfile, srun).
 
 After torchrun's elastic agent (one agent per node, the launcher's task, a store for
 membership), without its restart of every worker on a failure.
@@ -17,15 +18,17 @@ membership), without its restart of every worker on a failure.
 
 from __future__ import annotations
 
-import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR, RECOVERY_STORE_VAR
 from ddp_hpc.environment import detect_launcher
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.attempts import Attempts
 from ddp_hpc.launch.recovering import RecoveryLimits
 
 #: The variables that make a process a launcher's task (environment/launchers.py reads
@@ -91,45 +94,31 @@ def store_host(environ: Mapping[str, str], local: bool) -> str:
     return name
 
 
-#: Starts one attempt's launcher (``attempt``, the variables it adds) -> its process.
-StartLauncher = Callable[[int, Mapping[str, str]], Sequence[subprocess.Popen]]
-
-
+@dataclass
 class NodeSupervisors:
-    """The outer launch's side: serves a fresh recovery store each attempt (``host``: the
-    address the node supervisors reach it at) and starts the launcher's node supervisors
-    with its address; a stop goes to them through the store (``forward``), not through the
-    launcher (MPICH's Hydra does not pass SIGUSR2 on; it dies of it)."""
+    """The outer launch's side, around any ``Attempts`` whose tasks are node supervisors:
+    serves a fresh recovery store each attempt (``host``: the address the node supervisors
+    reach it at) and puts its address into the attempt's environment, the one way; a stop
+    goes to them through the store (``forward_stop``), not through the launcher (MPICH's Hydra
+    does not pass SIGUSR2 on; it dies of it)."""
 
-    def __init__(self, start_launcher: StartLauncher, host: str = "127.0.0.1",
-                 argv: Sequence[str] = ()) -> None:
-        self._start_launcher, self.host, self.argv = start_launcher, host, tuple(argv)
-        self._store = None
+    attempts: Attempts
+    host: str = "127.0.0.1"
+    _store: Any = None
 
     def describe(self) -> str:
-        """``--dry-run``: the launcher's command line, started once per attempt."""
-        return (f"# one node supervisor per node, around the recovery store this launch serves "
-                f"(${RECOVERY_STORE_VAR}, a fresh one each attempt)\n{shlex.join(self.argv)}\n")
+        """``--dry-run``: the launcher's, whose tasks are the node supervisors."""
+        return self.attempts.describe()
 
-    def start(self, attempt: int) -> list[subprocess.Popen]:
+    def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> Sequence[subprocess.Popen]:
         from ddp_hpc.engine.recovery.store import LaunchStore
 
         self._store = LaunchStore(self.host)
-        return list(self._start_launcher(attempt, {RECOVERY_STORE_VAR: self._store.address}))
+        return self.attempts.start(attempt, {**(extra_env or {}), RECOVERY_STORE_VAR: self._store.address})
 
-    def forward(self, signum: int, children: list[subprocess.Popen]) -> None:
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
         if self._store is not None:
             self._store.request_stop(signum)
 
-    # The rest of the InJob protocol: recovery itself is the node supervisors'.
-    def on_failure(self, index: int, status: int, children: list[subprocess.Popen]) -> bool:
-        return False
-
-    def watch(self, children: list[subprocess.Popen]) -> None:
-        pass
-
-    def deliver(self, children: list[subprocess.Popen]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def read_status(self, attempt: int, status: int) -> int:
+        return self.attempts.read_status(attempt, status)

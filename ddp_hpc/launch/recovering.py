@@ -38,14 +38,15 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ddp_hpc.contract import (RECOVERY_GENERATION_VAR, RECOVERY_SHRINK_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
                               RECOVERY_WAIT_VAR, ExitStatus)
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.supervisor import LocalRanks, start_all
+from ddp_hpc.launch.attempts import start_all
+from ddp_hpc.launch.local import LocalRanks
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,11 @@ class Recoverer:
     """Starts ``ranks`` (``start``, the supervisor's ``StartAttempt``) and recovers a lost
     one in place (``on_failure``, ``watch``)."""
 
-    def __init__(self, ranks: LocalRanks, limits: RecoveryLimits, store_address: str | None = None) -> None:
-        if limits.shrink and ranks.num_nodes > 1:
-            raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a replacement")
+    def __init__(self, ranks: LocalRanks, limits: RecoveryLimits, store_address: str | None = None,
+                 outer_attempt: int = 0) -> None:
         self.ranks, self.limits, self.store_address = ranks, limits, store_address
+        #: A node supervisor's: its outer launch's attempt (``$DDP_HPC_RESTART_COUNT``), added to its own (0).
+        self.outer_attempt = outer_attempt
         #: The first slot of this node's ranks.
         self.offset = ranks.node_rank * ranks.nproc
         #: Called with the stop signal the outer launch asked for through the store (a node supervisor's).
@@ -112,7 +114,9 @@ class Recoverer:
         self._starting: set[int] = set()
         self._held: dict[int, int] = {}
 
-    def start(self, attempt: int) -> list[subprocess.Popen]:
+    def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
+        """Attempt ``attempt``'s ranks (an ``Attempts``, launch/attempts.py; ``extra_env``: none
+        here, where a node supervisor's outer launch puts the store's address in its own environment)."""
         from ddp_hpc.engine.recovery.store import LaunchStore
 
         self.close()
@@ -122,7 +126,7 @@ class Recoverer:
         else:  # one run id for every node's ranks
             self._store = LaunchStore(address=self.store_address)
             self._run_id = hashlib.sha256(self.store_address.encode()).hexdigest()[:12]
-        self._attempt = attempt
+        self._attempt = self.outer_attempt + attempt
         self.generation, self.used = 0, 0
         self.members = {slot: slot for slot in range(self.ranks.world_size)}
         self._causes.clear()
@@ -242,6 +246,15 @@ class Recoverer:
             elif child.returncode is None:
                 send(child, signum)
         self.deliver(children)
+
+    def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
+        self.forward(signum, list(children))
+
+    def read_status(self, attempt: int, status: int) -> int:
+        return status
+
+    def describe(self) -> str:
+        return self.ranks.describe()
 
     def deliver(self, children: list[subprocess.Popen]) -> None:
         for index in sorted(self._held):

@@ -17,6 +17,8 @@ in that launch) and a submitit command job. docs/reliability.md has the table.
 from __future__ import annotations
 
 import logging
+import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +50,41 @@ class RestartPolicy:
 
 
 def record_exit(run_folder: Path, job_id: str, status: int) -> None:
-    """The launch's exit status in ``RUN/exit-<job id>``, for ``--wait`` and ``status``."""
+    """The job's exit status in ``RUN/exit-<job id>``, for ``--wait`` and ``status``: the one
+    writer of exit files in Python (a rendered script writes one itself only where it ends
+    before its launch starts: a failed staging or pre-flight)."""
     try:
         atomic_write(run_folder / exit_file_name(job_id), f"{status}\n")
     except OSError as exc:
         log.error("cannot write the exit status to %s: %s", run_folder, exc.strerror or exc)
+
+
+def requeue_job(argv: Sequence[str], job_id: str) -> bool:
+    """Requeue the job with the scheduler's command (``scontrol requeue ID``): the one requeue
+    path of a launch and of a submitit command job. True when the scheduler took it."""
+    log.warning("requeueing job %s", job_id)
+    try:
+        done = subprocess.run(list(argv), check=False).returncode == 0
+    except OSError:
+        done = False
+    if not done:
+        log.error("requeue failed")
+    return done
+
+
+@dataclass(frozen=True)
+class LaunchEnd:
+    """A launch's one end action, after the policy's last decision: the job requeued after a
+    stop where the launch can (``requeue``: the scheduler's command, ``scontrol requeue ID``),
+    else its exit status written as ``RUN/exit-<job_id>`` where it has a job id."""
+
+    run_folder: Path | None = None
+    job_id: str = ""
+    requeue: tuple[str, ...] = ()
+
+    def __call__(self, decision: Decision) -> int:
+        if self.requeue and decision.requeue:
+            requeue_job(self.requeue, self.job_id)
+        elif self.job_id and self.run_folder is not None:
+            record_exit(self.run_folder, self.job_id, decision.status)
+        return decision.status

@@ -174,7 +174,7 @@ def deadline_line(request: SubmitRequest) -> str:
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
 #: others only after this wrapper has exited. Rank 0 stopping (75) touches the preempted
-#: marker (``supervisor.MarkedAttempts`` reads it), as ``StopAgreement``'s rank 0 writes it: MPICH's
+#: marker (``attempts.MarkedAttempts`` reads it), as ``StopAgreement``'s rank 0 writes it: MPICH's
 #: Hydra, having passed a stop on, reports the ranks' 75 as 0 about one time in six,
 #: whatever the ranks run. Nothing is recorded without a run folder. The traps are set before
 #: the rank starts: a signal before it has started is held (``pending``) and passed on once

@@ -1,7 +1,8 @@
 """``ddp-hpc launch`` on this machine: the process that owns the ranks' processes.
 
-Each attempt starts the ranks (``RankStarter``: each rank as a child with torchrun's worker
-variables, or one ``mpiexec`` that starts them), passes a stop signal on, sees every
+Each attempt starts the ranks (the ``start`` of one of ``launch/attempts.py``'s ``Attempts``:
+each rank as a child with torchrun's worker variables, one ``mpiexec``, one srun step), passes
+a stop signal on, sees every
 child's real exit status, ends the others when one fails, and asks the one restart policy
 (``launch/restart.py``) what follows. torchrun is not used underneath: its agent turns any
 non-zero status into 1 and restarts a stop (75) as a failure, so neither a requeue nor a
@@ -12,28 +13,22 @@ others' ``Popen``; given an ``InJob`` (``launch/recovering.py``'s ``Recoverer``)
 each failure, and where it starts that rank again (or lets the others go on without it),
 the attempt goes on instead of ending (see docs/architecture.md).
 
-Library code: signal handlers are the CLI's; it calls ``Supervisor.request_stop``.
+Library code: ``entry.launch`` builds the one ``Supervisor`` of a launch; the signal handlers
+it names are installed by the CLI's function, and call ``Supervisor.request_stop``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ddp_hpc.contract import AGREED_EXIT_STATUSES, PREEMPTED_MARKER, RESTART_COUNT_VAR, ExitStatus
-from ddp_hpc.environment import DistEnv
-from ddp_hpc.environment.ports import free_port
-from ddp_hpc.errors import UserError
+from ddp_hpc.contract import AGREED_EXIT_STATUSES, ExitStatus
+from ddp_hpc.launch.attempts import signal_running
 from ddp_hpc.launch.restart import Decision, RestartPolicy
-from ddp_hpc.run.torchrun_env import torchrun_variables
 
 log = logging.getLogger(__name__)
 
@@ -50,102 +45,6 @@ ForwardStop = Callable[[int, Sequence[subprocess.Popen]], None]
 #: What an attempt's status means, where the launcher hides it: ``(attempt, status)`` -> the
 #: status the policy sees (srun's ``--kill-on-bad-exit`` turns the ranks' 75 into a kill).
 ReadStatus = Callable[[int, int], int]
-
-
-@dataclass(frozen=True)
-class LocalRanks:
-    """``nproc`` ranks of ``command`` on this machine, each with torchrun's worker variables
-    (``torch/distributed/elastic/agent/server/local_elastic_agent.py``, ``_start_workers``):
-    scripts written for torchrun and ddp_hpc's own verbs (``TorchrunEnvironment``) read them."""
-
-    nproc: int
-    command: Sequence[str]
-    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-    #: A node supervisor's (``launch/node.py``): this node's place among ``num_nodes``, each
-    #: with ``nproc`` ranks, and where they meet.
-    node_rank: int = 0
-    num_nodes: int = 1
-    master_addr: str = "127.0.0.1"
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc * self.num_nodes
-
-    def environment(self, local_rank: int, attempt: int, port: int, run_id: str) -> dict[str, str]:
-        rank = DistEnv(rank=self.node_rank * self.nproc + local_rank, world_size=self.world_size,
-                       local_rank=local_rank, local_world_size=self.nproc, node_rank=self.node_rank,
-                       num_nodes=self.num_nodes, master_addr=self.master_addr, master_port=port,
-                       source="ddp-hpc launch")
-        env = {**self.base_env, **torchrun_variables(rank, run_id, attempt), RESTART_COUNT_VAR: str(attempt)}
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if self.nproc > 1 and not env.get("OMP_NUM_THREADS", "").strip():
-            env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node do not oversubscribe it
-        return env
-
-    def start(self, attempt: int) -> list[subprocess.Popen]:
-        """Every rank of attempt ``attempt``; rank 0 serves a fresh store on a free port."""
-        port, run_id = free_port(), uuid.uuid4().hex[:12]
-        return start_all([(self.command, self.environment(local_rank, attempt, port, run_id))
-                          for local_rank in range(self.nproc)])
-
-
-@dataclass(frozen=True)
-class OneLauncher:
-    """One process per attempt that starts the ranks itself (``mpiexec`` on this machine).
-    Each attempt's ranks meet on a free port (unless ``MASTER_PORT`` is set): a rank of
-    one machine otherwise derives it from its parent, which the rank wrapper replaces."""
-
-    argv: Sequence[str]
-    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-
-    def start(self, attempt: int) -> list[subprocess.Popen]:
-        env = {**self.base_env, RESTART_COUNT_VAR: str(attempt)}
-        if not env.get("MASTER_PORT", "").strip():
-            env["MASTER_PORT"] = str(free_port())
-        return start_all([(self.argv, env)])
-
-
-def start_all(processes: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> list[subprocess.Popen]:
-    """Start each ``(argv, env)``; a command that cannot start is the user's mistake (one line),
-    and ends the ones already started."""
-    started: list[subprocess.Popen] = []
-    for argv, env in processes:
-        try:
-            started.append(subprocess.Popen(list(argv), env=dict(env)))
-        except OSError as exc:
-            for child in started:
-                child.kill()
-                child.wait()
-            raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
-    return started
-
-
-@dataclass(frozen=True)
-class MarkedAttempts:
-    """Starts each attempt (``start_attempt``) and reads its status through the preempted
-    marker rank 0 (or, under MPICH, its wrapper) writes in ``run_folder`` after a stop: the
-    ranks stopped, whatever the launcher says. One that ends the other ranks once one exits
-    (srun's ``--kill-on-bad-exit``) reports the stop as a kill; MPICH's Hydra, having passed a
-    SIGTERM on, may report the ranks' 75 as 0. The one reader of the marker.
-
-    The marker is removed before each attempt starts (the one before it has ended), so one
-    found at its end was written during it: no clock is compared (a file system's clock may
-    lag this machine's, or run ahead of it)."""
-
-    start_attempt: StartAttempt
-    run_folder: Path
-
-    def start(self, attempt: int) -> Sequence[subprocess.Popen]:
-        marker = self.run_folder / PREEMPTED_MARKER
-        try:
-            marker.unlink(missing_ok=True)
-        except OSError as exc:  # left there, it would read every end of the attempt as a stop
-            raise UserError(f"cannot remove the preempted marker {marker} before the ranks start: "
-                            f"{exc.strerror or exc}") from None
-        return self.start_attempt(attempt)
-
-    def read_status(self, attempt: int, status: int) -> int:
-        return ExitStatus.REQUEUE if (self.run_folder / PREEMPTED_MARKER).exists() else status
 
 
 class InJob(Protocol):
@@ -270,12 +169,7 @@ class Supervisor:
             self._signal_running(signum)
 
     def _signal_running(self, signum: int) -> None:
-        for child in self._children:
-            if child.returncode is None:
-                try:
-                    child.send_signal(signum)
-                except ProcessLookupError:
-                    pass
+        signal_running(self._children, signum)
 
     def _end_running(self, signum: int) -> None:
         self._signal_running(signum)

@@ -8,19 +8,18 @@ nothing else branches on a scheduler's name.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
-from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, atomic_write, exit_file_name
+from ddp_hpc.contract import ElementRecord, Submission, atomic_write  # noqa: F401  (the records live in contract/)
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest, quote_command
 
@@ -91,75 +90,6 @@ class DryRun:
             parts.append(f"# would submit with {self.scheduler}, parameters:")
             parts += [f"#   {key} = {value!r}" for key, value in sorted(self.parameters.items())]
         return "\n".join(parts) + "\n"
-
-
-@dataclass(frozen=True)
-class ElementRecord:
-    """One element of a sweep (an array job's task): its id, run folder and overrides."""
-
-    index: int
-    job_id: str
-    run_folder: str
-    assignment: str
-
-    @property
-    def exit_file(self) -> Path:
-        return Path(self.run_folder) / exit_file_name(self.job_id)
-
-
-@dataclass(frozen=True)
-class Submission:
-    """A submitted job, recorded in its run folder so that ``status``, ``logs`` and
-    ``cancel`` work from the folder alone."""
-
-    scheduler: str
-    job_id: str
-    run_folder: str
-    workdir: str
-    world_size: int
-    submitted_at: float
-    kind: str
-    script: str | None = None
-    logs: tuple[str, ...] = ()
-    command_line: tuple[str, ...] = ()
-    #: Every link of a chain, first to last (``job_id`` is the last).
-    chain: tuple[str, ...] = ()
-    #: A sweep's elements (``job_id`` is the array job's).
-    elements: tuple[ElementRecord, ...] = ()
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> Submission:
-        data = json.loads(text)
-        for name in ("logs", "command_line", "chain"):
-            data[name] = tuple(data.get(name, ()))
-        data["elements"] = tuple(ElementRecord(**e) for e in data.get("elements", ()))
-        return cls(**data)
-
-    def record(self) -> Path:
-        """Write ``submission.json`` (the newest) and append to ``submissions.jsonl``."""
-        folder = Path(self.run_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / SUBMISSION_FILE
-        atomic_write(path, self.to_json(), durable=True)
-        with open(folder / SUBMISSIONS_LOG, "a") as handle:
-            handle.write(json.dumps(asdict(self), sort_keys=True) + "\n")
-        return path
-
-    @property
-    def exit_file(self) -> Path:
-        """Written by the rendered script when the job ends (``ddp-hpc launch``'s ``restart.record_exit``)."""
-        return Path(self.run_folder) / exit_file_name(self.job_id)
-
-    @property
-    def location(self) -> str:
-        """Where to look first: the submitted script, else the folder of the job's output."""
-        if self.script:
-            return f"script {self.script}"
-        return f"logs in {Path(self.logs[0]).parent}" if self.logs else f"run folder {self.run_folder}"
-
 
 
 def fold(statuses: Sequence[JobStatus]) -> JobStatus:

@@ -12,13 +12,12 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest
-from ddp_hpc.contract import RUN_FOLDER_VAR
+from ddp_hpc.contract import LOCAL_SCHEDULER, RUN_FOLDER_VAR
 from ddp_hpc.launch.script import ShellVar, environment_block, header_comment, rank_argv, render_argv, run_folder_lines
 from ddp_hpc.schedulers.base import DryRun, JobState, JobStatus, Scheduler, Submission, read_exit_file, write_script
 
@@ -50,7 +49,7 @@ def render_local(request: SubmitRequest) -> str:
 
 
 class LocalScheduler(Scheduler):
-    name = "local"
+    name = LOCAL_SCHEDULER
     family = "local"
     script_suffix = ".sh"
     launchers = ("torchrun",)
@@ -102,17 +101,6 @@ class LocalScheduler(Scheduler):
                     os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-
-def record_this_launch(run_folder: Path, world_size: int, command_line: Sequence[str]) -> str:
-    """Record this process (``ddp-hpc launch --hostfile``, which writes ``exit-<pid>`` when it
-    ends) as a ``local`` job in ``run_folder``, so that ``ddp-hpc status``/``cancel`` work
-    from the folder; its job id, the pid."""
-    job_id = str(os.getpid())
-    Submission(scheduler=LocalScheduler.name, job_id=job_id, run_folder=str(run_folder), workdir=str(Path.cwd()),
-               world_size=world_size, submitted_at=time.time(), kind="command",
-               command_line=tuple(command_line)).record()
-    return job_id
 
 
 def _alive(pid: int) -> bool:

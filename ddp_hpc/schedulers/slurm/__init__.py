@@ -1,7 +1,8 @@
 """The SLURM family, two backends: ``sbatch.py`` submits the batch script ``render.py``
 writes (srun per rank, or torchrun per node); ``submitit_backend.py`` submits Python
 callables with submitit, which run ``in_job.py`` on every task. ``state.py`` reads sacct,
-scontrol, squeue and the exit file; ``job_key.py`` is the one home of the array element id.
+scontrol, squeue and the exit file. The array element id is ``contract/slurm_job_key.py``'s
+(the launch uses it too); ``ddp-hpc launch --launcher srun`` is ``launch/srun.py``.
 """
 
 from ddp_hpc.schedulers.slurm.sbatch import SbatchScheduler

@@ -18,12 +18,11 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddp_hpc.contract import (RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE,
-                              ExitStatus, atomic_write, exit_file_name)
+from ddp_hpc.contract import RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE, ExitStatus
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
 from ddp_hpc.specs.request import CommandPayload, TrainPayload
-from ddp_hpc.launch.restart import RestartPolicy
-from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
+from ddp_hpc.launch.restart import RestartPolicy, record_exit, requeue_job
+from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ class SubmititCommandTask:
         job_id = job_key(os.environ)
         if rank == 0 and job_id and code != ExitStatus.REQUEUE:
             Path(self.run_folder).mkdir(parents=True, exist_ok=True)
-            atomic_write(Path(self.run_folder) / exit_file_name(job_id), f"{code}\n")
+            record_exit(Path(self.run_folder), job_id, code)
         policy, attempt = (self.restart.policy, self.restart.attempt) if self.restart else (RestartPolicy(0), 0)
         decision = policy.decide(ExitStatus.of_returncode(code), attempt)
         if decision.requeue:
@@ -242,4 +241,4 @@ def requeue_from_rank_zero() -> None:
     its signal handler, and a run that stops by itself at its deadline needs it too."""
     job_id = os.environ.get(JOB_ID_VAR, "")
     if job_id and os.environ.get("SLURM_PROCID", "0") == "0":
-        subprocess.run(["scontrol", "requeue", job_id], check=False)
+        requeue_job(("scontrol", "requeue", job_id), job_id)

@@ -21,7 +21,7 @@ from ddp_hpc.launch.script import (
     STAGE_FAN_OUT_ARGV,
     sweep_block,
 )
-from ddp_hpc.schedulers.slurm.job_key import script_job_key
+from ddp_hpc.contract.slurm_job_key import script_job_key
 
 LOG_DIR = "logs"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ddp_hpc.specs.request import SubmitRequest, job_name_directive
 from ddp_hpc.schedulers.base import DryRun, RunOpt, ScriptScheduler
-from ddp_hpc.schedulers.slurm.job_key import element_key
+from ddp_hpc.contract.slurm_job_key import element_key
 from ddp_hpc.schedulers.slurm.render import LOG_DIR, render_sbatch
 from ddp_hpc.schedulers.slurm.state import SlurmJobs
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_hpc.schedulers.base import JobState, JobStatus, query_tool, read_exit_file, run_tool
-from ddp_hpc.schedulers.slurm.job_key import element_key
+from ddp_hpc.contract.slurm_job_key import element_key
 
 #: SLURM's job states (``man squeue``, JOB STATE CODES) onto ours.
 SLURM_STATES: dict[str, JobState] = {

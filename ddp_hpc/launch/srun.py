@@ -1,12 +1,14 @@
 """``ddp-hpc launch --launcher srun``: the ranks of each attempt as one ``srun`` step, inside a
-SLURM allocation, under the launch's one ``Supervisor`` (launch/supervisor.py).
+SLURM allocation (``SrunSteps``, an ``Attempts``: launch/attempts.py), under the launch's one
+``Supervisor`` (``entry.launch``).
 
-What a rendered sbatch script's bash loop once did around its step, the launch does here: the
-step's status read through the preempted marker (``--kill-on-bad-exit`` turns the ranks' 75
-into a kill of the others), the node where a rank failed left out of the next step with
-``--exclude`` when the allocation has spare nodes (srun names it in
-``srun: error: NODE: task N: ...``), the job requeued after a stop (``scontrol requeue``),
-and the exit status written for ``--wait``/``status``.
+What a rendered sbatch script's bash loop once did around its step, the launch does: the
+step's status read through the preempted marker (``attempts.MarkedAttempts``:
+``--kill-on-bad-exit`` turns the ranks' 75 into a kill of the others), the node where a rank
+failed left out of the next step with ``--exclude`` when the allocation has spare nodes
+(srun names it in ``srun: error: NODE: task N: ...``), and at the end (``srun_end``, the
+launch's one ``restart.LaunchEnd``) the job requeued after a stop (``scontrol requeue``) or
+its exit status written for ``--wait``/``status``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,12 +27,12 @@ from pathlib import Path
 from typing import IO
 
 from ddp_hpc.contract import RESTART_COUNT_VAR
+from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
-from ddp_hpc.launch.restart import Decision, record_exit
+from ddp_hpc.launch.left_out import LeftOutHost, leave_out
+from ddp_hpc.launch.attempts import signal_running
+from ddp_hpc.launch.restart import LaunchEnd
 from ddp_hpc.launch.script import split_staged
-from ddp_hpc.launch.supervisor import MarkedAttempts
-from ddp_hpc.schedulers.slurm.job_key import JOB_ID_VAR, job_key
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,8 @@ class TorchrunAgents:
 class SrunLaunch:
     """``per_node`` ranks on each of ``nodes`` nodes of the allocation; the allocation's
     other nodes (``allocated``) are spares that a restart takes in place of a failed one.
-    With ``torchrun``, srun starts one torchrun per node, which starts the node's ranks."""
+    With ``torchrun``, srun starts one torchrun per node, which starts the node's ranks.
+    Built from a checked ``LaunchSpec`` (launch/spec.py)."""
 
     nodes: int
     per_node: int
@@ -67,14 +71,6 @@ class SrunLaunch:
     run_folder: Path
     allocated: int
     torchrun: TorchrunAgents | None = None
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.per_node < 1:
-            raise UserError(f"--nodes {self.nodes} and --nproc {self.per_node} must be >= 1")
-        if self.nodes > self.allocated:
-            raise UserError(f"--nodes {self.nodes}: the allocation has {self.allocated} node(s)")
-        if not self.command:
-            raise UserError("no command to launch: give it after '--', e.g. -- ddp-hpc doctor")
 
     @property
     def spare_nodes(self) -> int:
@@ -102,15 +98,6 @@ class SrunLaunch:
         agents = self.torchrun.argv(self.nodes, self.per_node) if self.torchrun is not None else []
         staged, command = split_staged(self.command)  # --stage-env: torchrun from the node's copy too
         return [*argv, *staged, *agents, *command]
-
-
-def allocated_nodes(environ: Mapping[str, str]) -> int:
-    """The allocation's node count; outside one, a one-line error."""
-    text = environ.get(NODE_COUNT_VAR, "")
-    if not text.isdigit():
-        raise UserError(f"--launcher srun runs inside a SLURM allocation (sbatch, salloc): ${NODE_COUNT_VAR} "
-                        "is not set")
-    return int(text)
 
 
 @dataclass
@@ -142,27 +129,20 @@ class _StepLog:
 
 @dataclass
 class SrunSteps:
-    """The attempts of one launch: ``start`` for the supervisor, ``read_status`` for its policy."""
+    """The attempts of one launch, one srun step each (an ``Attempts``)."""
 
     launch: SrunLaunch
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     excluded: list[str] = field(default_factory=list)
     _step_log: _StepLog | None = None
-    _marked: MarkedAttempts | None = None
 
-    def __post_init__(self) -> None:
-        self._marked = MarkedAttempts(self._start_step, self.launch.run_folder)
-
-    def start(self, attempt: int) -> Sequence[subprocess.Popen]:
+    def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> Sequence[subprocess.Popen]:
         if attempt > 0 and self.launch.spare_nodes:
             self._leave_out_failed_node(attempt - 1)
-        return self._marked.start(attempt)
-
-    def _start_step(self, attempt: int) -> list[subprocess.Popen]:
         argv = self.launch.step_argv(self.excluded)
         try:
             step = subprocess.Popen(argv, stderr=subprocess.PIPE,
-                                    env={**self.base_env, RESTART_COUNT_VAR: str(attempt)})
+                                    env={**self.base_env, RESTART_COUNT_VAR: str(attempt), **(extra_env or {})})
         except OSError as exc:
             raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
         assert step.stderr is not None
@@ -170,11 +150,17 @@ class SrunSteps:
         self._step_log.start()
         return [step]
 
+    def describe(self) -> str:
+        return f"{shlex.join(self.launch.step_argv([]))}\n"
+
     def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
-        """A stop for a step of torchrun agents (one task per rank needs none of this: srun
-        passes SIGUSR2 on). srun answers its own SIGTERM by killing the step at once, and an
-        agent dies of SIGUSR2: Slurm signals the job's steps (``scancel --signal``, which
-        leaves out the batch shell, the launch), and each agent passes SIGTERM on to its ranks."""
+        """srun passes the stop (SIGUSR2) on to one task per rank. A step of torchrun agents
+        needs more: srun answers its own SIGTERM by killing the step at once, and an agent dies
+        of SIGUSR2: Slurm signals the job's steps (``scancel --signal``, which leaves out the
+        batch shell, the launch), and each agent passes SIGTERM on to its ranks."""
+        if self.launch.torchrun is None:
+            signal_running(children, signum)
+            return
         if not any(child.returncode is None for child in children):
             return  # the step is not started yet (the supervisor passes the stop on once it is)
         job = self.base_env.get(JOB_ID_VAR, "")
@@ -188,35 +174,22 @@ class SrunSteps:
             log.error("cannot pass the stop on to the steps of job %s (scancel --signal=%s)", job, name)
 
     def read_status(self, attempt: int, status: int) -> int:
-        """75 where rank 0 wrote the preempted marker during this attempt: srun's
-        ``--kill-on-bad-exit`` ended the others, and srun's status says a kill."""
+        """The step's status (the launch reads a stop through the preempted marker:
+        ``--kill-on-bad-exit`` ended the others, and srun's status says a kill), once its
+        stderr is copied through."""
         if self._step_log is not None:
             self._step_log.finished()
-        return self._marked.read_status(attempt, status)
+        return status
 
     def _leave_out_failed_node(self, failed_attempt: int) -> None:
         line = self._step_log.finished() if self._step_log is not None else None
         match = _FAILED_TASK.match(line or "")
-        if match is None or match.group(1) in self.excluded:
-            return
-        host = match.group(1)
-        self.excluded.append(host)
-        record_left_out(self.launch.run_folder, LeftOutHost(host, failed_attempt, line or ""))
-        log.warning("leaving out node(s) %s, where a rank failed (%s)", ",".join(self.excluded), line)
+        if match is not None:
+            leave_out(self.launch.run_folder, self.excluded, LeftOutHost(match.group(1), failed_attempt, line or ""))
 
 
-def end_of_job(decision: Decision, run_folder: Path, environ: Mapping[str, str], *, requeue: bool) -> None:
-    """After the launch: requeue the job after a stop (where asked: a single job, not a
-    chain), else record its exit status for ``--wait``/``status``."""
-    key = job_key(environ)
-    if requeue and decision.requeue:
-        log.warning("requeueing job %s", key)
-        try:
-            done = subprocess.run(["scontrol", "requeue", environ.get(JOB_ID_VAR, "")], check=False).returncode == 0
-        except OSError:
-            done = False
-        if not done:
-            log.error("requeue failed")
-        return
-    if key:
-        record_exit(run_folder, key, decision.status)
+def srun_end(run_folder: Path, environ: Mapping[str, str], *, requeue: bool) -> LaunchEnd:
+    """The launch's end in a SLURM job: the job requeued after a stop (where asked: a single
+    job, not a chain), else its exit status recorded for ``--wait``/``status``."""
+    return LaunchEnd(run_folder, job_key(environ),
+                     requeue=("scontrol", "requeue", environ.get(JOB_ID_VAR, "")) if requeue else ())
