@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="relaunch all ranks after a failure, at most N times; they resume from the newest "
                              "checkpoint. A stop (exit 75) is never restarted: the launch exits 75")
     launch.add_argument("--recover", type=int, default=0, metavar="N",
-                        help="in-job recovery (DDP loops that use InJobRecovery): replace a lost or frozen rank "
+                        help="in-job recovery (DDP and FSDP2 loops that use InJobRecovery): replace a lost or frozen rank "
                              "while the others stay up, at most N times; state comes from the survivors' memory, no "
                              "restart. Beyond N: --max-restarts. Under --launcher torchrun this launch watches the "
                              "ranks; under mpich, openmpi and srun, and with --hostfile, the launcher starts one node "

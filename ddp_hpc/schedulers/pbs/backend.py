@@ -22,7 +22,7 @@ class PbsScheduler(ScriptScheduler):
         RunOpt(("--spare-nodes",), "request K extra nodes; a restart (--max-restarts) runs mpiexec without the "
                "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"},
                request_field="spare_nodes"),
-        RunOpt(("--recover",), "in-job recovery (DDP loops on InJobRecovery, the Trainer): replace a lost or frozen "
+        RunOpt(("--recover",), "in-job recovery (DDP and FSDP2 loops on InJobRecovery, the Trainer): replace a lost or frozen "
                "rank from the survivors' memory at most N times, the others staying up, before a restart in place "
                "(ddp-hpc launch --hostfile --recover N: one node supervisor per node)", "job",
                {"type": int, "default": 0, "metavar": "N"}, request_field="recover"),

@@ -22,7 +22,7 @@ class SbatchScheduler(SlurmJobs, ScriptScheduler):
         RunOpt(("--spare-nodes",), "allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
                "rank failed (a batch script)", "job", {"type": int, "default": 0, "metavar": "K"},
                request_field="spare_nodes"),
-        RunOpt(("--recover",), "in-job recovery (DDP loops on InJobRecovery, the Trainer): replace a lost or frozen "
+        RunOpt(("--recover",), "in-job recovery (DDP and FSDP2 loops on InJobRecovery, the Trainer): replace a lost or frozen "
                "rank from the survivors' memory at most N times, the others staying up, before a restart in place "
                "(a batch script: ddp-hpc launch --launcher srun --recover N)", "job",
                {"type": int, "default": 0, "metavar": "N"}, request_field="recover"),
