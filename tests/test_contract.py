@@ -92,7 +92,8 @@ def test_contract_imports_nothing_but_the_standard_library():
     assert result.returncode == 0, result.stderr
     # ddp_hpc.version: the package's top reads its version there (a string, nothing imported).
     assert result.stdout.strip() == ("['ddp_hpc.contract', 'ddp_hpc.contract.atomic', 'ddp_hpc.contract.exit_status', "
-                                     "'ddp_hpc.contract.run_files', 'ddp_hpc.contract.variables', 'ddp_hpc.version']")
+                                     "'ddp_hpc.contract.run_files', 'ddp_hpc.contract.submission', 'ddp_hpc.contract.variables', "
+                                     "'ddp_hpc.version']")
 
 
 def _string_constants(tree: ast.AST):
