@@ -78,7 +78,7 @@ def main() -> None:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(ddp_model(x), y).backward()  # dropout draws from the RNG
                 optimizer.step()
-                recovery.step_done()  # in place of checkpointer.step_done(): counts, saves every 5 steps
+                recovery.step_done()  # the same as checkpointer.step_done(): counts, saves every 5 steps
                 samples.write(f"{os.getpid()} {recovery.generation} {recovery.step} {' '.join(map(str, ids.tolist()))}\n")
                 samples.flush()
                 if slot == 3 and recovery.step == stop_at:

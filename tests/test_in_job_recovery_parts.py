@@ -615,3 +615,44 @@ def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(mo
     assert summary.status.value == "completed" and summary.global_step == 16
     assert int(store.store.get(keys.seed_key(0))) == 0  # its base seed (training.seed + rank), for a replacement
     assert not store.ready(0)
+
+
+@pytest.mark.parametrize("called", ["recovery", "checkpointer"])
+def test_a_loop_calls_one_step_done_either_the_recoverys_or_the_checkpointers(monkeypatch, tmp_path, called):
+    """Under ``InJobRecovery.run`` with a Checkpointer, its ``step_done`` and the recovery's
+    are one call: 6 steps through either count 6 on both, advance the sampler 6 batches
+    (not 12), reseed the streams after each step and save at the cadence."""
+    import socket
+
+    import torch
+    from torch import nn
+
+    from ddp_hpc import Checkpointer, ResumableSampler
+    from ddp_hpc.engine.recovery import InJobRecovery
+    from ddp_hpc.engine.rng import step_seed
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as probe:  # a free port for the one-rank group's store
+        probe.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(probe.getsockname()[1]))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    recovery = InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1"})
+    try:
+        model = nn.Linear(2, 2)
+        sampler = ResumableSampler(list(range(64)), 1, 0, shuffle=False, seed=0, batch_size=4)
+        checkpointer = Checkpointer(tmp_path, {"model": model, "sampler": sampler}, every_n_steps=3)
+        torch.manual_seed(7)
+
+        def train(ddp_model: nn.Module) -> None:
+            for _ in range(6):
+                (recovery if called == "recovery" else checkpointer).step_done()
+
+        recovery.run(train, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler,
+                     checkpointer=checkpointer)
+        assert recovery.step == checkpointer.step == 6 and sampler.batches_done == 6
+        assert torch.initial_seed() == step_seed(7, 6)
+        assert sorted(path.name for path in tmp_path.glob("checkpoints/step-*.pt")) == [
+            "step-00000003.pt", "step-00000006.pt"]
+    finally:
+        recovery.close()

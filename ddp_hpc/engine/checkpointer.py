@@ -335,6 +335,9 @@ class Checkpointer:
         #: saved in the rank's own part of each checkpoint beside its RNG streams, restored
         #: into this dict where the checkpoint has a part of this rank's.
         self.rank_extras: dict[str, Any] = {}
+        #: Called with the step's batches by ``step_done`` once the step is counted and the
+        #: samplers advanced, before the cadence's save (in-job recovery's part of a step).
+        self.step_listeners: list[Callable[[int], None]] = []
         self.every_n_steps, self.every_n_epochs, self.keep_last = every_n_steps, every_n_epochs, keep_last
         self.format: CheckpointFormat = (make_format(format, background=background) if isinstance(format, str)
                                          else format)
@@ -394,13 +397,16 @@ class Checkpointer:
         the objects), then ``save_due``; the checkpoint's path, or None. ``epoch_ends``:
         this step is its epoch's last (its save waits for ``epoch_done``). ``save=False``:
         only count; the loop calls ``save_due`` once its own bookkeeping of the step (state
-        the checkpoint holds) is done."""
+        the checkpoint holds) is done. The ``step_listeners`` are called between the count
+        and the save."""
         self.step += 1
         self._epoch_ends = epoch_ends
         for obj in self.objects.values():
             advance = getattr(obj, "advance", None)
             if callable(advance):
                 advance(batches)
+        for listener in self.step_listeners:
+            listener(batches)
         return self.save_due() if save else None
 
     def save_due(self) -> Path | None:

@@ -258,6 +258,8 @@ class InJobRecovery:
             raise RefusedOnRank(why, self.slot)
         self._model, self._optimizer, self._sampler = model, optimizer, sampler
         self._checkpointer, self._stop_agreement = checkpointer, stop
+        if checkpointer is not None and self._counted not in checkpointer.step_listeners:
+            checkpointer.step_listeners.append(self._counted)  # the loop may call either step_done
         if checkpointer is not None:
             self.step = checkpointer.step  # a restored checkpoint's step
         self.seed = self._base_seed()
@@ -297,18 +299,26 @@ class InJobRecovery:
             recovered = True
 
     def step_done(self, batches: int = 1, *, epoch_ends: bool = False, save: bool = True) -> None:
-        """One optimizer step is complete on this rank: counts it, advances the sampler (or,
-        with a ``checkpointer``, its ``step_done``: the count, its samplers, then its cadence's
-        save) and reseeds this rank's streams for the next step (``step_seed(seed, step)``:
-        torch's, every accelerator's, numpy's and Python's), so that whoever replaces it can
-        rebuild them.
+        """One optimizer step is complete on this rank. With the ``checkpointer`` given to
+        ``run`` this is its ``step_done``, the same call: it counts the step and advances its
+        samplers, this rank's part follows as its step listener, then its cadence's save. A
+        loop calls one of the two. This rank's part: count the step, advance a sampler the
+        Checkpointer does not hold, reseed this rank's streams for the next step
+        (``step_seed(seed, step)``: torch's, every accelerator's, numpy's and Python's, so
+        that whoever replaces it can rebuild them) and, for a sharded model, take the
+        snapshot at its cadence.
         ``epoch_ends`` and ``save`` as in ``Checkpointer.step_done`` (``save=False``: the
         caller calls ``checkpointer.save_due()`` itself, once the step's other bookkeeping,
         its callbacks say, is done)."""
+        if self._checkpointer is not None:
+            self._checkpointer.step_done(batches, epoch_ends=epoch_ends, save=save)
+        else:
+            self._counted(batches)
+
+    def _counted(self, batches: int) -> None:
+        """This rank's part of a step's end (see ``step_done``); a save after it is a
+        collective: a peer lost in it is recovered from this step on."""
         self.step += 1
-        checkpointer = self._checkpointer
-        if checkpointer is not None:
-            checkpointer.step_done(batches, epoch_ends=epoch_ends, save=False)
         if self._sampler is not None and not self._advanced_by_checkpointer(self._sampler):
             self._sampler.advance(batches)
         if self.seed is None:  # step_done outside run(): the streams' base is the seed the script set
@@ -318,8 +328,6 @@ class InJobRecovery:
             self._snapshots.take(self.step)
         if self._pending is not None:
             self._finish_recovery()
-        if checkpointer is not None and save:  # a collective: a peer lost in it is recovered from this step on
-            checkpointer.save_due()
 
     def close(self) -> None:
         """Stops the heartbeat (the launch no longer watches this rank) and ends the process group."""
