@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.contract import RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, ExitStatus
+from ddp_hpc.contract import RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, SNAPSHOT_DIR_VAR, ExitStatus
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch import supervisor as supervisors
 from ddp_hpc.launch.attempts import Attempts, MarkedAttempts
@@ -59,7 +61,8 @@ def launch(spec: LaunchSpec, install_handler: InstallHandler) -> int:
             if spec.dry_run:
                 print(_describe(spec, plan.attempts), end="")
                 return 0
-            return _run(spec, plan, install_handler)
+            with _snapshot_folder(spec):
+                return _run(spec, plan, install_handler)
     except (UserError, OSError):
         if spec.mode == "hosts" and spec.job_id:  # the PBS job's end, for `--wait` and `status`
             LaunchEnd(spec.run_folder, spec.job_id)(Decision(restart=False, status=ExitStatus.FAILED))
@@ -75,6 +78,31 @@ def _scratch_folder(spec: LaunchSpec) -> Iterator[Path | None]:
             yield Path(scratch)
     else:
         yield spec.folder
+
+
+@contextlib.contextmanager
+def _snapshot_folder(spec: LaunchSpec) -> Iterator[None]:
+    """Under ``--recover``: one folder on node-local memory for the whole launch, where the
+    ranks keep a sharded model's snapshots (``engine/recovery/shards.py``), the same path on
+    every node and in every attempt (a restart in place reads it), removed from this node
+    when the launch ends (the ranks remove their copies when training ends; a job that
+    fails for good on several nodes leaves the other nodes' to the site's clean-up of
+    ``/dev/shm``). The ranks find it in ``$DDP_HPC_SNAPSHOT_DIR`` (under the user's, if set)."""
+    if spec.recovery is None or spec.mode == "node":  # a node supervisor's ranks use its launch's
+        yield
+        return
+    base = os.environ.get(SNAPSHOT_DIR_VAR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    folder = Path(base) / f"ddp_hpc-launch-{socket.gethostname()}-{os.getpid()}"
+    before = os.environ.get(SNAPSHOT_DIR_VAR)
+    os.environ[SNAPSHOT_DIR_VAR] = str(folder)  # every launcher hands the launch's environment on
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if before is None:
+            os.environ.pop(SNAPSHOT_DIR_VAR, None)
+        else:
+            os.environ[SNAPSHOT_DIR_VAR] = before
 
 
 def plan_launch(spec: LaunchSpec, folder: Path | None) -> Plan:
@@ -126,7 +154,7 @@ def plan_launch(spec: LaunchSpec, folder: Path | None) -> Plan:
     else:  # one mpiexec task: the node supervisor, which starts the ranks
         attempts = NodeSupervisors(mpiexec_here(
             spec.launcher, 1, node_supervisor_command(spec.nproc, limits, spec.command), folder,
-            forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR)))
+            forward=(RECOVERY_STORE_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR, SNAPSHOT_DIR_VAR)))
     if folder is not None and (mpiexec or spec.run_folder is not None):
         attempts = MarkedAttempts(attempts, folder)  # mpiexec's status through the marker
     # A `submit local` script exec's this launch: the job id is its pid.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc.contract import (HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RANK_FAILURES_PREFIX, RECOVERY_STORE_VAR,
-                              RESTART_COUNT_VAR, RUN_FOLDER_VAR, Submission, atomic_write)
+                              RESTART_COUNT_VAR, RUN_FOLDER_VAR, SNAPSHOT_DIR_VAR, Submission, atomic_write)
 from ddp_hpc.environment.hosts import with_suffix
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import signal_running, start_all
@@ -159,7 +159,8 @@ class HostfileAttempts:
         bound = recovery is None
         return build_mpiexec(MpiLaunch(launch.flavour, launch.nodes, launch.tasks_per_host, argv,
                                        hostfile=str(self.hostfile),
-                                       forward=FORWARDED if bound else (*FORWARDED, RECOVERY_STORE_VAR),
+                                       forward=FORWARDED if bound else (*FORWARDED, RECOVERY_STORE_VAR,
+                                                                        SNAPSHOT_DIR_VAR),
                                        cpu_bind=launch.cpu_bind if bound else None,
                                        depth=launch.depth if bound else None,
                                        allow_root=os.geteuid() == 0), program=launch.program)

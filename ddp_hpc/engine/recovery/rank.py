@@ -379,10 +379,15 @@ class InJobRecovery:
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(generation), self._store),
                                     rank=rank, world_size=world_size, timeout=self.collective_timeout)
-        finally:  # a group that failed to form leaves its sockets to be shut down too
+        except BaseException:  # a group that failed to form leaves its sockets to be shut down too
             with self._lock:
                 self._group_fds = socket_fds() - before
-        self.generation = generation
+            raise
+        # The group's sockets and its generation change together: the heartbeat, which breaks
+        # groups older than the newest plan, never takes the new group's sockets for the old's.
+        with self._lock:
+            self._group_fds = socket_fds() - before
+            self.generation = generation
 
     def _await_members(self, plan: keys.Plan) -> None:
         """Every member of ``plan`` has come to form it, before any connects: a member that
@@ -401,7 +406,7 @@ class InJobRecovery:
         if int(self._store.add(joined, 0)) < plan.world_size:
             raise Superseded(f"group {plan.generation} lost a member before it formed")
 
-    def _break_group(self) -> None:
+    def _break_group(self, older_than: int | None = None) -> None:
         """Shut the current group's connections down, so that every collective of it fails
         at once, on this rank and on each peer waiting for it.
 
@@ -410,8 +415,11 @@ class InJobRecovery:
         (DDP, a failed work) still holds the group, and nothing can interrupt a wait from
         outside. torchft runs its groups in a subprocess it can kill for the same reason
         (``ProcessGroupBaby``); here the sockets the group opened are shut down instead.
+        ``older_than``: only a group of an older generation (the heartbeat's view).
         """
         with self._lock:
+            if older_than is not None and self.generation >= older_than:
+                return
             for fd in self._group_fds:
                 try:
                     sock = socket.socket(fileno=os.dup(fd))
@@ -715,8 +723,9 @@ class InJobRecovery:
             store = keys.connect(address, self.wait_s)
             while not self._stop.wait(interval_s):
                 # A rank was lost: leave the old group even where no collective noticed it yet.
-                if keys.beat(store, self.slot) > self.generation:
-                    self._break_group()
+                latest = keys.beat(store, self.slot)
+                if latest > self.generation:
+                    self._break_group(older_than=latest)
         except (dist.DistError, RuntimeError, OSError):
             return  # the launch is gone: nothing to tell
 

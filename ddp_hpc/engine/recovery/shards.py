@@ -488,18 +488,10 @@ def rebind(model: torch.nn.Module) -> None:
 def reset_after_failure(model: torch.nn.Module) -> None:
     """FSDP2's state of the step a lost peer broke, cleared: parameters sharded again, no
     all-gather or reduce-scatter pending, every module idle, so that the next forward starts
-    afresh (torch >= 2.13: the root's ``reset_iter_state``, made for this; before it, the
-    same flags by hand). The step's gradients are lost; it is done again."""
-    from torch.distributed.fsdp import FSDPModule
-
-    roots = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    reset = getattr(roots[0], "reset_iter_state", None) if roots else None
-    if reset is not None:
-        try:
-            reset()
-            return
-        except RuntimeError as exc:  # a wait on the broken group's work: the flags below do without it
-            log.debug("reset_iter_state failed (%s): clearing FSDP2's step state by hand", exc)
+    afresh. The step's gradients are lost; it is done again. torch 2.13's
+    ``reset_iter_state`` is made for this after a failed step, but it waits on the step's
+    pending work, which a broken group may hold until its timeout: the same flags are
+    cleared here without waiting (the group is gone; nothing of its work is used)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     for state in _fsdp_states(model):
@@ -514,7 +506,7 @@ def reset_after_failure(model: torch.nn.Module) -> None:
             comm.all_gather_state = None
         if hasattr(comm, "reduce_scatter_state"):
             comm.reduce_scatter_state = None
-        for name in ("reduce_scatter_states", "post_forward_order"):
+        for name in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
             if hasattr(comm, name):
                 getattr(comm, name).clear()
         for param_group in _param_groups(state):
