@@ -111,3 +111,46 @@ def test_the_recoveries_the_benchmark_reads_are_those_the_ranks_wrote(tmp_path):
     for event in (later, RECOVERED_AT_11_3):
         write_recovery(tmp_path, event)
     assert read_recoveries(tmp_path) == [RECOVERED_AT_11_3, later]
+
+
+def test_a_sharded_recovery_shows_the_snapshot_it_rolled_back_to_from_the_record():
+    """The FSDP2 arm's faults carry the record's roll back (snapshot step, steps redone, the
+    shards a buddy gave) and its time to recover, and the table prints them."""
+    from dataclasses import replace
+
+    from ddp_hpc.bench.goodput_run import format_table
+
+    record = replace(RECOVERED_AT_11_3, step=9, snapshot_step=9, redone_steps=1, from_buddies=(0,))
+    first = steps(FIRST, range(1, 11), 1.0)
+    logs = ArmLogs(steps=tuple(first + steps(RECOVERED, range(10, 14), 12.5, (0.5, 0.7), (300, 101))),
+                   events=(), faults=(Fault(11.2, 0, 100, "kill"),), detections=(), recoveries=(record,),
+                   started=0.0, stopped=15.0)
+    (fault,) = goodput(logs).faults
+    assert (fault.snapshot_step, fault.record_redone_steps, fault.from_buddies) == (9, 1, (0,))
+    assert fault.recover_s == pytest.approx(1.2) and fault.steps_redone == 1
+    unsharded = goodput(replace(logs, recoveries=(RECOVERED_AT_11_3,))).faults[0]
+    assert unsharded.snapshot_step is None and unsharded.record_redone_steps is None
+    run = {"arm": "fsdp2-in-job", "round": 0, "result": goodput(logs).to_json()}
+    section = {"plan": {"world_size": 2, "fault": "kill", "interval_s": 30, "duration_s": 15,
+                        "checkpoint_every": 50}, "runs": [run], "summary": {"arms": {}}}
+    assert "snapshot of step 9, 1 redone, shards of rank 0 from a buddy, recovered in 1.20 s" in format_table(section)
+
+
+def test_the_fsdp2_arms_run_the_sharded_loop_and_are_compared_with_each_other_only(tmp_path):
+    from ddp_hpc.bench.goodput_run import _launch_argv, summarize
+
+    plan = GoodputPlan(arms=("in-job", "restart", "fsdp2-in-job", "fsdp2-restart"))
+    argv = {arm: _launch_argv(arm, plan, tmp_path) for arm in plan.arms}
+    assert "--fsdp2" in argv["fsdp2-in-job"] and "--recover" in argv["fsdp2-in-job"]
+    assert "--fsdp2" in argv["fsdp2-restart"] and "--recover" not in argv["fsdp2-restart"]
+    assert "--fsdp2" not in argv["in-job"] + argv["restart"]
+
+    def run(arm: str, to_next: float) -> dict:
+        fault = {"kill_to_next_step_s": to_next, "kill_to_progress_s": to_next}
+        return {"arm": arm, "result": {"counted_s": 9.0, "wall_s": 10.0, "faults": [fault]}}
+
+    speedups = summarize([run("in-job", 1.0), run("restart", 6.0), run("fsdp2-in-job", 2.0),
+                          run("fsdp2-restart", 20.0)])["speedups"]
+    assert speedups == {"in-job vs restart, kill->next step": 6.0, "in-job vs restart, kill->progress": 6.0,
+                        "fsdp2-in-job vs fsdp2-restart, kill->next step": 10.0,
+                        "fsdp2-in-job vs fsdp2-restart, kill->progress": 10.0}

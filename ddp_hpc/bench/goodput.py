@@ -25,6 +25,9 @@ in-job recovery), ordered as tuples.
   until the steps completed before ``T`` were completed again; then the first new step.
   *kill -> next step* = ``T`` to the first step every rank of the next epoch completed;
   *kill -> progress* = ``T`` to the first step beyond those completed before ``T``.
+  For a sharded model's recovery (snapshots), *transfer* is the roll back: every rank loads
+  the newest snapshot every shard has (its own, or a buddy's for the lost rank's); the
+  record's snapshot step, its count of redone steps and ``recover_s`` are shown beside.
 """
 
 from __future__ import annotations
@@ -96,6 +99,13 @@ class FaultCost:
     redo_s: float | None
     kill_to_next_step_s: float | None
     kill_to_progress_s: float | None
+    #: From the recovery record (None without one): the launch seeing the loss to the first
+    #: step after it; and for a sharded model the snapshot step every rank rolled back to,
+    #: the steps the record counts as done again, and the slots whose shards a buddy held.
+    recover_s: float | None = None
+    snapshot_step: int | None = None
+    record_redone_steps: int | None = None
+    from_buddies: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,16 @@ def fault_cost(fault: Fault, until: float, logs: ArmLogs) -> FaultCost:
         at=fault.at, slot=fault.slot, kind=fault.kind, recovered_in_job=in_job, steps_redone=redone,
         detect_s=_between(fault.at, detect_at), reform_s=_between(detect_at, group_at),
         transfer_s=_between(group_at, transfer_at), redo_s=_between(transfer_at, redo_end),
-        kill_to_next_step_s=next_step_at - fault.at, kill_to_progress_s=_between(fault.at, progress_at))
+        kill_to_next_step_s=next_step_at - fault.at, kill_to_progress_s=_between(fault.at, progress_at),
+        **_record_fields(record))
+
+
+def _record_fields(record: RecoveryEvent | None) -> dict[str, Any]:
+    if record is None:
+        return {}
+    sharded = record.snapshot_step is not None
+    return {"recover_s": record.recover_s, "snapshot_step": record.snapshot_step,
+            "record_redone_steps": record.redone_steps if sharded else None, "from_buddies": record.from_buddies}
 
 
 def _between(start: float | None, end: float | None) -> float | None:

@@ -10,6 +10,12 @@ with the limit the harness gives as ``--hang-timeout`` (under ``--recover`` the 
 own heartbeat check does that, and a watchdog would end the survivors while they wait for
 the replacement).
 
+With ``--fsdp2`` the model is sharded (``fully_shard``, every rank holds a quarter of it on
+4 ranks), the checkpoints are sharded (``dcp``), and under ``--recover`` each rank's shards
+are snapshotted every ``--snapshot-every`` steps into node-local memory and a buddy's
+(``InJobRecovery(snapshot_every=...)``): a lost rank's replacement takes its shards from a
+buddy, the survivors roll back to the newest snapshot every shard has.
+
 Each rank appends one line per event to ``RUN_DIR/steps/rank-<slot>.log`` (one write per
 line, ``time.time()`` stamps), which ``bench/goodput.py`` reads:
 
@@ -53,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--step-work", type=float, default=0.0,
                         help="seconds of the loop's own work after each optimizer step, before step_done")
+    parser.add_argument("--fsdp2", action="store_true", help="shard the model (fully_shard) and the checkpoints (dcp)")
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="with --fsdp2 under --recover: steps between snapshots")
     args = parser.parse_args(argv)
 
     import torch
@@ -77,9 +86,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.input_dim, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
                           nn.ReLU(), nn.Linear(args.hidden, 10))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    # A sharded model's optimizer is made after fully_shard (its parameters become DTensors).
+    optimizer = None if args.fsdp2 else torch.optim.Adam(model.parameters(), lr=1e-4)
 
-    recovery = InJobRecovery("gloo", run_dir=run_dir)
+    recovery = InJobRecovery("gloo", run_dir=run_dir, snapshot_every=args.snapshot_every if args.fsdp2 else None)
+    if args.fsdp2:  # over the group InJobRecovery formed (a warm spare has none before it)
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     log = StepLog(run_dir / "steps" / f"rank-{recovery.slot}.log", launch, attempt)
     log.write("start", STARTED)
     log.write("group", recovery.generation, time.time())
@@ -90,8 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     save_started: list[float] = []
     checkpointer = Checkpointer(run_dir, {"model": model, "optimizer": optimizer, "sampler": sampler},
                                 every_n_steps=args.checkpoint_every, keep_last=2,
+                                format="dcp" if args.fsdp2 else "file",
                                 on_saving=lambda: save_started.append(time.time()))
-    if not recovery.joining:  # a replacement takes the state from a survivor, not from disk
+    if not recovery.joining:  # a replacement takes the state from a survivor (or a buddy's snapshot), not from disk
         checkpointer.restore(quiet=True)
         log.write("restored", checkpointer.step, time.time())
 

@@ -11,6 +11,10 @@ Each arm runs the same loop (``bench/goodput_loop.py``: the same steps, a checkp
   resumes from the newest checkpoint);
 - ``requeue``: ``ddp-hpc launch --max-restarts 0`` in a loop (the launch ends; a new one
   resumes from the checkpoint, as a requeued job does, without the scheduler's queue wait).
+- ``fsdp2-in-job``, ``fsdp2-restart``: ``in-job`` and ``restart`` with the model sharded by
+  FSDP2 (the loop's ``--fsdp2``: dcp checkpoints; under ``--recover`` a snapshot of every
+  rank's shards every step, in node-local memory and a buddy's): a lost rank's shards come
+  back from a buddy's copy, or every rank restarts from the newest checkpoint on disk.
 
 Faults come at a fixed rate: the k-th is due ``k * interval_s`` after training started
 (every rank completed a step; the start-up before it counts in the wall time all the
@@ -44,7 +48,11 @@ from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Step, goodput,
 from ddp_hpc.engine.recovery.record import read_recoveries
 from ddp_hpc.errors import UserError
 
-ARMS = ("in-job", "in-job-spare", "restart", "requeue")
+#: The arms of a model sharded by FSDP2: the DDP arm of the same name after the prefix.
+SHARDED_ARMS = ("fsdp2-in-job", "fsdp2-restart")
+SHARDED_PREFIX = "fsdp2-"
+ARMS = ("in-job", "in-job-spare", "restart", "requeue", *SHARDED_ARMS)
+DEFAULT_ARMS = ("in-job", "in-job-spare", "restart", "requeue")
 FAULT_KINDS = ("kill", "hang", "mixed")
 #: Restarts or recoveries a launch may use: more than any run here has faults.
 ENOUGH = 1000
@@ -56,7 +64,7 @@ STOP_GRACE_S = 20.0
 
 @dataclass(frozen=True)
 class GoodputPlan:
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
     duration_s: float = 300.0
     interval_s: float = 30.0
     world_size: int = 4
@@ -172,15 +180,24 @@ class Launch:
         self._output.close()
 
 
+def is_in_job(arm: str) -> bool:
+    return arm.removeprefix(SHARDED_PREFIX).startswith("in-job")
+
+
+def is_sharded(arm: str) -> bool:
+    return arm in SHARDED_ARMS
+
+
 def _launch_argv(arm: str, plan: GoodputPlan, run_dir: Path) -> list[str]:
     in_job = ["--recover", str(ENOUGH), "--max-restarts", str(ENOUGH), "--hang-timeout", f"{plan.hang_timeout_s:g}"]
     flags = {"in-job": in_job, "in-job-spare": [*in_job, "--warm-spare"],
              "restart": ["--max-restarts", str(ENOUGH)],
-             "requeue": ["--max-restarts", "0"]}[arm]
+             "requeue": ["--max-restarts", "0"]}[arm.removeprefix(SHARDED_PREFIX)]
+    sharded = ["--fsdp2", "--snapshot-every", "1"] if is_sharded(arm) else []
     return [sys.executable, "-m", "ddp_hpc", "launch", "--nproc", str(plan.world_size), *flags, "--",
             sys.executable, "-m", "ddp_hpc.bench.goodput_loop", "--run-dir", str(run_dir),
             "--checkpoint-every", str(plan.checkpoint_every), "--hang-timeout", f"{plan.hang_timeout_s:g}",
-            "--step-work", f"{plan.step_work_s:g}"]
+            "--step-work", f"{plan.step_work_s:g}", *sharded]
 
 
 def _environment(launch_index: int) -> dict[str, str]:
@@ -254,13 +271,14 @@ def format_table(section: dict[str, Any]) -> str:
         lines.append(f"{run['arm']:<8} {run['round']:>5} {r['goodput']:>8.3f} {len(r['faults']):>6} "
                      f"{_fmt(r['median_kill_to_next_step_s']):>21} s {_fmt(r['median_kill_to_progress_s']):>20} s "
                      f"{r['counted_steps']:>11}/{r['completed_steps']}")
-    lines.append("per fault (s): detect, re-form, transfer, redo (steps), kill->next step, kill->progress")
+    lines.append("per fault (s): detect, re-form, transfer (a sharded model: the roll back to a snapshot), redo "
+                 "(steps), kill->next step, kill->progress")
     for run in section["runs"]:
         for index, f in enumerate(run["result"]["faults"]):
             lines.append(f"  {run['arm']:<8} r{run['round']} #{index + 1:<2} {f['kind']:<4} rank {f['slot']}  "
                          f"{_fmt(f['detect_s'])}  {_fmt(f['reform_s'])}  {_fmt(f['transfer_s'])}  "
                          f"{_fmt(f['redo_s'])} ({f['steps_redone']})  {_fmt(f['kill_to_next_step_s'])}  "
-                         f"{_fmt(f['kill_to_progress_s'])}" + _note(run["arm"], f))
+                         f"{_fmt(f['kill_to_progress_s'])}" + _rollback(f) + _note(run["arm"], f))
     summary = section["summary"]
     for arm, figures in summary["arms"].items():
         lines.append(f"{arm:<8} all rounds: goodput {figures['goodput']:.3f}, median kill->next step "
@@ -286,21 +304,33 @@ def format_markdown(section: dict[str, Any]) -> str:
         for index, f in enumerate(run["result"]["faults"]):
             out.append(f"| {run['arm']} | {index + 1} | {f['slot']} | {_fmt(f['detect_s'])} | {_fmt(f['reform_s'])} | "
                        f"{_fmt(f['transfer_s'])} | {_fmt(f['redo_s'])} ({f['steps_redone']}) | "
-                       f"{_fmt(f['kill_to_next_step_s'])} | {_fmt(f['kill_to_progress_s'])}{_note(run['arm'], f)} |")
+                       f"{_fmt(f['kill_to_next_step_s'])} | {_fmt(f['kill_to_progress_s'])}{_rollback(f)}"
+                       f"{_note(run['arm'], f)} |")
     return "\n".join(out) + "\n"
+
+
+def _rollback(fault: dict[str, Any]) -> str:
+    """A sharded recovery's record: the snapshot it rolled back to, the steps redone, the
+    shards a buddy gave, the launch's detection to the first step after it."""
+    if fault.get("snapshot_step") is None:
+        return ""
+    buddies = ",".join(map(str, fault["from_buddies"])) or "none"
+    return (f"  [snapshot of step {fault['snapshot_step']}, {fault['record_redone_steps']} redone, shards of rank "
+            f"{buddies} from a buddy, recovered in {_fmt(fault['recover_s'])} s]")
 
 
 def _note(arm: str, fault: dict[str, Any]) -> str:
     if fault["kill_to_next_step_s"] is None:
         return "  [no step completed after it before the next fault or the stop]"
-    if arm.startswith("in-job") and not fault["recovered_in_job"]:
+    if is_in_job(arm) and not fault["recovered_in_job"]:
         return "  [restarted in place: not recovered in the job]"
     return ""
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm over its rounds: goodput (counted time over wall time, summed), the median
-    over every fault; and how many times faster each in-job arm is than each other arm."""
+    over every fault; and how many times faster each in-job arm is than each other arm of
+    the same model (DDP or sharded)."""
     arms: dict[str, Any] = {}
     for arm in dict.fromkeys(run["arm"] for run in runs):
         results = [run["result"] for run in runs if run["arm"] == arm]
@@ -312,9 +342,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "median_kill_to_next_step_s": statistics.median(to_next) if to_next else None,
                      "median_kill_to_progress_s": statistics.median(to_progress) if to_progress else None}
     speedups = {}
-    for fast in (arm for arm in arms if arm.startswith("in-job")):
+    for fast in (arm for arm in arms if is_in_job(arm)):
         for arm, figures in arms.items():
-            if arm.startswith("in-job"):
+            if is_in_job(arm) or is_sharded(arm) != is_sharded(fast):  # a sharded arm against a sharded one
                 continue
             for key, label in (("median_kill_to_next_step_s", "next step"), ("median_kill_to_progress_s", "progress")):
                 if arms[fast][key] and figures[key]:
@@ -323,8 +353,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any]:
-    """Every arm, alternating round by round; merged into ``output`` as ``goodput``. The
-    ranks' logs and each launch's output stay in ``workdir`` (checkpoints are removed)."""
+    """Every arm, alternating round by round; merged into ``output`` as ``goodput`` (as
+    ``goodput_fsdp2`` where every arm is sharded). The
+    ranks' logs and each launch's output stay in ``workdir`` (checkpoints and snapshots are removed)."""
     from ddp_hpc.bench.results_file import check_output, merge_into
     from ddp_hpc.bench.runner import machine_info
 
@@ -342,7 +373,7 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
             progress(f"{arm} round {round_index}: {plan.duration_s:g} s in {run_dir}")
             logs = run_arm(arm, plan, run_dir, progress)
             result: Goodput = goodput(logs)
-            _remove_checkpoints(run_dir)
+            _remove_saved_state(run_dir)
             runs.append({"arm": arm, "round": round_index, "run_dir": str(run_dir),
                          "load_average_after": os.getloadavg(), "result": result.to_json()})
             progress(f"{arm} round {round_index}: goodput {result.goodput:.3f}, {len(result.faults)} faults, median "
@@ -352,7 +383,8 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
                "note": "goodput: time of the steps that count (not redone; each the median over the ranks of its "
                        "own duration, checkpoint saves excluded) over the arm's wall time; per fault: detect, "
                        "re-form, transfer, redo measured from the ranks' logs and the launch (bench/goodput.py)"}
-    merge_into(output, {"goodput": section})
+    # Sharded arms alone keep the DDP arms' figures (and the reverse): a key of their own.
+    merge_into(output, {"goodput_fsdp2" if all(map(is_sharded, plan.arms)) else "goodput": section})
     tables = workdir / f"{stamp}.md"
     tables.write_text(format_markdown(section))
     print(format_table(section))
@@ -360,7 +392,11 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
     return section
 
 
-def _remove_checkpoints(run_dir: Path) -> None:
+def _remove_saved_state(run_dir: Path) -> None:
+    """The arm's checkpoints, and the snapshots its stopped ranks left in node-local memory."""
     import shutil
 
+    from ddp_hpc.engine.recovery.shards import snapshot_root
+
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(snapshot_root(run_dir, os.environ), ignore_errors=True)
