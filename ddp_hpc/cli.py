@@ -185,11 +185,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, format_table, inspect_checkpoints
+    from ddp_hpc.engine.checkpoint_tools import (convert_checkpoint, format_table, inspect_checkpoints,
+                                                 inspect_resumes)
 
     if args.action == "inspect":
         infos = inspect_checkpoints(args.run)
-        write_line(sys.stdout, json.dumps([asdict(i) for i in infos], indent=2) if args.json else format_table(infos))
+        write_line(sys.stdout, json.dumps([asdict(i) for i in infos], indent=2) if args.json
+                   else format_table(infos, inspect_resumes(args.run)))
         return 0
     write_line(sys.stdout, str(convert_checkpoint(args.run, args.output, step=args.step)))
     return 0

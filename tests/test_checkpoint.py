@@ -482,3 +482,20 @@ def test_a_presplit_checkpoint_whose_data_order_cannot_be_rebuilt_is_refused_in_
     assert "\n" not in str(refused.value)
     today = {**state, "step": 7, "sampler": {}}
     assert upgrade_presplit(Path("new.pt"), today, 40) is today  # today's layout passes through
+
+
+def test_inspect_says_which_tier_each_restart_in_place_resumed_from(tmp_path):
+    """``ddp-hpc checkpoint inspect`` lists, after the checkpoints, one line per restart in
+    place (``record/resume-<restart>.json``): the snapshots in memory or the disk."""
+    from ddp_hpc.engine.checkpoint_tools import format_table, inspect_checkpoints, inspect_resumes
+    from ddp_hpc.engine.recovery.record import ResumeEvent, write_resume
+
+    (tmp_path / "checkpoints").mkdir()
+    write_resume(tmp_path, ResumeEvent(restart=2, tier="disk", step=40, checkpoint_step=40))
+    write_resume(tmp_path, ResumeEvent(restart=1, tier="memory", step=37, checkpoint_step=30, from_buddies=(2,)))
+    assert inspect_resumes(tmp_path / "checkpoints") == inspect_resumes(tmp_path)  # the run or its checkpoints/
+    shown = format_table(inspect_checkpoints(tmp_path), inspect_resumes(tmp_path)).splitlines()
+    assert shown == ["no checkpoints",
+                     "restart 1: resumed at step 37 from the snapshots in node-local memory, the shards of rank(s) 2 "
+                     "from a buddy's copy (the newest checkpoint: step 30)",
+                     "restart 2: resumed at step 40 from the checkpoint on disk"]

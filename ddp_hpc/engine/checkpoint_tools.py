@@ -1,5 +1,6 @@
-"""Looking into a run's checkpoints, either format: ``ddp-hpc checkpoint inspect`` and
-``ddp-hpc checkpoint convert`` (a sharded checkpoint folder to one file for inference)."""
+"""Looking into a run's checkpoints, either format: ``ddp-hpc checkpoint inspect`` (with the
+tier each restart in place resumed from) and ``ddp-hpc checkpoint convert`` (a sharded
+checkpoint folder to one file for inference)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from ddp_hpc.contract import CHECKPOINTS_DIR, atomic_write
 from ddp_hpc.engine import checkpoint_files as files
 from ddp_hpc.engine import dcp_format
+from ddp_hpc.engine.recovery.record import ResumeEvent, read_resumes
 from ddp_hpc.errors import UserError
 
 
@@ -79,8 +81,29 @@ def inspect_checkpoints(run: str | Path) -> list[CheckpointInfo]:
     return sorted(infos, key=lambda info: (info.step, info.format))
 
 
-def format_table(infos: list[CheckpointInfo]) -> str:
-    """``inspect``'s table, one line per checkpoint."""
+def inspect_resumes(run: str | Path) -> list[ResumeEvent]:
+    """Each restart in place of a run that took its state from the snapshots the nodes kept
+    in memory or from the checkpoint on disk (``record/resume-<restart>.json``), in order."""
+    return read_resumes(checkpoints_folder(run).parent)
+
+
+def format_table(infos: list[CheckpointInfo], resumes: list[ResumeEvent] | None = None) -> str:
+    """``inspect``'s table, one line per checkpoint, then one line per restart in place
+    saying which tier it resumed from."""
+    return "\n".join([_checkpoint_lines(infos), *(_resume_line(resume) for resume in resumes or ())])
+
+
+def _resume_line(resume: ResumeEvent) -> str:
+    if resume.tier == "memory":
+        buddies = (f", the shards of rank(s) {', '.join(map(str, resume.from_buddies))} from a buddy's copy"
+                   if resume.from_buddies else "")
+        where = f"the snapshots in node-local memory{buddies} (the newest checkpoint: step {resume.checkpoint_step})"
+    else:
+        where = "the checkpoint on disk"
+    return f"restart {resume.restart}: resumed at step {resume.step} from {where}"
+
+
+def _checkpoint_lines(infos: list[CheckpointInfo]) -> str:
     if not infos:
         return "no checkpoints"
     lines = [f"{'step':>8}  {'format':6}  {'size':>10}  {'ranks':>5}  {'complete':8}  path"]
