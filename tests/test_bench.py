@@ -132,3 +132,30 @@ def test_figures_are_not_lost_when_the_output_cannot_be_written_at_the_end(tmp_p
         assert json.loads(rescued.read_text()) == {"overhead": [1.5]}
     finally:
         rescued.unlink()
+
+
+def test_the_snapshot_stall_is_held_against_one_copy_of_the_same_shards_and_leaves_nothing(tmp_path, monkeypatch):
+    """``bench --checkpoints``' snapshot tier (one rank, in-process): each take timed, and the
+    copy it is compared with holds the rank's whole sharded state (weights and Adam's two
+    moments), not the weights alone; node-local memory is left empty."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_hpc.bench.snapshot_stall import measure_snapshot_stall
+
+    monkeypatch.setenv("DDP_HPC_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ctx = SimpleNamespace(torch_device=torch.device("cpu"), world_size=1, rank=0)
+        result = measure_snapshot_stall(ctx, megabytes=4, takes=2, folder=tmp_path / "run")
+    finally:
+        dist.destroy_process_group()
+    assert len(result["stall_s"]) == len(result["background_s"]) == 2
+    copy = result["copy_baseline"]
+    assert "host-to-host" in copy["baseline"]
+    weights = 8 * 353 * 353 * 4  # 8 layers of width sqrt(4 MB / 4 bytes / 8)
+    assert 3 * weights <= copy["bytes"] < 3 * weights + 1024 <= result["snapshot_bytes"]
+    assert result["stall_over_copy"] == result["stall_s"][-1] / copy["copy_median_s"]
+    assert not any((tmp_path / "shm").rglob("*.pt"))

@@ -11,6 +11,8 @@ the same size, written in 64 MB blocks and fsync'd), with each format's write th
 fraction of it; and, on each rank, one copy of the model's bytes into host buffers
 (``device_clock.host_copy_baseline``: pinned from a GPU, host-to-host on CPU ranks), with
 each stall as a multiple of it. A mode that raises is recorded with its error; the others run.
+Then, in the same launch, the in-memory snapshot tier of in-job recovery for a sharded model
+(``snapshot_stall.py``): its stall against one copy of the rank's shards to host memory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_hpc.bench.device_clock import host_copy_baseline, synchronize
+from ddp_hpc.bench.snapshot_stall import SNAPSHOT_STALL_TARGET
 from ddp_hpc.errors import UserError
 
 MODES = (("file", False), ("file", True), ("dcp", False), ("dcp", True))
@@ -109,12 +112,28 @@ def _worker(args: argparse.Namespace) -> None:
         ddp = DistributedDataParallel(model, device_ids=ctx.device.ddp_device_ids)
         baseline = host_copy_baseline([p.detach() for p in model.parameters()])
         results = _save_all_modes(args, ctx, ddp, model)
+        del ddp, model  # the snapshot's sharded model takes its place in memory
+        snapshot = _snapshot_tier(args, ctx)
         if ctx.is_rank_zero:
             Path(args.out).write_text(json.dumps({
                 "world_size": ctx.world_size, "device": str(ctx.torch_device), "backend": ctx.backend,
-                "state_bytes": baseline["bytes"], "copy_baseline": baseline, "modes": results}))
+                "state_bytes": baseline["bytes"], "copy_baseline": baseline, "modes": results,
+                "snapshot": snapshot}))
         ctx.barrier()
-        del ddp
+
+
+def _snapshot_tier(args: argparse.Namespace, ctx) -> dict[str, Any]:
+    """``snapshot_stall``'s figures of this rank, or its error (the disk formats' figures stand)."""
+    import gc
+
+    from ddp_hpc.bench.snapshot_stall import measure_snapshot_stall
+
+    gc.collect()
+    try:
+        return {"error": None, **measure_snapshot_stall(ctx, args.megabytes, args.saves,
+                                                         Path(args.dir) / f"snapshots-{ctx.world_size}")}
+    except Exception as exc:  # noqa: BLE001  (recorded, as a failed disk mode is)
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
 
 
 def run_checkpoint_formats(world_sizes: tuple[int, ...], megabytes: int, output: Path, workdir: Path,
@@ -152,15 +171,31 @@ def run_checkpoint_formats(world_sizes: tuple[int, ...], megabytes: int, output:
                   f"= {mode['stall_over_copy']:.2f}x the copy{target}  write {', '.join(f'{s:.3f}' for s in mode['write_s'])} s  "
                   f"{mode['bytes_on_disk'] / 1e6:.0f} MB  {mode['mb_per_s']:.0f} MB/s = "
                   f"{mode['fraction_of_disk']:.2f} of the disk", flush=True)
+        _print_snapshot(size, result["snapshot"])
         rows.append(result)
     section = {"disk_write_mb_s": disk, "megabytes": megabytes, "saves": saves, "device": device, "runs": rows,
                "background_stall_target_over_copy": BACKGROUND_STALL_TARGET,
+               "snapshot_stall_target_over_copy": SNAPSHOT_STALL_TARGET,
                "note": "stall: time save() blocked; write: until complete on disk (wait() included); "
                        "figures of the last save; fraction: write throughput over the disk's sequential bandwidth; "
                        "stall_over_copy: the last save's stall over the median copy_baseline (measured in the "
-                       "same launch; its 'baseline' says which copy)"}
+                       "same launch; its 'baseline' says which copy); snapshot: in-job recovery's snapshot of "
+                       "an FSDP2 model of the same weights with Adam's state, its stall (Snapshots.take) over one "
+                       "copy of the same shards to host memory (its own copy_baseline), rank 0's"}
     merge_into(output, {"checkpoint_formats": section})
     return section
+
+
+def _print_snapshot(size: int, snapshot: dict[str, Any]) -> None:
+    name = f"{size} ranks  snapshot (FSDP2 shards + Adam, in memory)"
+    if snapshot["error"]:
+        print(f"{name}  failed: {snapshot['error']}", flush=True)
+        return
+    copy = snapshot["copy_baseline"]
+    print(f"{name}  stall {', '.join(f'{s:.3f}' for s in snapshot['stall_s'])} s = {snapshot['stall_over_copy']:.2f}x "
+          f"the copy of its shards ({copy['copy_median_s'] * 1e3:.2f} ms, {copy['bytes'] / 1e6:.0f} MB; target <= "
+          f"{SNAPSHOT_STALL_TARGET})  background {', '.join(f'{s:.3f}' for s in snapshot['background_s'])} s  "
+          f"{snapshot['snapshot_bytes'] / 1e6:.0f} MB per copy", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
