@@ -154,3 +154,14 @@ def test_the_fsdp2_arms_run_the_sharded_loop_and_are_compared_with_each_other_on
     assert speedups == {"in-job vs restart, kill->next step": 6.0, "in-job vs restart, kill->progress": 6.0,
                         "fsdp2-in-job vs fsdp2-restart, kill->next step": 10.0,
                         "fsdp2-in-job vs fsdp2-restart, kill->progress": 10.0}
+
+
+def test_an_in_job_recovery_without_its_record_has_no_transfer_not_the_first_restore():
+    """A recovery that broke before rank 0 wrote its record (the new group's first step
+    completed, then a rank failed again): the attempt's restore at start-up, before the fault,
+    is not its transfer."""
+    logs = ArmLogs(steps=tuple(steps(FIRST, range(1, 11), 1.0) + steps(RECOVERED, range(10, 12), 12.5)),
+                   events=(Event("restored", 0, 100, FIRST, 0, 0.5), Event("group", 0, 300, RECOVERED, 1, 11.5)),
+                   faults=(Fault(10.5, 0, 100, "kill"),), detections=(), recoveries=(), started=0.0, stopped=14.0)
+    (fault,) = goodput(logs).faults
+    assert fault.recovered_in_job and fault.transfer_s is None and fault.kill_to_next_step_s == pytest.approx(2.0)

@@ -197,7 +197,9 @@ def fault_cost(fault: Fault, until: float, logs: ArmLogs) -> FaultCost:
     else:
         detect_at = next((t for t in sorted(logs.detections) if fault.at <= t < until), None)
         groups = [e.at for e in logs.events if e.kind == "group" and e.epoch == new]
-        restores = [e.at for e in logs.events if e.kind == "restored" and e.epoch[:2] == new[:2]]
+        # After the fault: an in-job recovery without its record shares the attempt of the first restore.
+        restores = [e.at for e in logs.events
+                    if e.kind == "restored" and e.epoch[:2] == new[:2] and e.at >= fault.at]
         group_at = max(groups) if groups else None
         transfer_at = max(restores) if restores else None
     redo_end = max(s.ended for s in grouped[new, done_before]) if redone and (new, done_before) in grouped else (
