@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "in-job arm, the watchdog's limit in the others; default: 5)")
     bench.add_argument("--goodput-arms", default="in-job,in-job-spare,restart,requeue", metavar="ARM,...",
                        help="with --goodput: which arms, in this order each round (default: "
-                            "in-job,in-job-spare,restart,requeue; fsdp2-in-job,fsdp2-restart: the model sharded)")
+                            "in-job,in-job-spare,restart,requeue; fsdp2-in-job,fsdp2-in-job-spare,fsdp2-restart: the model "
+                            "sharded)")
     bench.add_argument("--goodput-rounds", type=int, default=1, metavar="R",
                        help="with --goodput: rounds of the arms, alternating (default: 1)")
     bench.add_argument("--goodput-seed", type=int, default=0, metavar="N",

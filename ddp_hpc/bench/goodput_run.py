@@ -11,7 +11,8 @@ Each arm runs the same loop (``bench/goodput_loop.py``: the same steps, a checkp
   resumes from the newest checkpoint);
 - ``requeue``: ``ddp-hpc launch --max-restarts 0`` in a loop (the launch ends; a new one
   resumes from the checkpoint, as a requeued job does, without the scheduler's queue wait).
-- ``fsdp2-in-job``, ``fsdp2-restart``: ``in-job`` and ``restart`` with the model sharded by
+- ``fsdp2-in-job``, ``fsdp2-in-job-spare``, ``fsdp2-restart``: the arms of the same names
+  after the prefix, with the model sharded by
   FSDP2 (the loop's ``--fsdp2``: dcp checkpoints; under ``--recover`` a snapshot of every
   rank's shards every step, in node-local memory and a buddy's): a lost rank's shards come
   back from a buddy's copy, or every rank restarts from the newest checkpoint on disk.
@@ -49,7 +50,7 @@ from ddp_hpc.engine.recovery.record import read_recoveries
 from ddp_hpc.errors import UserError
 
 #: The arms of a model sharded by FSDP2: the DDP arm of the same name after the prefix.
-SHARDED_ARMS = ("fsdp2-in-job", "fsdp2-restart")
+SHARDED_ARMS = ("fsdp2-in-job", "fsdp2-in-job-spare", "fsdp2-restart")
 SHARDED_PREFIX = "fsdp2-"
 ARMS = ("in-job", "in-job-spare", "restart", "requeue", *SHARDED_ARMS)
 DEFAULT_ARMS = ("in-job", "in-job-spare", "restart", "requeue")
