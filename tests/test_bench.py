@@ -149,13 +149,13 @@ def test_the_snapshot_stall_is_held_against_one_copy_of_the_same_shards_and_leav
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ctx = SimpleNamespace(torch_device=torch.device("cpu"), world_size=1, rank=0)
-        result = measure_snapshot_stall(ctx, megabytes=4, takes=2, folder=tmp_path / "run")
+        result = measure_snapshot_stall(ctx, megabytes=4, takes=3, folder=tmp_path / "run")
     finally:
         dist.destroy_process_group()
-    assert len(result["stall_s"]) == len(result["background_s"]) == 2
+    assert len(result["stall_s"]) == len(result["background_s"]) == 3
     copy = result["copy_baseline"]
     assert "host-to-host" in copy["baseline"]
     weights = 8 * 353 * 353 * 4  # 8 layers of width sqrt(4 MB / 4 bytes / 8)
     assert 3 * weights <= copy["bytes"] < 3 * weights + 1024 <= result["snapshot_bytes"]
-    assert result["stall_over_copy"] == result["stall_s"][-1] / copy["copy_median_s"]
+    assert result["stall_over_copy"] == sorted(result["stall_s"])[1] / copy["copy_median_s"]  # the median of 3
     assert not any((tmp_path / "shm").rglob("*.pt"))

@@ -180,8 +180,8 @@ def run_checkpoint_formats(world_sizes: tuple[int, ...], megabytes: int, output:
                        "figures of the last save; fraction: write throughput over the disk's sequential bandwidth; "
                        "stall_over_copy: the last save's stall over the median copy_baseline (measured in the "
                        "same launch; its 'baseline' says which copy); snapshot: in-job recovery's snapshot of "
-                       "an FSDP2 model of the same weights with Adam's state, its stall (Snapshots.take) over one "
-                       "copy of the same shards to host memory (its own copy_baseline), rank 0's"}
+                       "an FSDP2 model of the same weights with Adam's state, its median stall (Snapshots.take) over "
+                       "one copy of the same shards to host memory (its own copy_baseline), rank 0's"}
     merge_into(output, {"checkpoint_formats": section})
     return section
 
@@ -192,7 +192,7 @@ def _print_snapshot(size: int, snapshot: dict[str, Any]) -> None:
         print(f"{name}  failed: {snapshot['error']}", flush=True)
         return
     copy = snapshot["copy_baseline"]
-    print(f"{name}  stall {', '.join(f'{s:.3f}' for s in snapshot['stall_s'])} s = {snapshot['stall_over_copy']:.2f}x "
+    print(f"{name}  stall {', '.join(f'{s:.3f}' for s in snapshot['stall_s'])} s, median {snapshot['stall_over_copy']:.2f}x "
           f"the copy of its shards ({copy['copy_median_s'] * 1e3:.2f} ms, {copy['bytes'] / 1e6:.0f} MB; target <= "
           f"{SNAPSHOT_STALL_TARGET})  background {', '.join(f'{s:.3f}' for s in snapshot['background_s'])} s  "
           f"{snapshot['snapshot_bytes'] / 1e6:.0f} MB per copy", flush=True)

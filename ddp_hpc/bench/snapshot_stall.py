@@ -7,7 +7,8 @@ kept between snapshots, a thread serializes the copy and writes it to node-local
 Per snapshot: the *stall* (how long ``take`` kept the loop waiting, measured by the caller)
 and the *background* part (until the thread is done); and, measured in the same run, one
 copy of the same local shards into host buffers (``device_clock.host_copy_baseline``:
-pinned from a GPU, host-to-host on CPU ranks), the stall as a multiple of it. The copies
+pinned from a GPU, host-to-host on CPU ranks), the median stall as a multiple of its median
+(a take varies by 2x on a loaded machine; one take against the copy says little). The copies
 are not swapped with buddies here (a background part over the network; no buddy is
 needed for the stall), so node-local memory holds two steps of each rank's own copy.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +79,7 @@ def measure_snapshot_stall(ctx: Any, megabytes: int, takes: int, folder: Path) -
         files.remove([ctx.rank])
     return {"stall_s": stall, "background_s": background, "internal_stall_s": snapshots.last_stall_s,
             "snapshot_bytes": snapshots.last_bytes, "copy_baseline": baseline,
-            "stall_over_copy": stall[-1] / baseline["copy_median_s"]}
+            "stall_over_copy": statistics.median(stall) / baseline["copy_median_s"]}
 
 
 def _tensors(tree: Any) -> list[Any]:
