@@ -56,9 +56,9 @@ def measure_snapshot_stall(ctx: Any, megabytes: int, takes: int, folder: Path) -
     local, _ = localized(state())
     shards = [t for t in _tensors(local) if t.numel()]
     baseline = host_copy_baseline(shards)
-    files = SnapshotFiles(snapshot_root(folder, os.environ))
+    # Not attached to a group: no swap, and the copy is slot 0's, in a folder of this rank's own.
+    files = SnapshotFiles(snapshot_root(folder / f"rank-{ctx.rank}", os.environ))
     snapshots = Snapshots(1, Buddies(world_size=ctx.world_size, distance=1), files, state)
-    snapshots.attach(None, ctx.rank)  # this rank's slot; no group: no swap
     stall, background = [], []
     try:
         for _ in range(takes + 1):  # the first take allocates the host buffers: not counted
@@ -76,7 +76,7 @@ def measure_snapshot_stall(ctx: Any, megabytes: int, takes: int, folder: Path) -
                 background.append(time.perf_counter() - taken)
     finally:
         snapshots.wait()
-        files.remove([ctx.rank])
+        files.remove([0])
     return {"stall_s": stall, "background_s": background, "internal_stall_s": snapshots.last_stall_s,
             "snapshot_bytes": snapshots.last_bytes, "copy_baseline": baseline,
             "stall_over_copy": statistics.median(stall) / baseline["copy_median_s"]}
