@@ -39,6 +39,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Step, goodput, parse_line
+from ddp_hpc.contract import SNAPSHOT_DIR_VAR
 from ddp_hpc.engine.recovery.record import read_recoveries
 from ddp_hpc.errors import UserError
 
@@ -201,8 +203,11 @@ def _launch_argv(arm: str, plan: GoodputPlan, run_dir: Path) -> list[str]:
             "--step-work", f"{plan.step_work_s:g}", *sharded]
 
 
-def _environment(launch_index: int) -> dict[str, str]:
-    env = {**os.environ, "GOODPUT_LAUNCH": str(launch_index), "OMP_NUM_THREADS": "1"}
+def _environment(launch_index: int, run_dir: Path) -> dict[str, str]:
+    env = {**os.environ, "GOODPUT_LAUNCH": str(launch_index), "OMP_NUM_THREADS": "1",
+           # The launch's snapshot folder under one of the arm's own: removed after the arm
+           # even where the launch, stopped, could not remove it.
+           SNAPSHOT_DIR_VAR: str(_snapshot_folder(run_dir))}
     # The ranks are started as `ddp-hpc run`: the one of this Python.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
@@ -214,7 +219,7 @@ def run_arm(arm: str, plan: GoodputPlan, run_dir: Path, progress) -> ArmLogs:
     follower = LogFollower(run_dir / "steps", plan.world_size)
     schedule = plan.schedule()
     output = run_dir / "launch-output.txt"
-    launches = [Launch(_launch_argv(arm, plan, run_dir), _environment(0), output)]
+    launches = [Launch(_launch_argv(arm, plan, run_dir), _environment(0, run_dir), output)]
     started = launches[0].started
     stop_at = started + plan.duration_s
     faults: list[Fault] = []
@@ -226,7 +231,7 @@ def run_arm(arm: str, plan: GoodputPlan, run_dir: Path, progress) -> ArmLogs:
             if arm != "requeue":
                 raise UserError(f"goodput arm {arm}: the launch ended early (exit {launches[-1].process.returncode}); "
                                 f"see {output}")
-            launches.append(Launch(_launch_argv(arm, plan, run_dir), _environment(len(launches)), output))
+            launches.append(Launch(_launch_argv(arm, plan, run_dir), _environment(len(launches), run_dir), output))
             progress(f"{arm}: launch {len(launches) - 1} started (requeue)")
             continue
         if training is None:
@@ -393,11 +398,14 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
     return section
 
 
+def _snapshot_folder(run_dir: Path) -> Path:
+    base = os.environ.get(SNAPSHOT_DIR_VAR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    return Path(base) / f"ddp_hpc-goodput-{os.getpid()}-{run_dir.name}"
+
+
 def _remove_saved_state(run_dir: Path) -> None:
     """The arm's checkpoints, and the snapshots its stopped ranks left in node-local memory."""
     import shutil
 
-    from ddp_hpc.engine.recovery.shards import snapshot_root
-
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(snapshot_root(run_dir, os.environ), ignore_errors=True)
+    shutil.rmtree(_snapshot_folder(run_dir), ignore_errors=True)
