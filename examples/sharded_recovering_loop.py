@@ -54,6 +54,8 @@ def main() -> None:
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     train_set = TensorDataset(inputs[:1500], torch.tensor(digits.target[:1500]))
 
+    import torch.distributed.checkpoint  # noqa: F401  # what the dcp Checkpointer needs: before a warm spare waits
+
     recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir,  # in place of dist.init_process_group
                                      snapshot_every=int(os.environ.get("SNAPSHOT_EVERY", "1")))
     ddp_hpc.seed_everything(1000 + recovery.slot)  # each rank's own streams (its own dropout)
