@@ -30,6 +30,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed.checkpoint  # noqa: E402, F401  # the dcp Checkpointer's: imported before a spare waits
 from sklearn.datasets import load_digits  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -53,8 +54,6 @@ def main() -> None:
     digits = load_digits()
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     train_set = TensorDataset(inputs[:1500], torch.tensor(digits.target[:1500]))
-
-    import torch.distributed.checkpoint  # noqa: F401  # what the dcp Checkpointer needs: before a warm spare waits
 
     recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir,  # in place of dist.init_process_group
                                      snapshot_every=int(os.environ.get("SNAPSHOT_EVERY", "1")))

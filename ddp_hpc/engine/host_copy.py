@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,11 +91,61 @@ def snapshot(value: Any, cache: dict[tuple, torch.Tensor] | None = None, key: tu
     the live training state (on CPU ``tensor.cpu()`` would alias: always copy), complete
     when it returns. With ``cache``, the previous snapshot's buffers are refilled in place
     where they fit (see the module's docstring)."""
-    pending: set[torch.device] = set()
-    copied = _copy(value, cache, key, _dtensor_class(), pending)
+    copied, pending = _copy_all(value, cache, key)
     for device in pending:
         torch.cuda.current_stream(device).synchronize()
     return copied
+
+
+def _copy_all(value: Any, cache: dict[tuple, torch.Tensor] | None, key: tuple) -> tuple[Any, set[torch.device]]:
+    pending: set[torch.device] = set()
+    return _copy(value, cache, key, _dtensor_class(), pending), pending
+
+
+@dataclass(frozen=True)
+class Copying:
+    """A snapshot whose device-to-host copies may still run (``snapshot_on_side_streams``):
+    ``copied`` is complete once ``wait()`` returns."""
+
+    copied: Any
+    done: tuple[Any, ...]
+
+    def wait(self) -> Any:
+        for event in self.done:
+            event.synchronize()
+        return self.copied
+
+
+@torch.no_grad()
+def snapshot_on_side_streams(value: Any, cache: dict[tuple, torch.Tensor],
+                             streams: dict[torch.device, Any], key: tuple = ()) -> Copying:
+    """``snapshot``, with the copies from a GPU queued on a side stream of that device
+    (``streams``, one kept per device) instead of waited for: the caller goes on at once.
+
+    torch's CUDA semantics make that safe: the side stream first waits for the work queued
+    so far on the current stream (what last wrote the tensors), and the current stream then
+    waits for the copies (an event) before anything queued after, such as the next
+    optimizer step writing the same tensors in place; neither wait holds the CPU. The host
+    buffers are complete once ``wait()`` returns (the events synchronized). Without a GPU
+    this is ``snapshot``: copied when it returns."""
+    if not torch.cuda.is_available():
+        return Copying(snapshot(value, cache, key), ())
+    # The rank's device (a rank's tensors live on one): its copies go on its side stream; a
+    # tensor on another device is copied on that device's current stream, waited for alike.
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = streams.get(device)
+    if side is None:
+        side = streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        copied, pending = _copy_all(value, cache, key)
+    done = []
+    for used in pending:
+        event = torch.cuda.Event()
+        event.record(side if used == device else torch.cuda.current_stream(used))
+        torch.cuda.current_stream(used).wait_event(event)
+        done.append(event)
+    return Copying(copied, tuple(done))
 
 
 @torch.no_grad()

@@ -6,8 +6,9 @@ must be kept somewhere else before it is lost. Every ``every`` steps each rank:
 
 1. copies its state (its shards, its optimizer state, its sampler position and the
    Checkpointer's bookkeeping) into host buffers kept from one snapshot to the next
-   (``host_copy.snapshot``: pinned and non-blocking from a GPU): the only part training
-   waits for;
+   (``host_copy``): on CPU ranks the only part training waits for; from a GPU the copies
+   are queued on a side stream into pinned buffers and training goes on at once (the
+   next kernels that write the same tensors wait for the copies on the GPU, not the CPU);
 2. then, on a thread of its own: writes the copy, serialized, into node-local memory (a file
    under ``/dev/shm``, which outlives the process, so that a restart in place on the same
    node reads it there), and swaps copies with its buddies over a process group of its own
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
-from ddp_hpc.engine.host_copy import snapshot
+from ddp_hpc.engine.host_copy import Copying, snapshot_on_side_streams
 from ddp_hpc.engine.recovery.payload import state_to_tensor
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,8 @@ class Snapshots:
                  state: Callable[[], dict[str, Any]]) -> None:
         self.every, self.buddies, self.files, self._state = every, buddies, files, state
         self._cache: dict[tuple, torch.Tensor] = {}
+        #: A side stream per GPU the copies are queued on (the loop goes on meanwhile).
+        self._streams: dict[torch.device, Any] = {}
         self._thread: threading.Thread | None = None
         self._link: SwapLink | None = None
         self._group: Any = None
@@ -285,9 +288,9 @@ class Snapshots:
 
         self.wait()
         started = time.perf_counter()
-        copied = snapshot(self._state(), self._cache)
+        copying = snapshot_on_side_streams(self._state(), self._cache, self._streams)
         self.last_stall_s = time.perf_counter() - started
-        self._thread = threading.Thread(target=self._keep, args=(step, copied, self._link), daemon=True,
+        self._thread = threading.Thread(target=self._keep, args=(step, copying, self._link), daemon=True,
                                         name="ddp_hpc-snapshot")
         self._thread.start()
 
@@ -304,10 +307,10 @@ class Snapshots:
         if self._group is not None:
             self._group.barrier().wait()
 
-    def _keep(self, step: int, copied: dict[str, Any], link: SwapLink | None) -> None:
+    def _keep(self, step: int, copying: Copying, link: SwapLink | None) -> None:
         slot = link.rank if link is not None else 0
         try:
-            local, paths = localized(copied)
+            local, paths = localized(copying.wait())
             payload = state_to_tensor({**local, "dtensors": paths})
             self.last_bytes = payload.numel()
             self.files.write(slot, step, payload)
