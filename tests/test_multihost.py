@@ -446,3 +446,38 @@ def test_a_hosts_ranks_of_a_sharded_model_lost_with_their_memory_come_back_from_
         state = torch.load(lost / "final" / f"rank-{slot}.pt", weights_only=True)
         assert state["pid"] not in killed and state["resumed"] is None
         assert_same_model_and_optimizer(expected, state)
+
+
+def test_the_trainer_with_fsdp2_on_two_hosts_replaces_a_killed_rank_from_snapshots_bit_identical(world, mpich,
+                                                                                                  tmp_path):
+    """``ddp-hpc train`` with ``training.strategy=fsdp2``, 2 ranks on each of h1 and h2
+    (``--hostfile``, MPICH, a node supervisor per host, ``--recover 2``): rank 2 on h2 is
+    SIGKILLed after step 6 of 32 and replaced there from the snapshots; the last checkpoint
+    is bit-identical to the same launch without the loss."""
+    from conftest import assert_same_model_and_optimizer, load_last_checkpoint
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\nh2\n")
+    trainer = ["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=2048", "job.params.val_samples=0",
+               "job.params.input_dim=32", "job.params.hidden=64", "job.params.depth=2", "training.batch_size=16",
+               "training.epochs=1", "logging.progress=never", "logging.plot=false", "checkpoint.every_n_epochs=null",
+               "checkpoint.every_n_steps=4", "training.strategy=fsdp2", "job.name=synthetic"]
+
+    def launch(name: str, callbacks: str) -> Path:
+        command = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--hostfile", str(hostfile), "--nodes", "2",
+                   "--nproc", "2", "--recover", "2", "--run-folder", str(tmp_path / f"{name}-launch"), "--",
+                   *ddp_hpc_command(), *trainer, f"logging.run_dir={tmp_path / name}", f"callbacks=[{callbacks}]"]
+        settings = [f"HYDRA_LAUNCHER_EXEC={ON_HOST}", f"PYTHONPATH={REPO / 'tests'}"]
+        result = run(on_host("h1", ["env", *settings, *command]), timeout=3 * TIMEOUT)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        [folder] = list((tmp_path / name).iterdir())
+        return folder
+
+    whole = launch("whole", "")
+    lost = launch("lost", f"{{target: 'fault_injection:KillRankAtStep', params: {{rank: 2, step: 6, "
+                          f"marker: '{tmp_path / 'killed-at'}', once: true}}}}")
+    record = json.loads((lost / "record" / "recovery-1.json").read_text())
+    assert record["rank"] == 2 and record["host"] == "h2" and record["snapshot_step"] in (5, 6)
+    expected, actual = load_last_checkpoint(whole / "checkpoints"), load_last_checkpoint(lost / "checkpoints")
+    assert actual["progress"]["global_step"] == expected["progress"]["global_step"] == 32
+    assert_same_model_and_optimizer(expected, actual)
