@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 
-def _dtensor_class() -> type | None:
+def dtensor_class() -> type | None:
+    """torch's DTensor class, or None where this torch has no distributed support."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without distributed support holds no DTensors
@@ -99,7 +100,7 @@ def snapshot(value: Any, cache: dict[tuple, torch.Tensor] | None = None, key: tu
 
 def _copy_all(value: Any, cache: dict[tuple, torch.Tensor] | None, key: tuple) -> tuple[Any, set[torch.device]]:
     pending: set[torch.device] = set()
-    return _copy(value, cache, key, _dtensor_class(), pending), pending
+    return _copy(value, cache, key, dtensor_class(), pending), pending
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def allocate_like(value: Any, cache: dict[tuple, torch.Tensor], key: tuple = ())
     """Host buffers for ``value``'s tensors in ``cache``, under the keys ``snapshot`` uses,
     touched so that their pages exist: what the first snapshot would otherwise allocate
     while training waits."""
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
 
     def allocate(item: Any, place: tuple) -> None:
         if isinstance(item, torch.Tensor):

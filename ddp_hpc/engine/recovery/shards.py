@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
-from ddp_hpc.engine.host_copy import Copying, snapshot_on_side_streams
+from ddp_hpc.engine.host_copy import Copying, dtensor_class, snapshot_on_side_streams
 from ddp_hpc.engine.recovery.payload import state_to_tensor
 
 log = logging.getLogger(__name__)
@@ -162,19 +162,11 @@ def snapshot_root(run_dir: str | os.PathLike[str] | None, environ: Mapping[str, 
 
 # ----- DTensors in and out of a payload -------------------------------------------------
 
-def _dtensor_class() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
-
-
 def localized(tree: Any, path: tuple = (), found: list[list] | None = None) -> tuple[Any, list[list]]:
     """``tree`` with each DTensor replaced by its local shard, and the key paths where they
     were (a payload holds plain tensors only: it is read with ``weights_only=True``)."""
     found = [] if found is None else found
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if dtensor is not None and isinstance(tree, dtensor):
         found.append(list(path))
         return tree.to_local(), found
@@ -201,7 +193,7 @@ def _get_path(tree: Any, path: Sequence[Any]) -> Any:
 
 def as_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``local`` as a shard of a DTensor laid out as ``like`` (a live one), on its device."""
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     assert dtensor is not None
     return dtensor.from_local(local.to(like.to_local().device), like.device_mesh, like.placements,
                               run_check=False, shape=like.shape, stride=like.stride())
@@ -416,7 +408,7 @@ def fetch_own(rollback: Rollback, files: SnapshotFiles) -> torch.Tensor:
 
 def state_bytes(tree: Any) -> int:
     """Bytes of the tensors in ``tree`` on this rank (a DTensor's local shard)."""
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if isinstance(tree, torch.Tensor):
         local = tree.to_local() if dtensor is not None and isinstance(tree, dtensor) else tree
         return local.numel() * local.element_size()
