@@ -277,6 +277,11 @@ _RUNNING_BEFORE = pytest.StashKey[dict]()
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Orphans (a rank whose wrapper died) come to this process, where the teardown finds them.
     leftovers.become_subreaper()
+    # multiprocessing's resource tracker, which a test's spawned processes start once for the
+    # whole session, is pytest's own: started here, it is not any one test's leftover.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -295,7 +300,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     killed = leftovers.end_new(before)
     if killed:
         item.warn(pytest.PytestWarning(f"left {len(killed)} process(es) running after it, now killed: "
-                                       f"pids {', '.join(map(str, killed))}"))
+                                       f"{'; '.join(killed)}"))
 
 
 #: Figures measured by reliability and scheduler tests, printed after the run.

@@ -62,25 +62,56 @@ def descendants(root: int | None = None) -> dict[Process, str]:
     return found
 
 
-def end_new(before: dict[Process, str] | set[Process], wait_s: float = 5.0) -> list[int]:
+def command_line(pid: int) -> str:
+    """What ``pid`` runs, shortened, for the warning that names it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            words = cmdline.read().split(b"\0")
+    except OSError:
+        return "?"
+    text = " ".join(word.decode(errors="replace") for word in words if word)
+    if not text:  # exiting: its memory, and with it its command line, is gone
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read()
+            text = f"{fields[fields.index('(') + 1:fields.rindex(')')]}, state {fields[fields.rindex(')') + 2]}"
+        except (OSError, ValueError):
+            return "?"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def end_new(before: dict[Process, str] | set[Process], wait_s: float = 5.0, settle_s: float = 2.0) -> list[str]:
     """Kill every descendant not in ``before``, and reap the ones that came to this process;
-    the pids killed."""
+    the processes killed, each as ``pid (command line)``. Each first has ``settle_s`` to end
+    by itself: a rank that a launcher killed may still be in the kernel's exit path (its memory
+    gone, not yet a zombie) when the launcher returns, and multiprocessing's resource tracker
+    ends only after the ranks that wrote to it."""
+    deadline = time.monotonic() + settle_s
+    while any(process not in before and state != "Z" for process, state in descendants().items()) \
+            and time.monotonic() < deadline:
+        _reap(before)
+        time.sleep(0.05)
     killed = []
     for (pid, started), state in descendants().items():
         if (pid, started) not in before and state != "Z":
+            what = command_line(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                killed.append(f"{pid} ({what})")
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + wait_s
-    while True:
-        new = [process for process in descendants() if process not in before]
-        for pid, _ in new:
-            try:
-                os.waitpid(pid, os.WNOHANG)  # only this process's own children; the others die with it
-            except ChildProcessError:
-                pass
-        if not new or time.monotonic() > deadline:
-            return killed
+    while _reap(before) and time.monotonic() <= deadline:
         time.sleep(0.05)
+    return killed
+
+
+def _reap(before: dict[Process, str] | set[Process]) -> bool:
+    """Reap the new descendants that came to this process; whether any new one is left."""
+    new = [process for process in descendants() if process not in before]
+    for pid, _ in new:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # only this process's own children; the others die with it
+        except ChildProcessError:
+            pass
+    return bool(new)

@@ -47,7 +47,7 @@ def test_a_failed_rank_ends_the_others_and_the_attempt_is_restarted(tmp_path):
     ended, and both start again with the next restart count."""
     log = tmp_path / "starts"
     ranks = sh(f'echo "0 $DDP_HPC_RESTART_COUNT $WORLD_SIZE $LOCAL_RANK $TORCHELASTIC_RESTART_COUNT" >>{log}; '
-               '[ "$DDP_HPC_RESTART_COUNT" = 1 ] || sleep 60',
+               '[ "$DDP_HPC_RESTART_COUNT" = 1 ] || exec sleep 60',  # exec: the signal that ends it reaches the sleep
                # Once rank 0 has written its line: under load, rank 0 could otherwise be ended first.
                f'[ "$DDP_HPC_RESTART_COUNT" = 1 ] || {{ until grep -q "^0 0 " {log}; do sleep 0.05; done; kill -9 $$; }}')
     started = time.monotonic()
