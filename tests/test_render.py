@@ -799,8 +799,10 @@ def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_in
                             env=env, timeout=30)
     assert result.stdout == "to rank 0\n", result
     rank = "trap 'exit 75' TERM; touch ready; while :; do sleep 0.05; done"
+    # SIGINT at its default in the wrapper: a shell started with it ignored (pytest run as a
+    # background job, which a non-interactive shell starts with SIGINT ignored) cannot trap it.
     process = subprocess.Popen(recording_rank_failures(["sh", "-c", rank]), cwd=tmp_path, env=env,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 20
         while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
