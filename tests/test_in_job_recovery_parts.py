@@ -1,6 +1,7 @@
 """In-job recovery's parts that need no launch: the one-line refusals and fall-backs."""
 
 import argparse
+import os
 import logging
 
 import pytest
@@ -617,6 +618,40 @@ def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(mo
     assert not store.ready(0)
 
 
+def test_in_job_recoverys_group_is_started_with_the_start_ups_network_plan_and_device(monkeypatch, tmp_path):
+    """The Trainer under a recovering launch: the group InJobRecovery forms is initialised
+    with what process_group()'s start-up decided (here a network plan that puts gloo on
+    ``lo``, and the bound device), as the rendezvous's group would be, not by a bare
+    init_process_group of its own."""
+    import torch.distributed as dist
+
+    import ddp_hpc
+    from ddp_hpc.contract import RECOVERY_STORE_VAR
+    from ddp_hpc.engine.recovery import store as keys
+    from ddp_hpc.environment.netcheck import GLOO_IFNAME_VAR, NetworkPlan
+    from conftest import REPO
+
+    store = keys.LaunchStore()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.store.port),
+                        RECOVERY_STORE_VAR: store.address}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(GLOO_IFNAME_VAR, raising=False)
+    monkeypatch.setattr("ddp_hpc.startup.distributed.check_network",
+                        lambda *args, **kwargs: NetworkPlan(gloo_ifname="lo", reason="test"))
+    seen = []
+    real_init = dist.init_process_group
+
+    def init(*args, **kwargs):
+        seen.append((os.environ.get(GLOO_IFNAME_VAR), kwargs.get("device_id", "absent")))
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    summary = ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}"])
+    assert summary.status.value == "completed"
+    assert seen == [("lo", None)]  # gloo on the plan's interface; device_id passed (None: gloo on cpu)
+
+
 @pytest.mark.parametrize("called", ["recovery", "checkpointer"])
 def test_a_loop_calls_one_step_done_either_the_recoverys_or_the_checkpointers(monkeypatch, tmp_path, called):
     """Under ``InJobRecovery.run`` with a Checkpointer, its ``step_done`` and the recovery's
@@ -637,7 +672,7 @@ def test_a_loop_calls_one_step_done_either_the_recoverys_or_the_checkpointers(mo
         monkeypatch.setenv("MASTER_PORT", str(probe.getsockname()[1]))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    recovery = InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1"})
+    recovery = InJobRecovery("gloo")  # off: the group through the rendezvous, as process_group() starts it
     try:
         model = nn.Linear(2, 2)
         sampler = ResumableSampler(list(range(64)), 1, 0, shuffle=False, seed=0, batch_size=4)

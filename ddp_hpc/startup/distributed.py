@@ -27,8 +27,9 @@ from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
 from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
 from ddp_hpc.environment.hosts import job_hosts
-from ddp_hpc.environment.netcheck import check_network, gloo_interface
+from ddp_hpc.environment.netcheck import NetworkPlan, check_network
 from ddp_hpc.errors import UserError
+from ddp_hpc.startup.group_start import GroupStart
 from ddp_hpc.startup.rendezvous import Rendezvous, handshake, job_identity, parse_timeout
 from ddp_hpc.torch_support import installed, libuv_takes_listen_fd, unsupported
 
@@ -72,11 +73,11 @@ class GroupKeeper(Protocol):
     def close(self) -> None: ...
 
 
-#: Starts this rank's group in place of the rendezvous and ``init_process_group``, from the
-#: backend and the collective timeout; in-job recovery's ``InJobRecovery`` is one (it forms
-#: its groups on the store of ``ddp-hpc launch --recover``). ``startup`` never imports the
-#: engine: the caller hands the starter in.
-GroupStarter = Callable[[str, timedelta], GroupKeeper]
+#: Starts this rank's group in place of the rendezvous, with the settings every group of
+#: this rank is initialised with (``GroupStart``: backend, timeout, device, network); in-job
+#: recovery's ``InJobRecovery`` is one (it forms its groups on the store of ``ddp-hpc launch
+#: --recover``). ``startup`` never imports the engine: the caller hands the starter in.
+GroupStarter = Callable[[GroupStart], GroupKeeper]
 
 
 @dataclass(frozen=True)
@@ -290,8 +291,13 @@ def process_group(options: DistributedOptions | None = None,
     check_fabric(choice.backend, environ, this_host(environ),
                  where=where_label(dist_env.rank, dist_env.world_size))
     rendezvous_timeout_s = parse_timeout(environ.get(RENDEZVOUS_TIMEOUT_VAR), options.rendezvous_timeout_s)
+    initialize = dist_env.world_size > 1 or options.init_single_process or start is not None
+    # Before anything connects: a loopback name across nodes would only hang.
+    network = (check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ)
+               if initialize else NetworkPlan())
+    settings = GroupStart(choice.backend, timedelta(seconds=options.timeout_s), choice.init_device_id, network)
     if start is not None:
-        keeper = start(choice.backend, timedelta(seconds=options.timeout_s))
+        keeper = start(settings)
         try:
             # A warm spare takes a lost rank's place (RANK, LOCAL_RANK) only once started.
             dist_env = replace(resolve_env(environ, host_suffix=options.host_suffix, port_range=options.port_range),
@@ -301,29 +307,23 @@ def process_group(options: DistributedOptions | None = None,
             gc.collect()  # DDP wrappers before their group (see end_process_group)
             keeper.close()
         return
-    initialize = dist_env.world_size > 1 or options.init_single_process
     if initialize:
-        # Before anything connects: a loopback name across nodes would only hang.
-        network = check_network(dist_env, choice.backend, host_suffix=options.host_suffix, environ=environ)
         log.debug("init_process_group %s at %s:%d", choice.backend, dist_env.master_addr,
                   dist_env.master_port)
-        timeout = timedelta(seconds=options.timeout_s)
-        with gloo_interface(network):
-            store = create_store(dist_env, timeout, environ, rendezvous_timeout_s)
-            dist.init_process_group(
-                backend=choice.backend,
-                store=store,
-                rank=dist_env.rank,
-                world_size=dist_env.world_size,
-                timeout=timeout,
-                device_id=choice.init_device_id,
-            )
-        store.set_timeout(timeout)  # later store users (new groups) get the collective timeout
+        start_through_rendezvous(settings, dist_env, environ, rendezvous_timeout_s)
     try:
         yield DistContext(dist_env, choice, initialize)
     finally:
         if initialize:
             end_process_group()
+
+
+def start_through_rendezvous(settings: GroupStart, dist_env: DistEnv, environ: Mapping[str, str],
+                             rendezvous_timeout_s: float) -> None:
+    """The default group: the bounded rendezvous (``create_store``), then ``settings.init``."""
+    store = create_store(dist_env, settings.timeout, environ, rendezvous_timeout_s)
+    settings.init(store, dist_env.rank, dist_env.world_size)
+    store.set_timeout(settings.timeout)  # later store users (new groups) get the collective timeout
 
 
 def end_process_group() -> None:

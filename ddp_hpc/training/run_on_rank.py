@@ -9,13 +9,13 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 
 from ddp_hpc.config import Config, load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.contract import CURVES_FILE, RECOVERY_SHRINK_VAR, RECOVERY_STORE_VAR
 from ddp_hpc.startup.distributed import DistributedOptions, GroupStarter, process_group
+from ddp_hpc.startup.group_start import GroupStart
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
 from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals
@@ -81,10 +81,11 @@ def recovering_start(run: RunFolder) -> GroupStarter:
     """The group started through in-job recovery (``ddp-hpc launch --recover``), which
     records each recovery in ``run``'s record."""
 
-    def start(backend: str, timeout: timedelta):
+    def start(settings: GroupStart):
         from ddp_hpc.engine.recovery import InJobRecovery
 
-        return InJobRecovery(backend, run_dir=run.path, collective_timeout_s=timeout.total_seconds())
+        return InJobRecovery(settings.backend, run_dir=run.path, collective_timeout_s=settings.timeout.total_seconds(),
+                             group_start=settings)
 
     return start
 

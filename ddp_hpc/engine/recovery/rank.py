@@ -68,6 +68,7 @@ from ddp_hpc.contract import (
     RECOVERY_SPARE_VAR,
     RECOVERY_STORE_VAR,
     RECOVERY_WAIT_VAR,
+    RENDEZVOUS_TIMEOUT_VAR,
     RESTART_COUNT_VAR,
     RUN_FOLDER_VAR,
     SNAPSHOT_EVERY_VAR,
@@ -108,7 +109,11 @@ from ddp_hpc.engine.recovery.shards import (
 from ddp_hpc.engine.rng import seed_for_step
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
+from ddp_hpc.environment import resolve_env
 from ddp_hpc.errors import RefusedOnRank
+from ddp_hpc.startup.distributed import DistributedOptions, start_through_rendezvous
+from ddp_hpc.startup.group_start import GroupStart
+from ddp_hpc.startup.rendezvous import parse_timeout
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +153,7 @@ class InJobRecovery:
                  ddp_kwargs: Mapping[str, Any] | None = None, collective_timeout_s: float = 300.0,
                  heartbeat_s: float = 0.25, snapshot_every: int | None = None,
                  snapshot_replicas: int = DEFAULT_REPLICAS, snapshot_distance: int | None = None,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, group_start: GroupStart | None = None) -> None:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
         self.slot = int(env.get("RANK", "0"))
@@ -174,6 +179,9 @@ class InJobRecovery:
         # should_rebuild_buckets), so every wrap sums in the same order.
         self.ddp_kwargs = {"find_unused_parameters": True, **(ddp_kwargs or {})}
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
+        self._environ = environ
+        #: How each group is initialised: ``process_group()``'s settings, else decided once, as it would.
+        self._group_start = group_start
         self._launch_world_size = int(env.get("WORLD_SIZE", "1"))
         self.generation = int(env.get(RECOVERY_GENERATION_VAR, "0"))
         self.wait_s = float(env.get(RECOVERY_WAIT_VAR, DEFAULT_WAIT_S))
@@ -197,7 +205,10 @@ class InJobRecovery:
         if address is None:
             log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
                         "the job and the launcher restarts it in place")
-            dist.init_process_group(backend, timeout=self.collective_timeout)
+            dist_env = resolve_env(env)
+            start_through_rendezvous(self._settings(), dist_env, env,
+                                     parse_timeout(env.get(RENDEZVOUS_TIMEOUT_VAR),
+                                                   DistributedOptions().rendezvous_timeout_s))
             self._store: dist.Store | None = None
             self._address: str | None = None
             return
@@ -375,10 +386,10 @@ class InJobRecovery:
         else:
             rank, world_size = plan.ranks[self.slot], plan.world_size
             self._await_members(plan)
+        settings = self._settings()
         before = socket_fds()
         try:
-            dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(generation), self._store),
-                                    rank=rank, world_size=world_size, timeout=self.collective_timeout)
+            settings.init(dist.PrefixStore(keys.group_prefix(generation), self._store), rank, world_size)
         except BaseException:  # a group that failed to form leaves its sockets to be shut down too
             with self._lock:
                 self._group_fds = socket_fds() - before
@@ -388,6 +399,13 @@ class InJobRecovery:
         with self._lock:
             self._group_fds = socket_fds() - before
             self.generation = generation
+
+    def _settings(self) -> GroupStart:
+        """The start-up every group of this rank shares (decided on the first group: a warm
+        spare's place in the job is known only then)."""
+        if self._group_start is None:
+            self._group_start = GroupStart.for_this_rank(self.backend, self.collective_timeout, self._environ)
+        return self._group_start
 
     def _await_members(self, plan: keys.Plan) -> None:
         """Every member of ``plan`` has come to form it, before any connects: a member that
@@ -532,7 +550,7 @@ class InJobRecovery:
         assert self._snapshots is not None and self._address is not None
         self._snapshots.attach(SwapLink(address=self._address, prefix=f"{keys.group_prefix(self.generation)}snapshots-{self._restarts}/",
                                         rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                        timeout_s=self.collective_timeout.total_seconds()))
+                                        group_start=self._settings()))
 
     def _kept_slots(self) -> list[int]:
         assert self._snapshots is not None

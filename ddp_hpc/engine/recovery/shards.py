@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.host_copy import Copying, dtensor_class, snapshot_on_side_streams
 from ddp_hpc.engine.recovery.payload import state_to_tensor
+from ddp_hpc.startup.group_start import GroupStart
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +226,18 @@ def restored_dtensors(name: str, state: Any, paths: Iterable[Sequence[Any]], obj
 @dataclass(frozen=True)
 class SwapLink:
     """Where a group's snapshot swaps meet: the launch's store, under a key prefix of that
-    group's own (its generation), with the group's rank and size."""
+    group's own (its generation), with the group's rank and size, made as the rank's start-up
+    makes its groups."""
 
     address: str
     prefix: str
     rank: int
     world_size: int
-    timeout_s: float
+    group_start: GroupStart
+
+    @property
+    def timeout_s(self) -> float:
+        return self.group_start.timeout.total_seconds()
 
 
 class Snapshots:
@@ -313,13 +319,11 @@ class Snapshots:
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     def _swap(self, step: int, payload: torch.Tensor, link: SwapLink) -> None:
-        from datetime import timedelta
-
         from ddp_hpc.engine.recovery.store import connect
 
         if self._group is None or self._link is not link:
             store = dist.PrefixStore(link.prefix, connect(link.address, link.timeout_s))
-            group = dist.ProcessGroupGloo(store, link.rank, link.world_size, timedelta(seconds=link.timeout_s))
+            group = link.group_start.gloo_group(store, link.rank, link.world_size)
             if self._link is not link:  # the training group changed meanwhile
                 return
             self._group = group
