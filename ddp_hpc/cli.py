@@ -450,8 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="torchrun", choices=("torchrun", "openmpi", "mpich", "pals", "srun"),
-                        help="torchrun (default): ddp-hpc starts the ranks itself with torchrun's variables; "
+    launch.add_argument("--launcher", default="local", choices=("local", "openmpi", "mpich", "pals", "srun", "torchrun"),
+                        help="local (default): ddp-hpc starts the ranks itself with torchrun's variables (the "
+                             "old name torchrun still works); "
                              "openmpi, mpich: mpiexec starts them; pals: Cray PALS's mpiexec, with --hostfile "
                              "only (a PBS job's nodes); srun: one srun step per attempt, inside a "
                              "SLURM allocation (--nodes of its nodes, --nproc ranks each; its other nodes are "
@@ -463,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--recover", type=int, default=0, metavar="N",
                         help="in-job recovery (DDP and FSDP2 loops that use InJobRecovery): replace a lost or frozen rank "
                              "while the others stay up, at most N times; state comes from the survivors' memory, no "
-                             "restart. Beyond N: --max-restarts. Under --launcher torchrun this launch watches the "
+                             "restart. Beyond N: --max-restarts. Under --launcher local this launch watches the "
                              "ranks; under mpich, openmpi and srun, and with --hostfile, the launcher starts one node "
                              "supervisor per node (--node-supervisor) that does. Over gloo only "
                              f"(${BACKEND_VAR} nccl, xccl or ccl is refused)")

@@ -71,6 +71,20 @@ def test_launch_dry_run_prints_the_command():
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in result.stdout
 
 
+def test_the_launcher_once_called_torchrun_is_local_and_its_old_name_still_works():
+    """``--launcher torchrun`` started no torchrun: its name is ``local`` now; the old one
+    starts the same ranks, with one line that says so."""
+    plain = run([*ddp_hpc_command(), "launch", "--nproc", "2", "--dry-run", "--", "ddp-hpc", "doctor"])
+    named = run([*ddp_hpc_command(), "launch", "--launcher", "local", "--nproc", "2", "--dry-run", "--",
+                 "ddp-hpc", "doctor"])
+    old = run([*ddp_hpc_command(), "launch", "--launcher", "torchrun", "--nproc", "2", "--dry-run", "--",
+               "ddp-hpc", "doctor"])
+    assert plain.returncode == named.returncode == old.returncode == 0, old.stderr
+    assert plain.stdout == named.stdout == old.stdout
+    assert "--launcher torchrun is now called --launcher local" in old.stderr
+    assert "torchrun" not in plain.stderr + named.stderr
+
+
 def test_launch_with_restarts_gives_each_attempt_a_fresh_store():
     """A script's own init_process_group must not read the previous attempt's addresses (under
     torchrun's agent it did: tests/test_own_loop.py): each attempt's rank 0 serves a new store."""
@@ -96,14 +110,14 @@ def test_a_refused_launch_over_a_hostfile_still_ends_the_pbs_job_it_runs_in(tmp_
     assert capsys.readouterr().err == "ddp-hpc: error: --nodes 3: the hostfile lists 2 host(s)\n"
     assert (tmp_path / "run" / "exit-8.server").read_text() == "1\n"
 
-@pytest.mark.parametrize("launcher,recover", [("torchrun", []), ("mpich", []), ("mpich", ["--recover", "1"])],
-                         ids=["torchrun", "mpich", "mpich-recover"])
+@pytest.mark.parametrize("launcher,recover", [("local", []), ("mpich", []), ("mpich", ["--recover", "1"])],
+                         ids=["local", "mpich", "mpich-recover"])
 def test_a_launch_found_by_its_path_runs_without_its_environment_on_path(launcher, recover, tmp_path, request):
     """``/venv/bin/ddp-hpc launch`` with only /usr/bin and /bin on PATH (a cron job, a batch
     script): what the launch starts of its own (``ddp-hpc run`` around each rank; under
     ``--recover`` and mpiexec, the node supervisor around them) is its own interpreter's, not a
     name looked up on PATH."""
-    if launcher != "torchrun":
+    if launcher != "local":
         request.getfixturevalue(launcher)
     script = tmp_path / "x.py"
     # One write per rank (print's pieces are separate writes unbuffered: two ranks' lines interleaved once in CI).

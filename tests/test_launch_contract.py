@@ -24,7 +24,7 @@ from test_own_loop import EXAMPLE, FAULTS, assert_bit_identical, final_state, un
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 
-LAUNCHERS = ("torchrun", "mpich", "openmpi", "hostfile")
+LAUNCHERS = ("local", "mpich", "openmpi", "hostfile")
 
 
 def launch(launcher: str, tmp_path: Path, request: pytest.FixtureRequest) -> list[str]:

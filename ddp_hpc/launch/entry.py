@@ -143,7 +143,7 @@ def plan_launch(spec: LaunchSpec, folder: Path | None) -> Plan:
             attempts = NodeSupervisors(attempts, host=store_host(environ, local=nodes == 1))
         return Plan(attempts, None, srun_end(run_folder, environ, requeue=spec.requeue))
     # here: the ranks as children of this launch, or one mpiexec
-    mpiexec = spec.launcher != "torchrun"
+    mpiexec = spec.launcher != "local"
     in_job = None
     if not mpiexec:
         attempts = LocalRanks(spec.nproc, rank_command(spec.command))
@@ -166,7 +166,7 @@ def stop_signals(spec: LaunchSpec) -> dict[int, int | None]:
     on (to the ranks through the launcher, or to node supervisors through the recovery
     store, as it came), or None: not a stop, the launch ends as on Ctrl-C (a closed terminal;
     under srun, scancel's SIGTERM)."""
-    nodes = spec.recovery is not None and spec.mode != "node" and (spec.mode != "here" or spec.launcher != "torchrun")
+    nodes = spec.recovery is not None and spec.mode != "node" and (spec.mode != "here" or spec.launcher != "local")
     if spec.mode == "srun":
         stop = (StopSignal.default().signal if spec.stop_signal is None else spec.stop_signal)
         # srun passes SIGUSR2 on to one task per rank; torchrun agents take SIGTERM (through scancel).
@@ -215,7 +215,7 @@ def _describe(spec: LaunchSpec, attempts: Attempts) -> str:
     if spec.mode != "here":
         return attempts.describe()
     nodes = (f"; one node supervisor per node, around the recovery store this launch serves (${RECOVERY_STORE_VAR}, "
-             "a fresh one each attempt)" if spec.recovery is not None and spec.launcher != "torchrun" else "")
+             "a fresh one each attempt)" if spec.recovery is not None and spec.launcher != "local" else "")
     return (f"# at most {spec.max_restarts} restart(s) after a failure, none after a stop (75){nodes}\n"
             f"{attempts.describe()}")
 

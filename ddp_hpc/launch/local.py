@@ -1,5 +1,5 @@
 """``ddp-hpc launch`` on this machine: two ``Attempts`` (launch/attempts.py), each rank a child
-of the launch with torchrun's variables (``LocalRanks``, ``--launcher torchrun``), or one
+of the launch with torchrun's variables (``LocalRanks``, ``--launcher local``), or one
 mpiexec of either MPI (``MpiexecHere``, ``--launcher openmpi|mpich``)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.script import recording_rank_failures, split_staged
 from ddp_hpc.run.torchrun_env import torchrun_variables
 
-LOCAL_LAUNCHERS = ("torchrun", "openmpi", "mpich")
+LOCAL_LAUNCHERS = ("local", "openmpi", "mpich")
 
 
 def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:

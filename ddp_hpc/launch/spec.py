@@ -7,7 +7,7 @@ once, in one line (``UserError``: exit 2). ``entry.launch`` runs it.
 
 Four modes, by the flags given:
 
-- ``here``: ranks on this machine (``--launcher torchrun|openmpi|mpich``);
+- ``here``: ranks on this machine (``--launcher local|openmpi|mpich``);
 - ``hosts``: mpiexec over the hosts of ``--hostfile`` (``openmpi|mpich|pals``);
 - ``srun``: one srun step per attempt inside a SLURM allocation;
 - ``node``: one node's supervisor of a recovering launch (``--node-supervisor``).
@@ -16,6 +16,7 @@ Four modes, by the flags given:
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,28 @@ from ddp_hpc.launch.recovering import RecoveryLimits
 from ddp_hpc.launch.restart import record_exit
 from ddp_hpc.launch.srun import NODE_COUNT_VAR
 
+log = logging.getLogger(__name__)
+
+
+#: Launcher names that changed, and what they are called now: ``torchrun`` started no
+#: torchrun (the launch starts the ranks itself, with torchrun's variables).
+RENAMED_LAUNCHERS = {"torchrun": "local"}
+
+
+def launcher_name(given: str) -> str:
+    """``given``, or its new name with a warning where it was renamed."""
+    if given in RENAMED_LAUNCHERS:
+        log.warning("--launcher %s is now called --launcher %s (the same ranks; the old name still works)", given,
+                    RENAMED_LAUNCHERS[given])
+        return RENAMED_LAUNCHERS[given]
+    return given
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
     command: tuple[str, ...]
     nproc: int = 2
-    launcher: str = "torchrun"
+    launcher: str = "local"
     max_restarts: int = 0
     dry_run: bool = False
     #: ``--recover N`` (and its options); a node supervisor's always.
@@ -193,7 +210,7 @@ def from_arguments(args: argparse.Namespace, environ: Mapping[str, str], command
                                    hang_s=args.hang_timeout, warm_spare=args.warm_spare)
                     if args.recover or args.node_supervisor else None)
         return LaunchSpec(
-            command=tuple(args.command), nproc=args.nproc, launcher=args.launcher, max_restarts=args.max_restarts,
+            command=tuple(args.command), nproc=args.nproc, launcher=launcher_name(args.launcher), max_restarts=args.max_restarts,
             dry_run=args.dry_run, recovery=recovery,
             run_folder=Path(args.run_folder).resolve() if args.run_folder else None,
             inherited_run_folder=Path(folder) if folder else None, nodes=args.nodes,
