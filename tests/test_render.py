@@ -146,8 +146,8 @@ def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_
     monkeypatch.setattr(hosts, "start_all", lambda processes: started.extend(processes) or [])
 
     class TwoAttempts:  # rank 0 fails on x1 in the first attempt
-        def __init__(self, start, *args, **kwargs) -> None:
-            self.start = start
+        def __init__(self, start, *args, read_status, **kwargs) -> None:
+            self.start, self.read_status = start, read_status
 
         def request_stop(self, signum: int) -> None:
             pass
@@ -155,6 +155,7 @@ def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_
         def run_to_decision(self) -> Decision:
             self.start(0)
             (tmp_path / "run" / "rank-failures-0").write_text("0 137\n")
+            self.read_status(0, 137)
             self.start(1)
             return Decision(restart=False, status=0)
 
@@ -624,6 +625,7 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     import shlex
 
     from ddp_hpc.launch import hosts as hostfile_launch
+    from ddp_hpc.launch.attempts import MarkedAttempts
     from ddp_hpc.launch.hosts import HostfileAttempts, HostLaunch, read_hostfile
 
     hostfile = tmp_path / "hosts"
@@ -634,14 +636,18 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     monkeypatch.setattr(hostfile_launch, "start_all", lambda processes: started.extend(
         (list(argv), dict(env)) for argv, env in processes) or [])
 
-    def attempt(steps: HostfileAttempts, number: int) -> tuple[str, dict[str, str], str]:
+    def attempt(steps: MarkedAttempts, number: int) -> tuple[str, dict[str, str], str]:
+        """Attempt ``number``, as the launch starts it after the one before it failed."""
+        if number > 0:
+            steps.read_status(number - 1, 137)
         steps.start(number)
         argv, env = started[-1]
-        return shlex.join(argv), env, steps.hostfile.read_text()
+        return shlex.join(argv), env, steps.attempts.hostfile.read_text()
 
     run = tmp_path / "run"
     run.mkdir()
-    spare = HostfileAttempts(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
+    spare = MarkedAttempts(HostfileAttempts(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1),
+                                            base_env={}), run)
     line, env, written = attempt(spare, 0)
     assert f"ddp-hpc-rank {sys.executable} -m ddp_hpc run -- sh -c 'exit 0'" in line  # the launch's interpreter
     assert f"-n 2 -ppn 2 -f {run / '.hosts'}" in line
@@ -652,8 +658,8 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     assert [json.loads(entry) for entry in (run / "left-out-hosts.jsonl").read_text().splitlines()] == [
         {"host": "h1", "attempt": 0, "reason": "rank 1 exited with status 137"}]
 
-    every = HostfileAttempts(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "every", 1),
-                          base_env={})
+    every = MarkedAttempts(HostfileAttempts(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"),
+                                                     tmp_path / "every", 1), base_env={}), tmp_path / "every")
     (tmp_path / "every").mkdir()
     line, env, written = attempt(every, 0)
     assert "ddp-hpc-rank" not in line and written == "h1\nh2\n"
