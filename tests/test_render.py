@@ -503,8 +503,9 @@ def launch_line_of(script: str) -> str:
 
 
 #: The stand-in ``ddp-hpc`` of the scripts run below, but ``ddp-hpc launch`` (where each script
-#: ends) is the real one: it runs the recording launcher stubs.
-LAUNCH_THROUGH = f'\n[ "$1" = launch ] && exec {REAL_DDP_HPC} "$@"\nprintf'
+#: ends) is the real one: it runs the recording launcher stubs; so is ``record-exit`` (a job
+#: that ends before its launch).
+LAUNCH_THROUGH = f'\ncase "$1" in launch|record-exit) exec {REAL_DDP_HPC} "$@";; esac\nprintf'
 
 PREFLIGHT_STUB = ("#!/bin/sh\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" >>\"$RECORD\"\n"
                   "case \"$*\" in *--links*) exit \"${PREFLIGHT_EXIT:-0}\";; esac\n")
@@ -558,6 +559,35 @@ def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no
     assert "pre-flight link check failed" in result.stderr
     exit_files = list((tmp_path / "runs").rglob("exit-*"))
     assert [f.read_text() for f in exit_files] == ["1\n"]
+
+
+@pytest.mark.parametrize("step", ["pre-flight", "staging"])
+def test_a_job_that_ends_before_its_launch_records_its_exit_through_the_one_writer(tmp_path, step):
+    """A failed pre-flight or staging ends the job before ``ddp-hpc launch`` starts: its exit
+    file is written by ``ddp-hpc record-exit`` (``restart.record_exit``), and by the script's
+    own printf only where ddp-hpc cannot start."""
+    from ddp_hpc.launch.script import preflight_lines, stage_lines
+
+    lines = (preflight_lines("false", "${JOB}") if step == "pre-flight" else
+             stage_lines(request("slurm-cpu", stage_env=True, stage_dir=str(tmp_path / "local")), "false", "JOB",
+                         "${JOB}"))
+    run, folder = tmp_path / "run", tmp_path / "bin"
+    run.mkdir(), folder.mkdir()
+    stub = folder / "ddp-hpc"  # records each call; record-exit is the real one
+    stub.write_text(f'#!/bin/sh\necho "$*" >>"{tmp_path / "calls"}"\n'
+                    f'[ "$1" = record-exit ] && exec {REAL_DDP_HPC} "$@"\nexit 0\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(run), "JOB": "8[3].server"}
+    exit_file = run / "exit-8[3].server"
+    for ddp_hpc_starts in (True, False):
+        if not ddp_hpc_starts:
+            stub.unlink()
+            exit_file.unlink()
+        result = subprocess.run(["bash", "-c", "\n".join(lines)], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 1 and "the ranks were not started" in result.stderr, result.stderr
+        assert exit_file.read_text() == "1\n"
+    assert f"record-exit {run} 8[3].server 1" in (tmp_path / "calls").read_text().splitlines()
 
 
 @pytest.mark.parametrize("scheduler", ["pbs", "slurm"])
