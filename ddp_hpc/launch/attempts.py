@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ddp_hpc.contract import PREEMPTED_MARKER, ExitStatus
+from ddp_hpc.contract import PREEMPTED_MARKER
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.outcome import NamesFailedHost, Outcome, attempt_outcome
 
