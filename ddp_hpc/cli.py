@@ -263,6 +263,21 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return launch(from_arguments(args, os.environ, sys.argv), signal.signal)
 
 
+def _cmd_record_exit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.launch.restart import record_exit
+
+    record_exit(Path(args.run_folder), args.job_id, args.status)
+    return 0
+
+
+def _exit_status(text: str) -> int:
+    if not text.isdigit() or int(text) > 255:
+        raise argparse.ArgumentTypeError(f"not an exit status (0-255): {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddp-hpc", description="PyTorch DDP from a laptop to a supercomputer.")
     parser.add_argument("--version", action="version", version=f"ddp-hpc {__version__}")
@@ -522,6 +537,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "at HOST:PORT; torchrun itself never restarts); the stop reaches them as SIGTERM")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     launch.set_defaults(func=_cmd_launch)
+
+    # Internal, left out of the help: a rendered script whose job ends before its launch starts
+    # (a failed staging or pre-flight) records the job's exit status through the launch's one writer.
+    record = sub.add_parser("record-exit", parents=[common])
+    record.add_argument("run_folder")
+    record.add_argument("job_id")
+    record.add_argument("status", type=_exit_status)
+    record.set_defaults(func=_cmd_record_exit)
     return parser
 
 

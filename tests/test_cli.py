@@ -320,3 +320,16 @@ def test_a_stop_signal_to_the_launch_reaches_the_ranks_through_mpiexec(launcher,
     output = process.communicate(timeout=60)[0]
     assert process.returncode == 75, output[-3000:]
     assert output.count("stopped") == 2 and "restart 1 of 1" not in output, output[-3000:]
+
+
+def test_record_exit_writes_the_job_s_exit_file_and_stays_out_of_the_help(tmp_path, capsys):
+    """``ddp-hpc record-exit RUN JOB_ID STATUS``: what a rendered script runs when its job ends
+    before its launch starts (``restart.record_exit``); internal, so not in the help."""
+    from ddp_hpc import cli
+
+    args = cli.parse(["record-exit", str(tmp_path), "7_2", "1"])
+    assert args.func(args) == 0 and (tmp_path / "exit-7_2").read_text() == "1\n"
+    with pytest.raises(SystemExit) as ended:
+        cli.parse(["record-exit", str(tmp_path), "7", "x"])
+    assert ended.value.code == 2 and "not an exit status (0-255): 'x'" in capsys.readouterr().err
+    assert "record-exit" not in cli.build_parser().format_help()

@@ -146,8 +146,8 @@ def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_
     monkeypatch.setattr(hosts, "start_all", lambda processes: started.extend(processes) or [])
 
     class TwoAttempts:  # rank 0 fails on x1 in the first attempt
-        def __init__(self, start, *args, **kwargs) -> None:
-            self.start = start
+        def __init__(self, start, *args, read_status, **kwargs) -> None:
+            self.start, self.read_status = start, read_status
 
         def request_stop(self, signum: int) -> None:
             pass
@@ -155,6 +155,7 @@ def test_a_pbs_launch_moves_rank_0_s_address_with_the_profile_s_host_suffix(tmp_
         def run_to_decision(self) -> Decision:
             self.start(0)
             (tmp_path / "run" / "rank-failures-0").write_text("0 137\n")
+            self.read_status(0, 137)
             self.start(1)
             return Decision(restart=False, status=0)
 
@@ -502,8 +503,9 @@ def launch_line_of(script: str) -> str:
 
 
 #: The stand-in ``ddp-hpc`` of the scripts run below, but ``ddp-hpc launch`` (where each script
-#: ends) is the real one: it runs the recording launcher stubs.
-LAUNCH_THROUGH = f'\n[ "$1" = launch ] && exec {REAL_DDP_HPC} "$@"\nprintf'
+#: ends) is the real one: it runs the recording launcher stubs; so is ``record-exit`` (a job
+#: that ends before its launch).
+LAUNCH_THROUGH = f'\ncase "$1" in launch|record-exit) exec {REAL_DDP_HPC} "$@";; esac\nprintf'
 
 PREFLIGHT_STUB = ("#!/bin/sh\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" >>\"$RECORD\"\n"
                   "case \"$*\" in *--links*) exit \"${PREFLIGHT_EXIT:-0}\";; esac\n")
@@ -557,6 +559,35 @@ def test_preflight_checks_the_links_on_one_rank_per_node_and_a_failure_starts_no
     assert "pre-flight link check failed" in result.stderr
     exit_files = list((tmp_path / "runs").rglob("exit-*"))
     assert [f.read_text() for f in exit_files] == ["1\n"]
+
+
+@pytest.mark.parametrize("step", ["pre-flight", "staging"])
+def test_a_job_that_ends_before_its_launch_records_its_exit_through_the_one_writer(tmp_path, step):
+    """A failed pre-flight or staging ends the job before ``ddp-hpc launch`` starts: its exit
+    file is written by ``ddp-hpc record-exit`` (``restart.record_exit``), and by the script's
+    own printf only where ddp-hpc cannot start."""
+    from ddp_hpc.launch.script import preflight_lines, stage_lines
+
+    lines = (preflight_lines("false", "${JOB}") if step == "pre-flight" else
+             stage_lines(request("slurm-cpu", stage_env=True, stage_dir=str(tmp_path / "local")), "false", "JOB",
+                         "${JOB}"))
+    run, folder = tmp_path / "run", tmp_path / "bin"
+    run.mkdir(), folder.mkdir()
+    stub = folder / "ddp-hpc"  # records each call; record-exit is the real one
+    stub.write_text(f'#!/bin/sh\necho "$*" >>"{tmp_path / "calls"}"\n'
+                    f'[ "$1" = record-exit ] && exec {REAL_DDP_HPC} "$@"\nexit 0\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{folder}:/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(run), "JOB": "8[3].server"}
+    exit_file = run / "exit-8[3].server"
+    for ddp_hpc_starts in (True, False):
+        if not ddp_hpc_starts:
+            stub.unlink()
+            exit_file.unlink()
+        result = subprocess.run(["bash", "-c", "\n".join(lines)], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 1 and "the ranks were not started" in result.stderr, result.stderr
+        assert exit_file.read_text() == "1\n"
+    assert f"record-exit {run} 8[3].server 1" in (tmp_path / "calls").read_text().splitlines()
 
 
 @pytest.mark.parametrize("scheduler", ["pbs", "slurm"])
@@ -624,6 +655,7 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     import shlex
 
     from ddp_hpc.launch import hosts as hostfile_launch
+    from ddp_hpc.launch.attempts import MarkedAttempts
     from ddp_hpc.launch.hosts import HostfileAttempts, HostLaunch, read_hostfile
 
     hostfile = tmp_path / "hosts"
@@ -634,14 +666,18 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     monkeypatch.setattr(hostfile_launch, "start_all", lambda processes: started.extend(
         (list(argv), dict(env)) for argv, env in processes) or [])
 
-    def attempt(steps: HostfileAttempts, number: int) -> tuple[str, dict[str, str], str]:
+    def attempt(steps: MarkedAttempts, number: int) -> tuple[str, dict[str, str], str]:
+        """Attempt ``number``, as the launch starts it after the one before it failed."""
+        if number > 0:
+            steps.read_status(number - 1, 137)
         steps.start(number)
         argv, env = started[-1]
-        return shlex.join(argv), env, steps.hostfile.read_text()
+        return shlex.join(argv), env, steps.attempts.hostfile.read_text()
 
     run = tmp_path / "run"
     run.mkdir()
-    spare = HostfileAttempts(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1), base_env={})
+    spare = MarkedAttempts(HostfileAttempts(HostLaunch("mpich", hosts, 1, 2, ("sh", "-c", "exit 0"), run, 1),
+                                            base_env={}), run)
     line, env, written = attempt(spare, 0)
     assert f"ddp-hpc-rank {sys.executable} -m ddp_hpc run -- sh -c 'exit 0'" in line  # the launch's interpreter
     assert f"-n 2 -ppn 2 -f {run / '.hosts'}" in line
@@ -652,8 +688,8 @@ def test_a_hostfile_launch_uses_the_spares_only_for_leaving_out_a_failed_host(tm
     assert [json.loads(entry) for entry in (run / "left-out-hosts.jsonl").read_text().splitlines()] == [
         {"host": "h1", "attempt": 0, "reason": "rank 1 exited with status 137"}]
 
-    every = HostfileAttempts(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"), tmp_path / "every", 1),
-                          base_env={})
+    every = MarkedAttempts(HostfileAttempts(HostLaunch("openmpi", hosts, 2, 2, ("sh", "-c", "exit 0"),
+                                                     tmp_path / "every", 1), base_env={}), tmp_path / "every")
     (tmp_path / "every").mkdir()
     line, env, written = attempt(every, 0)
     assert "ddp-hpc-rank" not in line and written == "h1\nh2\n"

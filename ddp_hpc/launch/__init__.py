@@ -6,9 +6,13 @@
   ``local.py`` (``LocalRanks``: ddp-hpc itself with torchrun's variables; ``MpiexecHere``),
   ``hosts.py`` (``launch --hostfile``: mpiexec over listed hosts), ``srun.py`` (one srun
   step per attempt); ``mpi.py`` builds the mpiexec lines. Wrappers around any of them:
-  ``attempts.MarkedAttempts`` (the preempted marker) and ``node.NodeSupervisors`` (a node
+  ``attempts.MarkedAttempts`` (each attempt's outcome) and ``node.NodeSupervisors`` (a node
   supervisor per node under ``--recover``); ``recovering.py`` recovers a node's ranks.
-- ``restart.py``: the one restart policy and exit-status contract, and ``LaunchEnd``.
+- ``outcome.py``: what an attempt ended as (finished, stopped, failed on which rank and host,
+  the host left out), decided in one function from the launcher's status, the preempted
+  marker and the failed-rank evidence each launcher gives.
+- ``restart.py``: the one restart policy and exit-status contract, the one writer of exit
+  files and the one requeue, and ``LaunchEnd``.
 - The rendered scripts: ``script.py`` (the pieces every family renders; each script ends in
   ``exec ddp-hpc launch``, and the rank wrappers the launch uses), ``left_out.py`` (nodes
   left out after a failure).

@@ -4,21 +4,22 @@ One implementation per way (``ddp-hpc launch --launcher ...``): ``local.LocalRan
 a child of the launch, with torchrun's variables), ``local.MpiexecHere`` (one mpiexec on this
 machine), ``hosts.HostfileAttempts`` (one mpiexec over the hosts of a file), ``srun.SrunSteps``
 (one srun step in a SLURM allocation). Two wrappers take any of them: ``MarkedAttempts``
-(the attempt's status through the preempted marker) and ``node.NodeSupervisors`` (one node
-supervisor per node around the recovery store). ``entry.launch`` runs them under the one
-``Supervisor``.
+(the attempt's ``Outcome``: its status through the preempted marker, the failed host left
+out of a restart) and ``node.NodeSupervisors`` (one node supervisor per node around the
+recovery store). ``entry.launch`` runs them under the one ``Supervisor``.
 """
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ddp_hpc.contract import PREEMPTED_MARKER, ExitStatus
+from ddp_hpc.contract import PREEMPTED_MARKER
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.outcome import NamesFailedHost, Outcome, attempt_outcome
 
 
 class Attempts(Protocol):
@@ -61,13 +62,15 @@ def signal_running(children: Sequence[subprocess.Popen], signum: int) -> None:
                 pass
 
 
-@dataclass(frozen=True)
+@dataclass
 class MarkedAttempts:
-    """``attempts`` whose status is read through the preempted marker rank 0 (or, under MPICH,
-    its wrapper) writes in ``run_folder`` after a stop: the ranks stopped, whatever the
-    launcher says. One that ends the other ranks once one exits (srun's
-    ``--kill-on-bad-exit``) reports the stop as a kill; MPICH's Hydra, having passed a SIGTERM
-    on, may report the ranks' 75 as 0. The one reader of the marker.
+    """``attempts`` whose end is read as an ``Outcome`` (launch/outcome.py): the launcher's
+    status, the preempted marker rank 0 (or, under MPICH, its wrapper) writes in
+    ``run_folder`` after a stop (the ranks stopped, whatever the launcher says: one that ends
+    the other ranks once one exits, srun's ``--kill-on-bad-exit``, reports the stop as a kill;
+    MPICH's Hydra, having passed a SIGTERM on, may report the ranks' 75 as 0), and, from a
+    launcher that names it (``outcome.NamesFailedHost``), the first failed rank's host, which a
+    restart runs without. The one reader of the marker.
 
     The marker is removed before each attempt starts (the one before it has ended), so one
     found at its end was written during it: no clock is compared (a file system's clock may
@@ -75,6 +78,8 @@ class MarkedAttempts:
 
     attempts: Attempts
     run_folder: Path
+    #: Each ended attempt's outcome, in order.
+    outcomes: list[Outcome] = field(default_factory=list)
 
     def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> Sequence[subprocess.Popen]:
         marker = self.run_folder / PREEMPTED_MARKER
@@ -83,14 +88,25 @@ class MarkedAttempts:
         except OSError as exc:  # left there, it would read every end of the attempt as a stop
             raise UserError(f"cannot remove the preempted marker {marker} before the ranks start: "
                             f"{exc.strerror or exc}") from None
+        left_out = self.outcomes[-1].left_out if attempt > 0 and self.outcomes else None
+        if left_out is not None and isinstance(self.attempts, NamesFailedHost):
+            self.attempts.run_without(left_out)
         return self.attempts.start(attempt, extra_env)
 
     def forward_stop(self, signum: int, children: Sequence[subprocess.Popen]) -> None:
         self.attempts.forward_stop(signum, children)
 
     def read_status(self, attempt: int, status: int) -> int:
+        return self.read_outcome(attempt, status).status
+
+    def read_outcome(self, attempt: int, status: int) -> Outcome:
         status = self.attempts.read_status(attempt, status)
-        return ExitStatus.REQUEUE if (self.run_folder / PREEMPTED_MARKER).exists() else status
+        names = self.attempts if isinstance(self.attempts, NamesFailedHost) else None
+        outcome = attempt_outcome(attempt, status, preempted=(self.run_folder / PREEMPTED_MARKER).exists(),
+                                  failed=names.failed_rank(attempt) if names is not None else None,
+                                  spare=names is not None and names.has_spare)
+        self.outcomes.append(outcome)
+        return outcome
 
     def describe(self) -> str:
         return self.attempts.describe()

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.contract import (HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RANK_FAILURES_PREFIX, RECOVERY_STORE_VAR,
+from ddp_hpc.contract import (HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RECOVERY_STORE_VAR,
                               RESTART_COUNT_VAR, RUN_FOLDER_VAR, SNAPSHOT_DIR_VAR, Submission, atomic_write)
 from ddp_hpc.environment.hosts import with_suffix
 from ddp_hpc.errors import UserError
@@ -34,6 +34,7 @@ from ddp_hpc.launch.left_out import LeftOutHost, leave_out
 from ddp_hpc.launch.local import rank_command
 from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.node import node_supervisor_command, store_host
+from ddp_hpc.launch.outcome import FailedRank, failed_rank_in_file
 from ddp_hpc.launch.recovering import RecoveryLimits
 from ddp_hpc.launch.script import recording_rank_failures
 
@@ -134,8 +135,9 @@ def recovery_store_host(launch: HostLaunch, environ: Mapping[str, str]) -> str:
 
 @dataclass
 class HostfileAttempts:
-    """The attempts of one launch (an ``Attempts``, launch/attempts.py; the launch reads their
-    status through the preempted marker, ``attempts.MarkedAttempts``)."""
+    """The attempts of one launch (an ``Attempts``, launch/attempts.py, which names the failed
+    host: ``outcome.NamesFailedHost``; the launch reads each one's outcome through
+    ``attempts.MarkedAttempts``)."""
 
     launch: HostLaunch
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -172,8 +174,6 @@ class HostfileAttempts:
                 f"({', '.join(self.launch.hosts[:self.launch.nodes])} first)\n{shlex.join(self.argv())}\n")
 
     def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
-        if attempt > 0 and self.launch.leaves_out_failed_hosts:
-            self._leave_out_failed_host(attempt - 1)
         self.hosts = tuple(host for host in self.launch.hosts if host not in self.excluded)[:self.launch.nodes]
         if len(self.hosts) < self.launch.nodes:
             log.warning("no spare node left: the restart gets fewer than %d node(s)", self.launch.nodes)
@@ -195,19 +195,17 @@ class HostfileAttempts:
     def read_status(self, attempt: int, status: int) -> int:
         return status
 
-    def _leave_out_failed_host(self, failed_attempt: int) -> None:
-        """The host of the first rank that failed (the wrapper's first line: ``RANK STATUS``)."""
-        try:
-            first = (self.launch.run_folder / f"{RANK_FAILURES_PREFIX}{failed_attempt}").read_text().split("\n")[0]
-        except OSError:
-            return
-        task, _, status = first.partition(" ")
-        per_host = self.launch.tasks_per_host
-        if not task.isdigit() or int(task) // per_host >= len(self.hosts):
-            return
-        failed = f"rank {task}" if self.launch.recovery is None else f"the node supervisor of host {task}"
-        leave_out(self.launch.run_folder, self.excluded, LeftOutHost(
-            self.hosts[int(task) // per_host], failed_attempt, f"{failed} exited with status {status.strip()}"))
+    @property
+    def has_spare(self) -> bool:
+        return self.launch.leaves_out_failed_hosts
+
+    def failed_rank(self, attempt: int) -> FailedRank | None:
+        """The first failed rank of the attempt started last, from its wrapper's file."""
+        task = "rank" if self.launch.recovery is None else "the node supervisor of host"
+        return failed_rank_in_file(self.launch.run_folder, attempt, self.hosts, self.launch.tasks_per_host, task)
+
+    def run_without(self, host: LeftOutHost) -> None:
+        leave_out(self.launch.run_folder, self.excluded, host)
 
 
 def record_this_launch(run_folder: Path, world_size: int, command_line: Sequence[str]) -> str:

@@ -51,8 +51,9 @@ class RestartPolicy:
 
 def record_exit(run_folder: Path, job_id: str, status: int) -> None:
     """The job's exit status in ``RUN/exit-<job id>``, for ``--wait`` and ``status``: the one
-    writer of exit files in Python (a rendered script writes one itself only where it ends
-    before its launch starts: a failed staging or pre-flight)."""
+    writer of exit files. A rendered script whose job ends before its launch starts (a failed
+    staging or pre-flight) calls it through ``ddp-hpc record-exit`` (``script.py``), and
+    writes the file itself only where ddp-hpc cannot start."""
     try:
         atomic_write(run_folder / exit_file_name(job_id), f"{status}\n")
     except OSError as exc:

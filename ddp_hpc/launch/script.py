@@ -92,8 +92,7 @@ def stage_lines(request: SubmitRequest, fan_out_command: str, job_id_var: str, j
         f'stage_rendezvous=$(mktemp -d "${RUN_FOLDER_VAR}/.stage.XXXXXX")',
         f"if ! stage_archive=$(ddp-hpc stage pack) || ! {fan_out_command}; then",
         '  echo "ddp_hpc: staging the environment failed (see above): the ranks were not started" >&2',
-        f'  printf \'%s\\n\' {ExitStatus.FAILED:d} >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
-        f"  exit {ExitStatus.FAILED:d}",
+        *_failed_before_launch(job_key),
         "fi",
         'rm -rf "$stage_rendezvous"',
     ]
@@ -159,9 +158,25 @@ def preflight_lines(command: str, job_key: str) -> list[str]:
         "# Pre-flight (--preflight): bandwidth and latency between the nodes, before any rank starts",
         f"if ! {command}; then",
         '  echo "ddp_hpc: pre-flight link check failed (see above): the ranks were not started" >&2',
-        f'  printf \'%s\\n\' {ExitStatus.FAILED:d} >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
-        f"  exit {ExitStatus.FAILED:d}",
+        *_failed_before_launch(job_key),
         "fi",
+    ]
+
+
+#: What records a job's exit status from its script (``restart.record_exit``, the one writer),
+#: where the job ends before its launch starts.
+RECORD_EXIT_ARGV = ("ddp-hpc", "record-exit")
+
+
+def _failed_before_launch(job_key: str) -> list[str]:
+    """End the job (exit 1) before its launch starts, its exit status recorded for ``--wait``
+    and ``status`` (``job_key``: the job's id as the shell expands it)."""
+    folder, failed = f'"${RUN_FOLDER_VAR}"', f"{ExitStatus.FAILED:d}"
+    return [
+        "  # printf only where ddp-hpc itself cannot start (a broken environment may be why this failed)",
+        f'  {render_argv(RECORD_EXIT_ARGV)} {folder} "{job_key}" {failed} ||',
+        f'    printf \'%s\\n\' {failed} >"${RUN_FOLDER_VAR}/{exit_file_name(job_key)}" || true',
+        f"  exit {failed}",
     ]
 
 

@@ -3,19 +3,18 @@ SLURM allocation (``SrunSteps``, an ``Attempts``: launch/attempts.py), under the
 ``Supervisor`` (``entry.launch``).
 
 What a rendered sbatch script's bash loop once did around its step, the launch does: the
-step's status read through the preempted marker (``attempts.MarkedAttempts``:
+step's outcome read through the preempted marker (``attempts.MarkedAttempts``:
 ``--kill-on-bad-exit`` turns the ranks' 75 into a kill of the others), the node where a rank
 failed left out of the next step with ``--exclude`` when the allocation has spare nodes
-(srun names it in ``srun: error: NODE: task N: ...``), and at the end (``srun_end``, the
-launch's one ``restart.LaunchEnd``) the job requeued after a stop (``scontrol requeue``) or
-its exit status written for ``--wait``/``status``.
+(srun names it in ``srun: error: NODE: task N: ...``: ``outcome.failed_rank_in_srun_line``),
+and at the end (``srun_end``, the launch's one ``restart.LaunchEnd``) the job requeued after
+a stop (``scontrol requeue``) or its exit status written for ``--wait``/``status``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -29,8 +28,9 @@ from typing import IO
 from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.left_out import LeftOutHost, leave_out
 from ddp_hpc.launch.attempts import signal_running
+from ddp_hpc.launch.left_out import LeftOutHost, leave_out
+from ddp_hpc.launch.outcome import FailedRank, failed_rank_in_srun_line
 from ddp_hpc.launch.restart import LaunchEnd
 from ddp_hpc.launch.script import split_staged
 
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 FORWARDED_STOP = signal.SIGUSR2
 #: The allocation's node count, as srun and sbatch export it.
 NODE_COUNT_VAR = "SLURM_JOB_NUM_NODES"
-#: srun's line for a task that failed: the node comes first.
-_FAILED_TASK = re.compile(r"^srun: error: ([^:\s]+): task [0-9]")
 
 
 @dataclass(frozen=True)
@@ -102,10 +100,10 @@ class SrunLaunch:
 
 @dataclass
 class _StepLog:
-    """Copies a step's stderr through and keeps srun's first ``task failed`` line."""
+    """Copies a step's stderr through and keeps what srun's first ``task failed`` line says."""
 
     stream: IO[bytes]
-    failed_line: str | None = None
+    failed: FailedRank | None = None
     thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -118,18 +116,19 @@ class _StepLog:
             out.write(raw)
             out.flush()
             line = raw.decode(errors="replace").strip()
-            if self.failed_line is None and _FAILED_TASK.match(line):
-                self.failed_line = line
+            if self.failed is None:
+                self.failed = failed_rank_in_srun_line(line)
 
-    def finished(self) -> str | None:
+    def finished(self) -> FailedRank | None:
         if self.thread is not None:
             self.thread.join(timeout=10)
-        return self.failed_line
+        return self.failed
 
 
 @dataclass
 class SrunSteps:
-    """The attempts of one launch, one srun step each (an ``Attempts``)."""
+    """The attempts of one launch, one srun step each (an ``Attempts`` that names the failed
+    node: ``outcome.NamesFailedHost``)."""
 
     launch: SrunLaunch
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -137,8 +136,6 @@ class SrunSteps:
     _step_log: _StepLog | None = None
 
     def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> Sequence[subprocess.Popen]:
-        if attempt > 0 and self.launch.spare_nodes:
-            self._leave_out_failed_node(attempt - 1)
         argv = self.launch.step_argv(self.excluded)
         try:
             step = subprocess.Popen(argv, stderr=subprocess.PIPE,
@@ -181,11 +178,16 @@ class SrunSteps:
             self._step_log.finished()
         return status
 
-    def _leave_out_failed_node(self, failed_attempt: int) -> None:
-        line = self._step_log.finished() if self._step_log is not None else None
-        match = _FAILED_TASK.match(line or "")
-        if match is not None:
-            leave_out(self.launch.run_folder, self.excluded, LeftOutHost(match.group(1), failed_attempt, line or ""))
+    @property
+    def has_spare(self) -> bool:
+        return self.launch.spare_nodes > 0
+
+    def failed_rank(self, attempt: int) -> FailedRank | None:
+        """The node srun named for the first failed task of the step started last."""
+        return self._step_log.finished() if self._step_log is not None else None
+
+    def run_without(self, host: LeftOutHost) -> None:
+        leave_out(self.launch.run_folder, self.excluded, host)
 
 
 def srun_end(run_folder: Path, environ: Mapping[str, str], *, requeue: bool) -> LaunchEnd:

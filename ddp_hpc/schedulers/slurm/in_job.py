@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 
 from ddp_hpc.contract import RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE, ExitStatus
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
+from ddp_hpc.launch.outcome import Ended, attempt_outcome, failed_rank_here
 from ddp_hpc.specs.request import CommandPayload, TrainPayload
 from ddp_hpc.launch.restart import RestartPolicy, record_exit, requeue_job
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
@@ -111,22 +111,26 @@ class SubmititCommandTask:
         code = self._child.wait()
         rank = int(launch.environment(os.environ).get("RANK", "0"))
         job_id = job_key(os.environ)
-        if rank == 0 and job_id and code != ExitStatus.REQUEUE:
+        policy, attempt = (self.restart.policy, self.restart.attempt) if self.restart else (RestartPolicy(0), 0)
+        # A new job can always be asked to run without this node: every failure names one to leave out.
+        outcome = attempt_outcome(attempt, ExitStatus.of_returncode(code),
+                                  failed=failed_rank_here(rank, code, os.environ), spare=True)
+        if rank == 0 and job_id and outcome.ended is not Ended.STOPPED:
             Path(self.run_folder).mkdir(parents=True, exist_ok=True)
             record_exit(Path(self.run_folder), job_id, code)
-        policy, attempt = (self.restart.policy, self.restart.attempt) if self.restart else (RestartPolicy(0), 0)
-        decision = policy.decide(ExitStatus.of_returncode(code), attempt)
+        decision = policy.decide(outcome.status, attempt)
         if decision.requeue:
             requeue_from_rank_zero()  # the command checkpointed and asked to be run again
-        elif decision.restart:
-            self._restart_without_this_node(rank, code, job_id)
+        elif decision.restart and outcome.left_out is not None:
+            self._restart_without_this_node(outcome.left_out, job_id)
         if code != 0:
             raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
         return code
 
-    def _restart_without_this_node(self, rank: int, code: int, job_id: str | None) -> None:
-        """The first rank to fail submits the job again, leaving out its node, and points the
-        run folder's submission record at the new job (``status``/``--wait`` follow it)."""
+    def _restart_without_this_node(self, left_out: LeftOutHost, job_id: str | None) -> None:
+        """The first rank to fail submits the job again, leaving out its node (the attempt's
+        ``Outcome.left_out``), and points the run folder's submission record at the new job
+        (``status``/``--wait`` follow it)."""
         import submitit
 
         plan = self.restart
@@ -138,9 +142,7 @@ class SubmititCommandTask:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        reason = f"rank {rank} exited with status {ExitStatus.of_returncode(code):d}"  # 137, as the shell says
-        following = dataclasses.replace(plan, attempt=plan.attempt + 1, excluded=(*plan.excluded, host))
+        following = dataclasses.replace(plan, attempt=plan.attempt + 1, excluded=(*plan.excluded, left_out.host))
         executor = submitit.AutoExecutor(folder=plan.folder, cluster="slurm")
         executor.update_parameters(**plan.parameters, slurm_exclude=",".join(following.excluded))
         try:
@@ -151,9 +153,9 @@ class SubmititCommandTask:
                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return
         # Recorded once the restart exists: `status` shows a node left out only for a job without it.
-        record_left_out(folder, LeftOutHost(host, plan.attempt, reason))
+        record_left_out(folder, left_out)
         log.warning("leaving out node(s) %s, where a rank failed (%s): restart %d of %d as job %s",
-                    ",".join(following.excluded), reason, following.attempt, plan.max_restarts, job.job_id)
+                    ",".join(following.excluded), left_out.reason, following.attempt, plan.max_restarts, job.job_id)
         follow_resubmission(folder, job_id, job.job_id, plan.folder)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
