@@ -70,7 +70,7 @@ class ScaleRow:
     diagnosis_s: float                 # Heartbeat.explain(), including its settle wait
     diagnosis_settle_s: float
     diagnosis_named_silent: bool
-    gate_diagnosis_s: float            # rank 0's list of the ranks absent at the gate's deadline
+    gate_diagnosis_s: float            # rank 0's list of the ranks absent at the gate's time limit
     gate_diagnosis_named: bool
     rank0_bytes: dict[str, int]
 

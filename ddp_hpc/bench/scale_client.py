@@ -22,7 +22,7 @@ from ddp_hpc.startup.distributed import create_store
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.engine.liveness import Heartbeat
 
-#: The handshake's deadline inside the harness (the default rendezvous_timeout_s).
+#: The handshake's time limit inside the harness (the default rendezvous_timeout_s).
 RENDEZVOUS_TIMEOUT_S = 180.0
 #: The variables the simulated ranks' store sees: none, as a rank launched without ddp_hpc's own.
 STORE_ENVIRON: dict[str, str] = {}

@@ -45,12 +45,12 @@ class Clients:
 
     def read_all(self, event: str, timeout_s: float) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout_s
+        give_up_at = time.monotonic() + timeout_s
         for proc in self.procs:
             while True:
-                if time.monotonic() > deadline:
+                if time.monotonic() > give_up_at:
                     raise UserError(f"scale harness: no '{event}' from a client within {timeout_s:g}s")
-                line = _readline(proc.stdout, deadline - time.monotonic())
+                line = _readline(proc.stdout, give_up_at - time.monotonic())
                 if not line:
                     raise UserError(f"scale harness: a client process ended before '{event}' "
                                     f"(status {proc.poll()})")

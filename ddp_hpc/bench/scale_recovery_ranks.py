@@ -126,8 +126,8 @@ def main(argv: list[str]) -> int:
                   threading.Thread(target=rank.recover_loop, args=(stop,), daemon=True)]
     for thread in loops:
         thread.start()
-    deadline = time.monotonic() + 60
-    while not all(rank.beating.is_set() for rank in ranks.values()) and time.monotonic() < deadline:
+    give_up_at = time.monotonic() + 60
+    while not all(rank.beating.is_set() for rank in ranks.values()) and time.monotonic() < give_up_at:
         time.sleep(0.05)
     _say(event="connected", errors=[e for rank in ranks.values() for e in rank.errors][:3])
     for line in sys.stdin:
@@ -144,15 +144,15 @@ def main(argv: list[str]) -> int:
             survivors = [r for r in ranks.values() if not r.lost.is_set()]
             for rank in survivors:
                 rank.broken.set()
-            deadline = time.monotonic() + 60
-            while any(not (r.waiting.is_set() or r.errors) for r in survivors) and time.monotonic() < deadline:
+            give_up_at = time.monotonic() + 60
+            while any(not (r.waiting.is_set() or r.errors) for r in survivors) and time.monotonic() < give_up_at:
                 time.sleep(0.01)
             _say(event="failed", not_waiting=sum(not r.waiting.is_set() for r in survivors))
         elif command["do"] == "held":
             generation = command["generation"]
-            deadline = time.monotonic() + command["timeout_s"]
+            give_up_at = time.monotonic() + command["timeout_s"]
             survivors = [r for r in ranks.values() if not r.lost.is_set()]
-            while any(generation not in r.held for r in survivors) and time.monotonic() < deadline:
+            while any(generation not in r.held for r in survivors) and time.monotonic() < give_up_at:
                 time.sleep(0.01)
             _say(event="held", held={r.slot: r.held.get(generation) for r in survivors},
                  errors=[e for r in ranks.values() for e in r.errors][:3])

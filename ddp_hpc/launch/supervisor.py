@@ -173,10 +173,10 @@ class Supervisor:
 
     def _end_running(self, signum: int) -> None:
         self._signal_running(signum)
-        deadline = time.monotonic() + self.end_grace_s
+        give_up_at = time.monotonic() + self.end_grace_s
         for child in self._children:
             try:
-                child.wait(max(0.0, deadline - time.monotonic()))
+                child.wait(max(0.0, give_up_at - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()

@@ -101,15 +101,15 @@ def _read_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def _connect_to_parent(slot: NodeSlot, rendezvous: Path, deadline: float) -> socket.socket:
+def _connect_to_parent(slot: NodeSlot, rendezvous: Path, give_up_at: float) -> socket.socket:
     parent = slot.parent
     address_file = _address_file(rendezvous, parent)
     last_error = "no address file yet"
-    while time.monotonic() < deadline:
+    while time.monotonic() < give_up_at:
         try:
             address = json.loads(address_file.read_text())
             sock = socket.create_connection((address["host"], address["port"]), timeout=10)
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            sock.settimeout(max(1.0, give_up_at - time.monotonic()))
             sock.sendall(_INDEX.pack(slot.index))
             return sock
         except FileNotFoundError:
@@ -122,17 +122,17 @@ def _connect_to_parent(slot: NodeSlot, rendezvous: Path, deadline: float) -> soc
                      "output")
 
 
-def _accept_children(server: socket.socket, slot: NodeSlot, deadline: float) -> list[socket.socket]:
+def _accept_children(server: socket.socket, slot: NodeSlot, give_up_at: float) -> list[socket.socket]:
     children = []
     waiting = set(slot.children)
     while waiting:
-        server.settimeout(max(0.1, deadline - time.monotonic()))
+        server.settimeout(max(0.1, give_up_at - time.monotonic()))
         try:
             conn, _ = server.accept()
         except TimeoutError:
             raise StageError(f"stage: node {slot.index} ({slot.name}): node(s) "
                              f"{', '.join(map(str, sorted(waiting)))} never connected to receive their copy") from None
-        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        conn.settimeout(max(1.0, give_up_at - time.monotonic()))
         index = _INDEX.unpack(_read_exact(conn, _INDEX.size))[0]
         waiting.discard(index)
         children.append(conn)
@@ -151,7 +151,7 @@ def _untar(partial: Path) -> subprocess.Popen:
 
 
 def _stream(slot: NodeSlot, archive: Path, rendezvous: Path, partial: Path, host_suffix: str,
-            deadline: float) -> tuple[str, int]:
+            give_up_at: float) -> tuple[str, int]:
     """Receive (node 0: read) the archive, send it on to the children and unpack it into
     ``partial``, all in one pass over the bytes."""
     server = upstream = reader = untar = None
@@ -165,10 +165,10 @@ def _stream(slot: NodeSlot, archive: Path, rendezvous: Path, partial: Path, host
             source, size, reader = str(archive), archive.stat().st_size, open(archive, "rb")
             read = reader.read
         else:
-            upstream = _connect_to_parent(slot, rendezvous, deadline)
+            upstream = _connect_to_parent(slot, rendezvous, give_up_at)
             size = _SIZE.unpack(_read_exact(upstream, _SIZE.size))[0]
             source, read = f"node {slot.parent}", upstream.recv
-        children = _accept_children(server, slot, deadline) if server is not None else []
+        children = _accept_children(server, slot, give_up_at) if server is not None else []
         for child in children:
             child.sendall(_SIZE.pack(size))
         untar = _untar(partial)

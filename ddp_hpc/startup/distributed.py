@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-#: The store's own timeout outlasts the handshake's deadline by this much, so that the
-#: deadline's one-line message is what a user sees, not the store's C++ error.
+#: The store's own timeout outlasts the handshake's time limit by this much, so that the
+#: handshake's one-line message is what a user sees, not the store's C++ error.
 STORE_GRACE_S = 30.0
 
 

@@ -3,13 +3,13 @@
 torch's ``TCPStore`` client can block for ever in its constructor when something other
 than a store listens on the port (it waits for a reply that never comes), and a missing
 rank shows up only as an opaque key timeout inside the backend's set-up. So the
-rendezvous runs under its own deadline (``distributed.rendezvous_timeout_s``):
+rendezvous runs under its own time limit (``distributed.rendezvous_timeout_s``):
 
 1. rank 0 writes a marker key with the job's identity; every other rank reads it and
    compares, so a store of another job on the same port is named as such;
 2. every rank registers (``joined/<rank>`` = its host) and counts itself in; the last one
    to arrive opens the gate, and all wait for it;
-3. past the deadline, each rank says what it saw in one line: no store answering at the
+3. past the time limit, each rank says what it saw in one line: no store answering at the
    address, another job's store, or which ranks never joined: rank 0 lists them as runs
    ("ranks 3-7, 12 (6 of 4096)") with the hosts they were to run on, found in a few store
    round trips however large the job (``_missing_ranks``).
@@ -91,7 +91,7 @@ def bounded(work: Callable[[], T], seconds: float, on_timeout: Callable[[], str]
     """``work()``, or a ``RendezvousError`` with ``on_timeout()``'s text after ``seconds``.
 
     The work runs in a daemon thread because a blocked store call cannot be interrupted;
-    past the deadline it is left behind (the CLI ends the process after reporting).
+    past the time limit it is left behind (the CLI ends the process after reporting).
     """
     outcome: dict[str, object] = {}
 
@@ -233,7 +233,7 @@ class Absent:
 
 def absent_ranks(store: dist.Store, env: DistEnv, listed_hosts: Sequence[str] = ()) -> Absent | None:
     """Which ranks have not joined and where they were to run (rank 0's view at the gate's
-    deadline), or None if all did. ``listed_hosts``: the job's node list, in node order."""
+    time limit), or None if all did. ``listed_hosts``: the job's node list, in node order."""
     missing = _missing_ranks(store, env.world_size)
     if not missing:
         return None
@@ -245,26 +245,26 @@ def absent_ranks(store: dist.Store, env: DistEnv, listed_hosts: Sequence[str] = 
 
 
 class _Progress:
-    """How far this rank got, for the message when the deadline passes."""
+    """How far this rank got, for the message when the time limit passes."""
 
     def __init__(self) -> None:
         self.stage = "connect"
 
 
 #: A blocked call (a listener that never answers) is abandoned this long after the
-#: deadline; the store's own waits end at the deadline and say more.
+#: time limit; the store's own waits end at the time limit and say more.
 ABANDON_AFTER_S = 5.0
 
 
-def _wait(store: dist.Store, key: str, deadline: float) -> bool:
-    """Wait for ``key`` until ``deadline`` (monotonic); False if it timed out."""
-    remaining = deadline - time.monotonic()
+def _wait(store: dist.Store, key: str, give_up_at: float) -> bool:
+    """Wait for ``key`` until ``give_up_at`` (monotonic); False if it timed out."""
+    remaining = give_up_at - time.monotonic()
     if remaining <= 0:
         return store.check([key])
     try:
         store.wait([key], timedelta(seconds=remaining))
     except dist.DistError:
-        if deadline - time.monotonic() > 1.0:
+        if give_up_at - time.monotonic() > 1.0:
             raise  # not a timeout: the connection failed (rank 0 ended?)
         return False
     return True
@@ -274,7 +274,7 @@ def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> d
     """Connect (``store_factory``), check the marker, join; all within ``meeting.timeout_s``."""
     progress = _Progress()
     rank, world_size = meeting.env.rank, meeting.env.world_size
-    deadline = time.monotonic() + meeting.timeout_s
+    give_up_at = time.monotonic() + meeting.timeout_s
     limit = f"within {meeting.timeout_s:g}s (distributed.rendezvous_timeout_s)"
 
     def not_this_jobs() -> RendezvousError:
@@ -288,7 +288,7 @@ def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> d
             store.set(MARKER_KEY, meeting.identity)
         else:
             progress.stage = "marker"
-            if not _wait(store, MARKER_KEY, deadline):
+            if not _wait(store, MARKER_KEY, give_up_at):
                 raise not_this_jobs()
             found = store.get(MARKER_KEY).decode(errors="replace")
             if found != meeting.identity:
@@ -299,7 +299,7 @@ def handshake(store_factory: Callable[[], dist.Store], meeting: Rendezvous) -> d
         store.set(f"{JOINED_KEY}/{rank}", socket.gethostname())
         if store.add(JOINED_KEY, 1) == world_size:
             store.set(GATE_KEY, "open")
-        if not _wait(store, GATE_KEY, deadline):
+        if not _wait(store, GATE_KEY, give_up_at):
             absent = absent_ranks(store, meeting.env, meeting.listed_hosts) if rank == 0 else None
             if absent:
                 where = f"; they were to run on {absent.hosts}" if absent.hosts else ""

@@ -177,14 +177,14 @@ def wait_for_exit(pid: int, timeout_s: float) -> bool:
     interrupts ``__call__``'s ``wait`` on the same child while that holds the ``Popen``'s
     waitpid lock; a nested ``wait(timeout)`` then never gets the lock and always waited the
     whole timeout (80 s before each requeue)."""
-    deadline = time.monotonic() + timeout_s
+    give_up_at = time.monotonic() + timeout_s
     while True:
         try:
             if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
                 return True
         except ChildProcessError:  # reaped already
             return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= give_up_at:
             return False
         time.sleep(0.05)
 
@@ -231,8 +231,8 @@ def hand_over_to_submitit(signum: int | None) -> NoReturn:
     handler = signal.getsignal(preemption)
     if callable(handler):
         handler(preemption, None)  # rank 0: checkpoint(), scontrol requeue, sys.exit
-    deadline = time.monotonic() + REQUEUE_WAIT_S
-    while time.monotonic() < deadline:
+    give_up_at = time.monotonic() + REQUEUE_WAIT_S
+    while time.monotonic() < give_up_at:
         time.sleep(1.0)
     log.error("the job was not requeued within %.0f s of the checkpoint; stopping", REQUEUE_WAIT_S)
     raise SystemExit(ExitStatus.REQUEUE)
