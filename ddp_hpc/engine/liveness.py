@@ -44,7 +44,6 @@ from ddp_hpc.startup.rendezvous import store_batches
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class BeatKeys:
     """Where heartbeats live in a store: each member's counter, host and status under ``prefix``."""
