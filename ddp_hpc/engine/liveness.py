@@ -1,4 +1,4 @@
-"""Which ranks went silent: a heartbeat every rank keeps in the rendezvous store.
+"""Which ranks went silent: the one heartbeat every rank keeps in a store.
 
 When the watchdog fires, a rank only knows that its own collective does not finish. A
 host that dropped off the network sends nothing, not even a reset, so no error says who
@@ -7,6 +7,14 @@ every ``interval_s``. The rank whose watchdog fires reads every counter twice,
 ``settle_s`` apart: ranks whose counter did not move are silent (their host lost the
 network, or the process is frozen); ranks whose counter moved are alive and waiting too.
 A rank that cannot reach the store itself is on the side that was cut off.
+
+There is one heartbeat per rank, whoever reads it. Without in-job recovery it lives in the
+rendezvous store (``RENDEZVOUS_KEYS``, by rank) and the watchdog starts it. Under ``ddp-hpc
+launch --recover`` ``InJobRecovery`` starts it in the launch's store (engine/recovery/store.py
+``BEAT_KEYS``, by slot), where the launch's hang detector reads the same counters, and
+shares it (``shared_heartbeat``): a watchdog in that process reports through it (``reporting``)
+instead of starting a second thread. ``on_beat`` lets its owner act on each beat (the
+recovery notices a newer group there).
 
 With each beat a rank also publishes its status (``RankStatus``): the collective it is at
 (engine/collectives.py) and the median time of its own work per step. The firing rank
@@ -23,7 +31,8 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,9 +43,28 @@ from ddp_hpc.startup.rendezvous import store_batches
 
 log = logging.getLogger(__name__)
 
-BEAT_KEY = "ddp_hpc/heartbeat/{rank}"
-HOST_KEY = "ddp_hpc/host/{rank}"
-STATUS_KEY = "ddp_hpc/status/{rank}"
+
+@dataclass(frozen=True)
+class BeatKeys:
+    """Where heartbeats live in a store: each member's counter, host and status under ``prefix``."""
+
+    prefix: str
+
+    def beat(self, member: int | str) -> str:
+        return f"{self.prefix}heartbeat/{member}"
+
+    def host(self, member: int | str) -> str:
+        return f"{self.prefix}host/{member}"
+
+    def status(self, member: int | str) -> str:
+        return f"{self.prefix}status/{member}"
+
+
+#: The rendezvous store's heartbeats, one per rank.
+RENDEZVOUS_KEYS = BeatKeys("ddp_hpc/")
+BEAT_KEY = RENDEZVOUS_KEYS.beat("{rank}")
+HOST_KEY = RENDEZVOUS_KEYS.host("{rank}")
+STATUS_KEY = RENDEZVOUS_KEYS.status("{rank}")
 #: A rank whose step time is at least this many times the median of the others' is named.
 STRAGGLER_FACTOR = 2.0
 
@@ -128,32 +156,89 @@ def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
     return values
 
 
+def read_beats(store: dist.Store, keys: BeatKeys, members: Sequence[int]) -> dict[int, int]:
+    """Each member's heartbeat counter: what the watchdog's ``explain`` and the launch's hang
+    detector (``LaunchStore.beats_of``) read, in requests of ``KEYS_PER_REQUEST`` keys."""
+    return dict(zip(members, read_counters(store, [keys.beat(member) for member in members])))
+
+
+_shared: Heartbeat | None = None
+
+
+def shared_heartbeat() -> Heartbeat | None:
+    """The heartbeat this process runs for others to report through (``InJobRecovery``'s),
+    while it runs; else None."""
+    return _shared
+
+
 class Heartbeat:
-    """A daemon thread that bumps this rank's counter; ``explain()`` names the silent ranks."""
+    """A daemon thread that bumps this rank's counter; ``explain()`` names the silent ranks.
+
+    ``rank``: this member's number under ``keys`` (a rank, or under in-job recovery a slot);
+    ``members``: the members to read (default: ``range(world_size)``; the lowest checks for
+    stragglers). ``on_beat(store)`` runs after each beat, on the heartbeat's thread and
+    connection. ``shared``: other parts of this process report through it while it runs.
+    """
 
     def __init__(self, rank: int, world_size: int, host: str, store_addr: str, store_port: int, *,
                  interval_s: float = 2.0, store_timeout_s: float = 5.0,
                  status: Callable[[], RankStatus] | None = None,
-                 on_straggler: Callable[[Straggler], None] | None = None) -> None:
+                 on_straggler: Callable[[Straggler], None] | None = None,
+                 keys: BeatKeys = RENDEZVOUS_KEYS, members: Callable[[], Sequence[int]] | None = None,
+                 on_beat: Callable[[dist.Store], None] | None = None, settle_s: float | None = None,
+                 store_name: str = "rendezvous store", shared: bool = False) -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
-        #: This rank's status, published with each beat; rank 0 checks for stragglers.
+        self.keys, self.on_beat, self.store_name, self.shared = keys, on_beat, store_name, shared
+        self.members: Callable[[], Sequence[int]] = members or (lambda: range(self.world_size))
+        #: This rank's status, published with a beat at most every ``status_every_s``; the
+        #: lowest member checks for stragglers then.
         self.status, self.on_straggler = status, on_straggler
-        #: Rank 0: the stragglers named so far (each once, with its largest ratio).
+        self.status_every_s = interval_s
+        self._next_status = 0.0
+        #: The lowest member: the stragglers named so far (each once, with its largest ratio).
         self.stragglers: dict[int, Straggler] = {}
         self.store_addr, self.store_port = store_addr, store_port
         self.where = f"{store_addr}:{store_port}"
         self.interval_s, self.store_timeout_s = interval_s, store_timeout_s
-        self.settle_s = 2.5 * interval_s
+        self.settle_s = 2.5 * interval_s if settle_s is None else settle_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="ddp-hpc-heartbeat", daemon=True)
 
     def __enter__(self) -> Heartbeat:
-        self._thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop(timeout_s=1)
+
+    def start(self) -> None:
+        global _shared
+        self._thread.start()
+        if self.shared:
+            _shared = self
+
+    def stop(self, timeout_s: float) -> None:
+        """The thread ends; waits up to ``timeout_s`` for a beat under way (one blocked on a
+        dead network ends with ``store_timeout_s``)."""
+        global _shared
+        if _shared is self:
+            _shared = None
         self._stop.set()
-        self._thread.join(timeout=1)  # a beat blocked on a dead network ends with its timeout
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    @contextmanager
+    def reporting(self, status: Callable[[], RankStatus], on_straggler: Callable[[Straggler], None] | None = None,
+                  every_s: float | None = None) -> Iterator[Heartbeat]:
+        """Publish ``status`` (every ``every_s``, default each beat) with the running beats
+        while inside: a watchdog joining a heartbeat that another part of the process started."""
+        previous = self.status, self.on_straggler, self.status_every_s
+        self.status_every_s = self.interval_s if every_s is None else every_s
+        self.status, self.on_straggler = status, on_straggler
+        try:
+            yield self
+        finally:
+            self.status, self.on_straggler, self.status_every_s = previous
 
     def _unreachable(self) -> str | None:
         """Why a TCP connection to the store fails, or None when it opens.
@@ -179,44 +264,54 @@ class Heartbeat:
             try:
                 if store is None and self._unreachable() is None:
                     store = self._connect()
-                    store.set(HOST_KEY.format(rank=self.rank), self.host)
+                    store.set(self.keys.host(self.rank), self.host)
                 if store is not None:
-                    store.add(BEAT_KEY.format(rank=self.rank), 1)
-                    if self.status is not None:
-                        store.set(STATUS_KEY.format(rank=self.rank), self.status().to_text())
-                        if self.rank == 0:
-                            self._check_stragglers(store)
+                    self.beat_once(store)
             except Exception as exc:  # unreachable store: keep trying; explain() tells the story
                 log.debug("heartbeat to %s failed: %s", self.where, exc)
                 store = None
             if self._stop.wait(self.interval_s):
                 return
 
-    def _check_stragglers(self, store: dist.Store) -> None:
-        keys = [STATUS_KEY.format(rank=r) for r in range(self.world_size)]
-        statuses = [RankStatus.from_text(text) if text else None for text in read_texts(store, keys)]
-        step_s = {rank: status.step_s for rank, status in enumerate(statuses)
+    def beat_once(self, store: dist.Store) -> None:
+        """One beat: the counter, the owner's ``on_beat``, the status when it is due."""
+        store.add(self.keys.beat(self.rank), 1)
+        if self.on_beat is not None:
+            self.on_beat(store)
+        status = self.status  # one read: a watchdog may stop reporting meanwhile
+        if status is not None and time.monotonic() >= self._next_status:
+            self._next_status = time.monotonic() + self.status_every_s
+            store.set(self.keys.status(self.rank), status().to_text())
+            members = self.members()
+            if members and self.rank == min(members):
+                self._check_stragglers(store, members)
+
+    def _check_stragglers(self, store: dist.Store, members: Sequence[int]) -> None:
+        texts = read_texts(store, [self.keys.status(member) for member in members])
+        statuses = {member: RankStatus.from_text(text) if text else None for member, text in zip(members, texts)}
+        step_s = {rank: status.step_s for rank, status in statuses.items()
                   if status is not None and status.step_s is not None}
         log.debug("median step times of the ranks' own work: %s", step_s)
         for rank, ratio, others in find_stragglers(step_s):
             known = self.stragglers.get(rank)
             if known is not None and known.ratio >= ratio:
                 continue
-            host_key = HOST_KEY.format(rank=rank)
+            host_key = self.keys.host(rank)
             host = store.get(host_key).decode() if store.check([host_key]) else "?"
             status = statuses[rank]
             found = Straggler(rank, host, round(ratio, 2), step_s[rank], others, status.step if status else 0)
             self.stragglers[rank] = found
             if known is None:
                 log.warning("%s", found.describe())
-            if self.on_straggler is not None:
-                self.on_straggler(found)
+            on_straggler = self.on_straggler
+            if on_straggler is not None:
+                on_straggler(found)
 
     def collectives(self, store: dist.Store) -> str:
         """Which rank is out of step in the collective sequence (engine/collectives.py)."""
-        ranks = range(self.world_size)
-        statuses = read_texts(store, [STATUS_KEY.format(rank=r) for r in ranks])
-        hosts = read_texts(store, [HOST_KEY.format(rank=r) for r in ranks])
+        ranks = list(self.members())
+        statuses = read_texts(store, [self.keys.status(r) for r in ranks])
+        hosts = read_texts(store, [self.keys.host(r) for r in ranks])
         positions = {}
         for rank, text in zip(ranks, statuses):
             status = RankStatus.from_text(text) if text else None
@@ -228,24 +323,24 @@ class Heartbeat:
         try:
             return self.collectives(self._connect())
         except Exception as exc:
-            return f"cannot read the ranks' collectives from the rendezvous store at {self.where} ({exc})"
+            return f"cannot read the ranks' collectives from the {self.store_name} at {self.where} ({exc})"
 
     def explain(self) -> str:
         """One sentence: who went silent, or that nobody did, or that this rank is cut off."""
-        keys = [BEAT_KEY.format(rank=r) for r in range(self.world_size)]
-        cut_off = (f"this rank cannot reach the rendezvous store at {self.where} either ({{}}): host "
+        members = list(self.members())
+        cut_off = (f"this rank cannot reach the {self.store_name} at {self.where} either ({{}}): host "
                    f"{self.host} has likely lost the job's network")
         reason = self._unreachable()
         if reason is not None:
             return cut_off.format(reason)
         try:
             store = self._connect()
-            before = read_counters(store, keys)
+            before = read_beats(store, self.keys, members)
             time.sleep(self.settle_s)
-            after = read_counters(store, keys)
-            silent = [rank for rank in range(self.world_size) if before[rank] == after[rank]]
-            hosts = {rank: store.get(HOST_KEY.format(rank=rank)).decode()
-                     for rank in silent if store.check([HOST_KEY.format(rank=rank)])}
+            after = read_beats(store, self.keys, members)
+            silent = [rank for rank in members if before[rank] == after[rank]]
+            hosts = {rank: store.get(self.keys.host(rank)).decode()
+                     for rank in silent if store.check([self.keys.host(rank)])}
             collectives = self.collectives(store) if self.status is not None else None
         except Exception as exc:
             text = str(exc).strip()
@@ -255,6 +350,6 @@ class Heartbeat:
                         "or out of step (see the stacks below)")
         else:
             liveness = (f"silent: {describe_ranks(silent, hosts)} (no heartbeat for {self.settle_s:.0f}s, while the "
-                        f"rendezvous store at {self.where} still answers this rank): that host has likely lost "
+                        f"{self.store_name} at {self.where} still answers this rank): that host has likely lost "
                         f"the network, or those processes are frozen")
         return liveness if collectives is None else f"{liveness}\ncollectives: {collectives}"

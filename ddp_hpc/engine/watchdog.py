@@ -23,13 +23,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch.distributed as dist
 
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.engine.collectives import position
-from ddp_hpc.engine.liveness import Heartbeat, RankStatus, Straggler
+from ddp_hpc.engine.liveness import Heartbeat, RankStatus, Straggler, shared_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Watchdog:
 @contextmanager
 def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
              on_straggler: Callable[[Straggler], None] | None = None,
-             limit_name: str = "watchdog limit_s") -> Iterator[Watchdog]:
+             limit_name: str = "watchdog limit_s", heartbeat: Heartbeat | None = None) -> Iterator[Watchdog]:
     """A watchdog for a loop of one's own: call ``.beat()`` at every step; a rank that
     makes no progress for ``limit_s`` seconds logs where it was stuck, which ranks went
     silent, which ranks are out of step in the collectives (with ``TORCH_FR_BUFFER_SIZE``
@@ -125,19 +125,23 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
     launcher ends the job. ``.beat(compute_s=...)`` with the seconds of the step's own
     work lets rank 0 log stragglers (and call ``on_straggler``).
 
-    The heartbeat uses the rendezvous store at ``heartbeat_store`` (host, port), by
-    default ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name``
-    is how the message names the limit (the Trainer's: ``distributed.watchdog_s``).
+    The rank's one heartbeat: ``heartbeat``, else the one this process already runs
+    (``InJobRecovery``'s, in the launch's store: no second thread), else one of the
+    watchdog's own in the rendezvous store at ``heartbeat_store`` (host, port), by default
+    ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name`` is how the
+    message names the limit (the Trainer's: ``distributed.watchdog_s``).
     """
     if limit_s <= 0:
         raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
+    if heartbeat is None and heartbeat_store is None:
+        heartbeat = shared_heartbeat()
     rank, world_size, store = 0, 1, heartbeat_store
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
         if store is None and world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     with _watching(limit_s, rank, world_size, store if world_size > 1 else None, limit_name,
-                   on_straggler=on_straggler) as dog:
+                   on_straggler=on_straggler, heartbeat=heartbeat) as dog:
         yield dog
 
 
@@ -158,15 +162,21 @@ def rank_status(dog: Watchdog, interval_s: float) -> RankStatus:
 @contextmanager
 def _watching(limit_s: float, rank: int, world_size: int, store: tuple[str, int] | None,
               limit_name: str = "distributed.watchdog_s",
-              on_straggler: Callable[[Straggler], None] | None = None) -> Iterator[Watchdog]:
+              on_straggler: Callable[[Straggler], None] | None = None,
+              heartbeat: Heartbeat | None = None) -> Iterator[Watchdog]:
+    """``heartbeat``: a running one to report through; else, with ``store``, one of its own."""
     dog = Watchdog(limit_s, rank, limit_name=limit_name)
-    heartbeat = None
-    if store is not None:
-        interval_s = min(max(limit_s / 10, 1.0), 10.0)
-        heartbeat = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1], interval_s=interval_s,
-                              status=lambda: rank_status(dog, interval_s), on_straggler=on_straggler)
+    interval_s = min(max(limit_s / 10, 1.0), 10.0)
+    beating: AbstractContextManager[object] = nullcontext()
+    if heartbeat is not None:
+        beating = heartbeat.reporting(lambda: rank_status(dog, interval_s), on_straggler, every_s=interval_s)
+    elif store is not None:
+        heartbeat = beating = Heartbeat(rank, world_size, socket.gethostname(), store[0], store[1],
+                                        interval_s=interval_s, status=lambda: rank_status(dog, interval_s),
+                                        on_straggler=on_straggler)
+    if heartbeat is not None:
         dog.diagnose = heartbeat.explain
-    with heartbeat or nullcontext(), dog:
+    with beating, dog:
         try:
             yield dog
         except Exception as exc:

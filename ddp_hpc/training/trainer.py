@@ -255,14 +255,15 @@ class Trainer:
     def _watching(self) -> Iterator[None]:
         """``distributed.watchdog_s``: the engine's watchdog around training, watched from
         the first step on (set-up, datasets and resume, may take long legitimately); its
-        heartbeat uses the group's rendezvous store."""
+        heartbeat uses the group's rendezvous store, or under in-job recovery is the
+        recovery's own (in the launch's store: one heartbeat thread per rank)."""
         limit_s = self.config.distributed.watchdog_s
         if not limit_s:
             yield
             return
         ctx = self.ctx
-        # Under in-job recovery no store serves the master address; the launch watches each
-        # rank's heartbeat itself (--hang-timeout).
+        # Under in-job recovery the watchdog reports through the recovery's heartbeat, the one
+        # the launch's hang detector (--hang-timeout) reads (liveness.shared_heartbeat).
         store = ((ctx.env.master_addr, ctx.env.master_port)
                  if ctx.group_initialized and ctx.world_size > 1 and self.recovery is None else None)
         with watchdog(limit_s, heartbeat_store=store, on_straggler=self._straggler if ctx.is_rank_zero else None,

@@ -76,6 +76,7 @@ from ddp_hpc.contract import (
 from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
+from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
 from ddp_hpc.engine.recovery.errors import RecoveryError, Superseded
 from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
@@ -198,10 +199,11 @@ class InJobRecovery:
         self.seed: int | None = None
         self._repeated = 0
         self._pending: dict[str, Any] | None = None
-        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._group_fds: set[int] = set()
-        self._heartbeat: threading.Thread | None = None
+        #: The slots of the group formed last (its members' heartbeats are the ones a watchdog reads).
+        self._slots: tuple[int, ...] = tuple(range(self._launch_world_size))
+        self._heartbeat: Heartbeat | None = None
         if address is None:
             log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
                         "the job and the launcher restarts it in place")
@@ -224,8 +226,9 @@ class InJobRecovery:
             self._form_newest(self._plan(self.generation))
         else:
             self._form(0, None)
-        self._heartbeat = threading.Thread(target=self._beat, args=(address, heartbeat_s), daemon=True,
-                                           name="ddp_hpc-recovery-heartbeat")
+        # The rank's one heartbeat (liveness.Heartbeat): the launch's hang detector reads it, a
+        # watchdog in this process reports through it, and each beat looks for a newer plan.
+        self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, heartbeat_s)
         self._heartbeat.start()
         self._store.set(keys.ready_key(self.slot), "1")
 
@@ -344,9 +347,8 @@ class InJobRecovery:
         """Stops the heartbeat (the launch no longer watches this rank) and ends the process group."""
         if self._store is not None:
             self._store.delete_key(keys.ready_key(self.slot))
-        self._stop.set()
         if self._heartbeat is not None:  # not left inside a store call when the interpreter ends
-            self._heartbeat.join(timeout=self.wait_s)
+            self._heartbeat.stop(timeout_s=self.wait_s)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -399,6 +401,7 @@ class InJobRecovery:
         with self._lock:
             self._group_fds = socket_fds() - before
             self.generation = generation
+            self._slots = tuple(sorted(plan.ranks, key=plan.ranks.__getitem__)) if plan is not None else self._slots
 
     def _settings(self) -> GroupStart:
         """The start-up every group of this rank shares (decided on the first group: a warm
@@ -736,16 +739,13 @@ class InJobRecovery:
             if self.run_dir is not None:
                 write_recovery(self.run_dir, event)
 
-    def _beat(self, address: str, interval_s: float) -> None:
-        try:
-            store = keys.connect(address, self.wait_s)
-            while not self._stop.wait(interval_s):
-                # A rank was lost: leave the old group even where no collective noticed it yet.
-                latest = keys.beat(store, self.slot)
-                if latest > self.generation:
-                    self._break_group(older_than=latest)
-        except (dist.DistError, RuntimeError, OSError):
-            return  # the launch is gone: nothing to tell
+    def _on_beat(self, store: dist.Store) -> None:
+        """After each heartbeat, on its thread: a rank was lost, so leave the old group even
+        where no collective noticed it yet. A store error ends this beat only (the heartbeat
+        connects again); no lock is held while the store is asked."""
+        latest = keys.latest(store)
+        if latest > self.generation:
+            self._break_group(older_than=latest)
 
 
 def _snapshot_every(given: int | None, env: Mapping[str, str], slot: int) -> int:

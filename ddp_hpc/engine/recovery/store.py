@@ -8,8 +8,11 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
   it, which rank was lost and why); ``latest`` holds the newest generation.
 - ``gen<generation>/``: the prefix each group's own rendezvous keys live under, so that a
   new group never reads a broken one's keys.
-- ``alive/<slot>``: a counter each rank's heartbeat thread bumps (``beat``); the launch ends a
-  rank whose counter stands still (a frozen process: SIGSTOP, a hang holding the interpreter).
+- ``heartbeat/<slot>``, ``host/<slot>``, ``status/<slot>``: the rank's one heartbeat
+  (``engine/liveness.py``, ``BEAT_KEYS``: the rendezvous store's layout under this prefix),
+  a counter its thread bumps; the launch ends a rank whose counter stands still (a frozen
+  process: SIGSTOP, a hang holding the interpreter), and a watchdog in the rank names the
+  silent ranks from the same counters.
 - ``ready/<slot>``: the rank takes part in in-job recovery (``InJobRecovery`` started);
   a launch recovers only when every live rank did.
 - ``seed/<slot>``: the base seed of the rank's streams (set once; its replacement takes
@@ -39,12 +42,13 @@ their counters, in requests of ``KEYS_PER_REQUEST`` keys, not one request a rank
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import socket
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 import torch.distributed as dist
 
-from ddp_hpc.engine.liveness import read_counters
+from ddp_hpc.engine.liveness import BeatKeys, Heartbeat, read_beats
 from ddp_hpc.startup.rendezvous import store_batches
 
 PREFIX = "ddp_hpc/recovery/"
@@ -53,6 +57,11 @@ GENERATIONS_KEY = PREFIX + "generations"
 STOP_KEY = PREFIX + "stop"
 #: How long a node supervisor waits for the launch's store to answer.
 CONNECT_TIMEOUT_S = 60.0
+#: Each rank's heartbeat: the same layout as in the rendezvous store, by slot.
+BEAT_KEYS = BeatKeys(PREFIX)
+#: How long a watchdog's diagnosis watches the counters: ten of the recovery's quick beats,
+#: so that a rank slowed by load is not named silent.
+SETTLE_S = 2.5
 
 
 def plan_key(generation: int) -> str:
@@ -64,7 +73,8 @@ def group_prefix(generation: int) -> str:
 
 
 def alive_key(slot: int) -> str:
-    return f"{PREFIX}alive/{slot}"
+    """The heartbeat counter of the rank in ``slot``."""
+    return BEAT_KEYS.beat(slot)
 
 
 def ready_key(slot: int) -> str:
@@ -139,12 +149,29 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-def beat(store: dist.Store, slot: int) -> int:
-    """One heartbeat of the rank in ``slot``: its ``alive`` counter bumped; the newest
-    plan's generation (0: none yet). Two round trips, before and after a loss (``add`` of 0
-    reads ``latest``, creating it as 0 where no plan was published yet)."""
-    store.add(alive_key(slot), 1)
+def latest(store: dist.Store) -> int:
+    """The newest plan's generation (0: none yet): one round trip (``add`` of 0 reads
+    ``latest``, creating it as 0 where no plan was published yet)."""
     return int(store.add(LATEST_KEY, 0))
+
+
+def beat(store: dist.Store, slot: int) -> int:
+    """What a rank's heartbeat (``heartbeat``) sends each beat, for a simulated rank
+    (``ddp-hpc bench``): its counter bumped; the newest plan's generation. Two round trips,
+    before and after a loss."""
+    store.add(alive_key(slot), 1)
+    return latest(store)
+
+
+def heartbeat(address: str, slot: int, members: Callable[[], Sequence[int]], on_beat: Callable[[dist.Store], None],
+              interval_s: float) -> Heartbeat:
+    """The heartbeat of the rank in ``slot`` in the launch's store at ``host:port``: the
+    launch's hang detector reads its counter, and so does a watchdog in the rank, which
+    reports through it (``shared``). ``members``: the slots of the current group."""
+    host, _, port = address.rpartition(":")
+    return Heartbeat(slot, len(members()), socket.gethostname(), host, int(port), interval_s=interval_s,
+                     keys=BEAT_KEYS, members=members, on_beat=on_beat, settle_s=max(2.5 * interval_s, SETTLE_S),
+                     store_name="launch's store", shared=True)
 
 
 def wait_plan(store: dist.Store, generation: int, timeout_s: float) -> Plan:
@@ -201,7 +228,7 @@ class LaunchStore:
 
     def beats_of(self, slots: Sequence[int]) -> dict[int, int]:
         """``beats`` of each slot, in requests of ``KEYS_PER_REQUEST`` counters."""
-        return dict(zip(slots, read_counters(self.store, [alive_key(slot) for slot in slots])))
+        return read_beats(self.store, BEAT_KEYS, slots)
 
     def ready(self, slot: int) -> bool:
         return bool(self.store.check([ready_key(slot)]))
