@@ -165,7 +165,7 @@ def test_a_submitit_task_restarts_the_job_without_the_host_its_outcome_left_out(
     for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURMD_NODENAME", "n7")
-    plan = in_job.RestartPlan(parameters={}, folder=str(tmp_path / "submitit"), max_restarts=2, attempt=1)
+    plan = in_job.Resubmission(parameters={}, folder=str(tmp_path / "submitit"), max_restarts=2, attempt=1)
     for code in (3, 0):
         task = in_job.SubmititCommandTask(CommandPayload(("sh", "-c", f"exit {code}")), str(tmp_path),
                                           str(tmp_path / "run"), restart=plan)
@@ -175,3 +175,23 @@ def test_a_submitit_task_restarts_the_job_without_the_host_its_outcome_left_out(
         else:
             assert task() == 0
     assert restarted == [(LeftOutHost("n7", 1, "rank 0 exited with status 3"), "")]
+
+
+def test_the_old_name_of_a_submitit_resubmission_still_answers_and_unpickles():
+    """``RestartPlan`` (a resubmission, not a restart) is ``Resubmission`` now: the old name
+    warns, and a pickle made under it (a job submitted before the rename) loads."""
+    import pickle
+    import warnings
+
+    from ddp_hpc.schedulers.slurm import in_job
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = in_job.RestartPlan
+    assert old is in_job.Resubmission and caught and issubclass(caught[0].category, DeprecationWarning)
+    plan = in_job.Resubmission(parameters={}, folder="f", max_restarts=1)
+    under_old_name = pickle.dumps(plan, protocol=0).replace(b"\nResubmission\n", b"\nRestartPlan\n")  # no lengths in protocol 0
+    assert b"RestartPlan" in under_old_name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert pickle.loads(under_old_name) == plan

@@ -219,7 +219,7 @@ def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(
                         lambda self, *args: restarted.append(args))
     for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
-    plan = in_job.RestartPlan(parameters={}, folder=str(tmp_path / "submitit"), max_restarts=2)
+    plan = in_job.Resubmission(parameters={}, folder=str(tmp_path / "submitit"), max_restarts=2)
     for code, expect_requeue, expect_restart in ((75, True, False), (3, False, True)):
         requeued.clear(), restarted.clear()
         task = in_job.SubmititCommandTask(CommandPayload(("sh", "-c", f"exit {code}")), str(tmp_path),

@@ -68,10 +68,11 @@ class SubmititTrainTask:
 
 
 @dataclass(frozen=True)
-class RestartPlan:
+class Resubmission:
     """``--max-restarts`` for a submitit command job: when the restart policy says so after a
-    rank's command fails (``launch/restart.py``), the job is submitted again with the same
-    executor parameters and ``--exclude`` of every node where a rank failed (submitit has no batch script to loop in)."""
+    rank's command fails (``launch/restart.py``), the job is submitted again (a resubmission,
+    not a restart in place: submitit has no batch script to loop in) with the same executor
+    parameters and ``--exclude`` of every node where a rank failed."""
 
     #: The executor's parameters as submitted (``executor_parameters``).
     parameters: dict[str, Any]
@@ -93,7 +94,7 @@ class SubmititCommandTask:
     again without this node."""
 
     def __init__(self, payload: CommandPayload, workdir: str, run_folder: str,
-                 extra_env: dict[str, str] | None = None, restart: RestartPlan | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, restart: Resubmission | None = None) -> None:
         self.payload, self.workdir, self.run_folder = payload, workdir, run_folder
         self.extra_env = dict(extra_env or {})  # a sweep element's variables
         self.restart = restart
@@ -244,3 +245,13 @@ def requeue_from_rank_zero() -> None:
     job_id = os.environ.get(JOB_ID_VAR, "")
     if job_id and os.environ.get("SLURM_PROCID", "0") == "0":
         requeue_job(("scontrol", "requeue", job_id), job_id)
+
+
+def __getattr__(name: str) -> object:
+    if name == "RestartPlan":  # the old name; also what a job submitted before the rename unpickles
+        import warnings
+
+        warnings.warn("ddp_hpc.schedulers.slurm.in_job.RestartPlan is deprecated: use Resubmission",
+                      DeprecationWarning, stacklevel=2)
+        return Resubmission
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

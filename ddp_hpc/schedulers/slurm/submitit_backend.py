@@ -15,7 +15,7 @@ from typing import Any
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import CommandPayload, SubmitRequest, TrainPayload, export_lines, parse_walltime
 from ddp_hpc.schedulers.base import DryRun, Scheduler, Submission, run_tool
-from ddp_hpc.schedulers.slurm.in_job import RestartPlan, SubmititCommandTask, SubmititTrainTask, submitit_logs
+from ddp_hpc.schedulers.slurm.in_job import Resubmission, SubmititCommandTask, SubmititTrainTask, submitit_logs
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.schedulers.slurm.state import SlurmJobs
 
@@ -77,7 +77,7 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         if request.max_restarts:
             # The task must outlive its rank to submit the job again without the rank's node: a
             # training config runs as a command job then (`ddp-hpc train` as each task's child).
-            restart = RestartPlan(dict(dry_run.parameters), str(self.folder(dry_run)), request.max_restarts)
+            restart = Resubmission(dict(dry_run.parameters), str(self.folder(dry_run)), request.max_restarts)
             return [SubmititCommandTask(self.command_payload(request.payload), workdir, str(dry_run.run_folder),
                                         restart=restart)]
         if isinstance(request.payload, CommandPayload):
