@@ -1,7 +1,7 @@
 """``launch(spec)``: ``ddp-hpc launch``, every mode, in one place.
 
 From a checked ``LaunchSpec`` (launch/spec.py): the mode's ``Attempts`` (launch/attempts.py),
-wrapped where the mode needs it (``MarkedAttempts``: the status through the preempted marker;
+wrapped where the mode needs it (``MarkedAttempts``: each attempt's ``Outcome``, launch/outcome.py;
 ``NodeSupervisors``: a node supervisor per node around the recovery store); the one
 ``Supervisor`` over them under the one ``RestartPolicy``; the one table of which signal is a
 stop and what the launcher passes on (``stop_signals``); and the one end action
