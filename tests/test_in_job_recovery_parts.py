@@ -612,10 +612,23 @@ def test_the_trainer_under_a_recovering_launch_trains_through_in_job_recovery(mo
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.store.port),
                         RECOVERY_STORE_VAR: store.address}.items():
         monkeypatch.setenv(name, value)
-    summary = ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}"])
+    from ddp_hpc.training import trainer
+
+    given = []
+    real_watchdog = trainer.watchdog
+
+    def watchdog(*args, **kwargs):
+        given.append(kwargs.get("heartbeat"))
+        return real_watchdog(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "watchdog", watchdog)
+    summary = ddp_hpc.train(REPO / "configs" / "synthetic.yaml", [*SMALL_TRAINER, f"logging.run_dir={tmp_path}",
+                                                                 "distributed.watchdog_s=300"])
     assert summary.status.value == "completed" and summary.global_step == 16
     assert int(store.store.get(keys.seed_key(0))) == 0  # its base seed (training.seed + rank), for a replacement
     assert not store.ready(0)
+    # Its watchdog reports through the recovery's heartbeat, the one the launch reads: no second thread.
+    assert len(given) == 1 and given[0] is not None and given[0].keys.prefix.startswith("ddp_hpc/recovery/")
 
 
 def test_in_job_recoverys_group_is_started_with_the_start_ups_network_plan_and_device(monkeypatch, tmp_path):

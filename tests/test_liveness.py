@@ -28,7 +28,7 @@ def test_one_heartbeat_serves_the_launchs_hang_detector_and_the_watchdogs_diagno
     peers = [liveness.Heartbeat(slot, 3, f"host{slot}", host, int(port), interval_s=0.05, keys=keys.BEAT_KEYS)
              for slot in (1, 2)]
     beaten: list[int] = []
-    own = keys.heartbeat(launch.address, 0, lambda: slots, lambda store: beaten.append(keys.latest(store)), 0.05)
+    own = keys.heartbeat(launch.address, 0, lambda: slots, lambda store: beaten.append(keys.latest(store)), 0.05, 5.0)
     for beat in peers:
         beat.start()
     own.start()
@@ -39,7 +39,7 @@ def test_one_heartbeat_serves_the_launchs_hang_detector_and_the_watchdogs_diagno
         assert min(launch.beats_of(slots).values()) > 0, "a rank's heartbeat never reached the launch's store"
         assert beaten and beaten[-1] == 0  # the owner's listener ran on the beat (no plan yet)
         threads = heartbeat_threads()
-        with watchdog(60) as dog:
+        with watchdog(60, heartbeat=own) as dog:
             # The watchdog reports through the running heartbeat: no thread of its own.
             assert heartbeat_threads() == threads
             assert dog.diagnose is not None, "the watchdog does not report through the running heartbeat"
@@ -51,18 +51,16 @@ def test_one_heartbeat_serves_the_launchs_hang_detector_and_the_watchdogs_diagno
         assert [slot for slot in slots if after[slot] == before[slot]] == [2]  # the launch's view
         assert diagnosis.startswith("silent: rank 2 on host host2 (no heartbeat for 2s, while the launch's store at "
                                     f"{launch.address} still answers this rank)"), diagnosis
-        assert own.status is None and liveness.shared_heartbeat() is own  # the watchdog left it beating
+        assert own.status is None and own._thread.is_alive()  # the watchdog left it beating
     finally:
         own.stop(timeout_s=5)
         for beat in peers:
             beat.stop(timeout_s=5)
-    assert liveness.shared_heartbeat() is None
 
 
 def test_the_recoverys_heartbeat_is_the_watchdogs_and_still_breaks_a_group_older_than_the_newest_plan(
         monkeypatch):
     from ddp_hpc.contract import RECOVERY_STORE_VAR
-    from ddp_hpc.engine import liveness
     from ddp_hpc.engine.recovery import InJobRecovery
     from ddp_hpc.engine.recovery import store as keys
     from ddp_hpc.engine.watchdog import watchdog
@@ -74,8 +72,8 @@ def test_the_recoverys_heartbeat_is_the_watchdogs_and_still_breaks_a_group_older
     recovery = InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1", RECOVERY_STORE_VAR: launch.address},
                              heartbeat_s=0.05)
     try:
-        assert heartbeat_threads() == threads + 1 and liveness.shared_heartbeat() is not None
-        with watchdog(60) as dog:
+        assert heartbeat_threads() == threads + 1 and recovery.heartbeat is not None
+        with watchdog(60, heartbeat=recovery.heartbeat) as dog:
             assert heartbeat_threads() == threads + 1  # a rank running both runs one heartbeat
             first = launch.beats_of([0])[0]
             assert "every rank's heartbeat still moves" in dog.diagnose()
@@ -89,5 +87,5 @@ def test_the_recoverys_heartbeat_is_the_watchdogs_and_still_breaks_a_group_older
         assert broken and broken[0] == 1  # a newer plan seen on a beat: the older group is left
     finally:
         recovery.close()
-    assert heartbeat_threads() == threads and liveness.shared_heartbeat() is None
+    assert heartbeat_threads() == threads
     assert not dist.is_initialized()

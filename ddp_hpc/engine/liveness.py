@@ -11,8 +11,8 @@ A rank that cannot reach the store itself is on the side that was cut off.
 There is one heartbeat per rank, whoever reads it. Without in-job recovery it lives in the
 rendezvous store (``RENDEZVOUS_KEYS``, by rank) and the watchdog starts it. Under ``ddp-hpc
 launch --recover`` ``InJobRecovery`` starts it in the launch's store (engine/recovery/store.py
-``BEAT_KEYS``, by slot), where the launch's hang detector reads the same counters, and
-shares it (``shared_heartbeat``): a watchdog in that process reports through it (``reporting``)
+``BEAT_KEYS``, by slot), where the launch's hang detector reads the same counters, and hands
+it out (``InJobRecovery.heartbeat``): a watchdog given it reports through it (``reporting``)
 instead of starting a second thread. ``on_beat`` lets its owner act on each beat (the
 recovery notices a newer group there).
 
@@ -162,22 +162,13 @@ def read_beats(store: dist.Store, keys: BeatKeys, members: Sequence[int]) -> dic
     return dict(zip(members, read_counters(store, [keys.beat(member) for member in members])))
 
 
-_shared: Heartbeat | None = None
-
-
-def shared_heartbeat() -> Heartbeat | None:
-    """The heartbeat this process runs for others to report through (``InJobRecovery``'s),
-    while it runs; else None."""
-    return _shared
-
-
 class Heartbeat:
     """A daemon thread that bumps this rank's counter; ``explain()`` names the silent ranks.
 
     ``rank``: this member's number under ``keys`` (a rank, or under in-job recovery a slot);
-    ``members``: the members to read (default: ``range(world_size)``; the lowest checks for
-    stragglers). ``on_beat(store)`` runs after each beat, on the heartbeat's thread and
-    connection. ``shared``: other parts of this process report through it while it runs.
+    ``members``: the members to read, in rank order (default: ``range(world_size)``; the
+    first, rank 0, checks for stragglers). ``on_beat(store)`` runs after each beat, on the
+    heartbeat's thread and connection. A watchdog given it reports through it (``reporting``).
     """
 
     def __init__(self, rank: int, world_size: int, host: str, store_addr: str, store_port: int, *,
@@ -186,16 +177,16 @@ class Heartbeat:
                  on_straggler: Callable[[Straggler], None] | None = None,
                  keys: BeatKeys = RENDEZVOUS_KEYS, members: Callable[[], Sequence[int]] | None = None,
                  on_beat: Callable[[dist.Store], None] | None = None, settle_s: float | None = None,
-                 store_name: str = "rendezvous store", shared: bool = False) -> None:
+                 store_name: str = "rendezvous store") -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
-        self.keys, self.on_beat, self.store_name, self.shared = keys, on_beat, store_name, shared
+        self.keys, self.on_beat, self.store_name = keys, on_beat, store_name
         self.members: Callable[[], Sequence[int]] = members or (lambda: range(self.world_size))
         #: This rank's status, published with a beat at most every ``status_every_s``; the
-        #: lowest member checks for stragglers then.
+        #: first member (rank 0) checks for stragglers then.
         self.status, self.on_straggler = status, on_straggler
         self.status_every_s = interval_s
         self._next_status = 0.0
-        #: The lowest member: the stragglers named so far (each once, with its largest ratio).
+        #: The first member: the stragglers named so far (each once, with its largest ratio).
         self.stragglers: dict[int, Straggler] = {}
         self.store_addr, self.store_port = store_addr, store_port
         self.where = f"{store_addr}:{store_port}"
@@ -212,17 +203,11 @@ class Heartbeat:
         self.stop(timeout_s=1)
 
     def start(self) -> None:
-        global _shared
         self._thread.start()
-        if self.shared:
-            _shared = self
 
     def stop(self, timeout_s: float) -> None:
         """The thread ends; waits up to ``timeout_s`` for a beat under way (one blocked on a
         dead network ends with ``store_timeout_s``)."""
-        global _shared
-        if _shared is self:
-            _shared = None
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
@@ -283,7 +268,7 @@ class Heartbeat:
             self._next_status = time.monotonic() + self.status_every_s
             store.set(self.keys.status(self.rank), status().to_text())
             members = self.members()
-            if members and self.rank == min(members):
+            if members and self.rank == members[0]:
                 self._check_stragglers(store, members)
 
     def _check_stragglers(self, store: dist.Store, members: Sequence[int]) -> None:

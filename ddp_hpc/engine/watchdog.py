@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.engine.collectives import position
-from ddp_hpc.engine.liveness import Heartbeat, RankStatus, Straggler, shared_heartbeat
+from ddp_hpc.engine.liveness import Heartbeat, RankStatus, Straggler
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,14 @@ def watchdog(limit_s: float, *, heartbeat_store: tuple[str, int] | None = None,
     launcher ends the job. ``.beat(compute_s=...)`` with the seconds of the step's own
     work lets rank 0 log stragglers (and call ``on_straggler``).
 
-    The rank's one heartbeat: ``heartbeat``, else the one this process already runs
-    (``InJobRecovery``'s, in the launch's store: no second thread), else one of the
-    watchdog's own in the rendezvous store at ``heartbeat_store`` (host, port), by default
+    The rank's one heartbeat: ``heartbeat`` when given (``InJobRecovery.heartbeat``, in the
+    launch's store: no second thread), else one of the watchdog's own in the rendezvous
+    store at ``heartbeat_store`` (host, port), by default
     ``$MASTER_ADDR:$MASTER_PORT`` of the running process group. ``limit_name`` is how the
     message names the limit (the Trainer's: ``distributed.watchdog_s``).
     """
     if limit_s <= 0:
         raise ValueError(f"watchdog: limit_s={limit_s} must be > 0")
-    if heartbeat is None and heartbeat_store is None:
-        heartbeat = shared_heartbeat()
     rank, world_size, store = 0, 1, heartbeat_store
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -88,7 +88,8 @@ class MarkedAttempts:
         except OSError as exc:  # left there, it would read every end of the attempt as a stop
             raise UserError(f"cannot remove the preempted marker {marker} before the ranks start: "
                             f"{exc.strerror or exc}") from None
-        left_out = self.outcomes[-1].left_out if attempt > 0 and self.outcomes else None
+        previous = self.outcomes[-1] if self.outcomes and self.outcomes[-1].attempt == attempt - 1 else None
+        left_out = previous.left_out if previous is not None else None
         if left_out is not None and isinstance(self.attempts, NamesFailedHost):
             self.attempts.run_without(left_out)
         return self.attempts.start(attempt, extra_env)

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddp_hpc.environment import resolve_env
-from ddp_hpc.environment.netcheck import GLOO_IFNAME_VAR, NetworkPlan, check_network, gloo_interface
+from ddp_hpc.environment.netcheck import NetworkPlan, check_network, gloo_interface
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class GroupStart:
         """A gloo group outside the default one (in-job recovery's snapshot swaps), on the
         planned interface: handed to gloo as a device, not through the environment, so that
         a thread may make it while the training thread forms groups of its own."""
-        if self.network.gloo_ifname is None or GLOO_IFNAME_VAR in os.environ:
+        if self.network.gloo_ifname is None:  # none planned, or the user's own GLOO_SOCKET_IFNAME
             return dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(interface=self.network.gloo_ifname)]

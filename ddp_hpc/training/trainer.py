@@ -263,11 +263,12 @@ class Trainer:
             return
         ctx = self.ctx
         # Under in-job recovery the watchdog reports through the recovery's heartbeat, the one
-        # the launch's hang detector (--hang-timeout) reads (liveness.shared_heartbeat).
+        # the launch's hang detector (--hang-timeout) reads.
         store = ((ctx.env.master_addr, ctx.env.master_port)
                  if ctx.group_initialized and ctx.world_size > 1 and self.recovery is None else None)
         with watchdog(limit_s, heartbeat_store=store, on_straggler=self._straggler if ctx.is_rank_zero else None,
-                      limit_name="distributed.watchdog_s") as self.loop.watchdog:
+                      limit_name="distributed.watchdog_s",
+                      heartbeat=self.recovery.heartbeat if self.recovery is not None else None) as self.loop.watchdog:
             try:
                 yield
             finally:

@@ -227,12 +227,20 @@ class InJobRecovery:
         else:
             self._form(0, None)
         # The rank's one heartbeat (liveness.Heartbeat): the launch's hang detector reads it, a
-        # watchdog in this process reports through it, and each beat looks for a newer plan.
-        self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, heartbeat_s)
+        # watchdog given it (``heartbeat``) reports through it, and each beat looks for a newer plan.
+        self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, heartbeat_s,
+                                         self.wait_s)
         self._heartbeat.start()
         self._store.set(keys.ready_key(self.slot), "1")
 
     # ----- the user's loop --------------------------------------------------------------
+
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        """This rank's heartbeat in the launch's store (None without ``--recover``): give it to
+        a watchdog, ``ddp_hpc.watchdog(limit_s, heartbeat=recovery.heartbeat)``, which then
+        reports through it and names the silent ranks by slot, with no second thread."""
+        return self._heartbeat
 
     @property
     def joining(self) -> bool:

@@ -164,14 +164,14 @@ def beat(store: dist.Store, slot: int) -> int:
 
 
 def heartbeat(address: str, slot: int, members: Callable[[], Sequence[int]], on_beat: Callable[[dist.Store], None],
-              interval_s: float) -> Heartbeat:
+              interval_s: float, store_timeout_s: float) -> Heartbeat:
     """The heartbeat of the rank in ``slot`` in the launch's store at ``host:port``: the
-    launch's hang detector reads its counter, and so does a watchdog in the rank, which
-    reports through it (``shared``). ``members``: the slots of the current group."""
+    launch's hang detector reads its counter, and so does a watchdog given it, which reports
+    through it. ``members``: the slots of the current group, in rank order."""
     host, _, port = address.rpartition(":")
     return Heartbeat(slot, len(members()), socket.gethostname(), host, int(port), interval_s=interval_s,
-                     keys=BEAT_KEYS, members=members, on_beat=on_beat, settle_s=max(2.5 * interval_s, SETTLE_S),
-                     store_name="launch's store", shared=True)
+                     store_timeout_s=store_timeout_s, keys=BEAT_KEYS, members=members, on_beat=on_beat,
+                     settle_s=max(2.5 * interval_s, SETTLE_S), store_name="launch's store")
 
 
 def wait_plan(store: dist.Store, generation: int, timeout_s: float) -> Plan:
