@@ -74,7 +74,7 @@ def test_rank_zeros_heartbeat_names_a_straggler_with_its_host_and_ratio_and_nobo
         # that saw rank 2 but not yet rank 1 (under load) names it against rank 0 alone.
         for beat in beats[1:]:
             stack.enter_context(beat)
-        server.wait([liveness.STATUS_KEY.format(rank=rank) for rank in (1, 2)], timedelta(seconds=10))
+        server.wait([liveness.RENDEZVOUS_KEYS.status(rank) for rank in (1, 2)], timedelta(seconds=10))
         stack.enter_context(beats[0])
         deadline = time.monotonic() + 5
         while not found and time.monotonic() < deadline:

@@ -62,9 +62,6 @@ class BeatKeys:
 
 #: The rendezvous store's heartbeats, one per rank.
 RENDEZVOUS_KEYS = BeatKeys("ddp_hpc/")
-BEAT_KEY = RENDEZVOUS_KEYS.beat("{rank}")
-HOST_KEY = RENDEZVOUS_KEYS.host("{rank}")
-STATUS_KEY = RENDEZVOUS_KEYS.status("{rank}")
 #: A rank whose step time is at least this many times the median of the others' is named.
 STRAGGLER_FACTOR = 2.0
 
