@@ -481,8 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "while the others stay up, at most N times; state comes from the survivors' memory, no "
                              "restart. Beyond N: --max-restarts. Under --launcher local this launch watches the "
                              "ranks; under mpich, openmpi and srun, and with --hostfile, the launcher starts one node "
-                             "supervisor per node (--node-supervisor) that does. Over gloo only "
-                             f"(${BACKEND_VAR} nccl, xccl or ccl is refused)")
+                             "supervisor per node (--node-supervisor) that does. Over gloo or nccl "
+                             f"(${BACKEND_VAR} xccl or ccl is refused)")
     launch.add_argument("--recovery-wait", type=_positive_float, default=120.0, metavar="S",
                         help="with --recover: seconds the ranks wait for the new group (default: 120)")
     launch.add_argument("--shrink", action="store_true",

@@ -14,7 +14,8 @@ Settings (environment): RUN_DIR (default runs/recovering_loop: checkpoints every
 recoveries in its record/), EPOCHS (default 3), STEP_DELAY_S (a pause after each step, to
 watch it), STOP_AT_STEP (the rank in slot 3 requests a stop after that step, as a signal would),
 DEVICE (cpu, the default, or cuda: each rank on cuda:LOCAL_RANK, or on one GPU shared by
-every rank where there are fewer GPUs than ranks; the group stays gloo, which recovers).
+every rank where there are fewer GPUs than ranks, over gloo), BACKEND (gloo, the default, or
+nccl: one GPU per rank, DEVICE=cuda).
 At the end each rank writes RUN_DIR/final/rank-<N>.pt (weights, optimizer state, RNG
 streams, step, the checkpoint it resumed from) and RUN_DIR/samples/rank-<N>.txt (a line a
 step: pid, group generation, step, sample ids).
@@ -50,7 +51,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
 
-    recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir)  # in place of dist.init_process_group
+    # In place of dist.init_process_group (over nccl it binds this rank's GPU, cuda:LOCAL_RANK).
+    recovery = ddp_hpc.InJobRecovery(os.environ.get("BACKEND", "gloo"), run_dir=run_dir)
     slot = recovery.slot  # this rank's place in the launch (its rank in the group may change after a shrink)
     ddp_hpc.seed_everything(1000 + slot)  # each rank's own streams (torch, numpy, Python): its own dropout
     device = torch.device(os.environ.get("DEVICE", "cpu"))

@@ -160,8 +160,11 @@ CORPUS = [
      "--recover runs the ranks under ddp-hpc launch's node supervisors in a batch script: use it with --sbatch"),
     ("--recover negative", {}, ["render", "slurm", DIGITS, "--recover", "-1"], {}, "--recover -1 must be >= 0"),
     *[(f"--recover over {backend}", {}, ["launch", "--nproc", "2", "--recover", "1", "--", "python", "-c", "1"],
-       {"DDP_HPC_BACKEND": backend}, f"--recover with $DDP_HPC_BACKEND={backend}: in-job recovery runs over gloo only "
-                                     f"for now, not {backend}") for backend in ("nccl", "xccl", "ccl")],
+       {"DDP_HPC_BACKEND": backend}, f"--recover with $DDP_HPC_BACKEND={backend}: in-job recovery runs over gloo and "
+                                     f"nccl, not {backend}") for backend in ("xccl", "ccl")],
+    ("--recover over nccl on a host without NVIDIA GPUs", {},
+     ["launch", "--nproc", "2", "--recover", "1", "--", "python", "-c", "1"], {"DDP_HPC_BACKEND": "nccl"},
+     "--recover with $DDP_HPC_BACKEND=nccl: nccl needs NVIDIA GPUs and this host shows none"),
     ("--recover over nccl through a hostfile", {"hosts": "localhost\n"},
      ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/launch", "--recover", "1",
       "--", "python", "-c", "1"],
@@ -262,6 +265,10 @@ def case_argv(tmp_path: Path, files: dict, argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("name,files,argv,env,fragment", CORPUS,
                          ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CORPUS])
 def test_bad_input(tmp_path, forked_cli, name, files, argv, env, fragment):
+    from ddp_hpc.engine.recovery.backends import host_refusal
+
+    if env.get("DDP_HPC_BACKEND") == "nccl" and "--recover" in argv and host_refusal("nccl") is None:
+        pytest.skip("this host shows NVIDIA GPUs: --recover over nccl is taken here")
     argv = case_argv(tmp_path, files, argv)
     before = sorted(tmp_path.rglob("*"))
     result = forked_cli.run(argv, clean_env(env), tmp_path)

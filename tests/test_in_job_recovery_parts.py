@@ -1,6 +1,7 @@
 """In-job recovery's parts that need no launch: the one-line refusals and fall-backs."""
 
 import argparse
+import io
 import os
 import logging
 
@@ -69,17 +70,190 @@ def test_a_users_mistake_under_recover_exits_2_on_every_rank_in_one_line_and_spe
     assert len(refusals) == 2 and {line.split(":")[0] for line in refusals} == {"rank 0", "rank 1"}, output[-3000:]
 
 
-@pytest.mark.parametrize("backend", ["nccl", "xccl", "ccl"])
+@pytest.mark.parametrize("backend", ["xccl", "ccl"])
 def test_a_backend_in_job_recovery_cannot_leave_is_refused_on_the_rank_in_one_line(monkeypatch, backend):
-    """Under a recovering launch (its store's address set), ``InJobRecovery`` refuses NCCL,
-    XCCL and oneCCL at once, before it connects anywhere: exit 2 uncaught, one line."""
+    """Under a recovering launch (its store's address set), ``InJobRecovery`` refuses XCCL
+    and oneCCL at once, before it connects anywhere: exit 2 uncaught, one line."""
     from ddp_hpc.contract import RECOVERY_STORE_VAR
     from ddp_hpc.engine.recovery import InJobRecovery
 
-    with pytest.raises(UserError, match=f"in-job recovery runs over gloo only for now, not {backend}") as refused:
+    with pytest.raises(UserError, match=f"in-job recovery runs over gloo and nccl, not {backend}") as refused:
         InJobRecovery(backend, environ={RECOVERY_STORE_VAR: "127.0.0.1:1", "RANK": "1"})
     assert isinstance(refused.value, SystemExit) and refused.value.code == 2
     assert "\n" not in str(refused.value)
+
+
+def test_nccl_recovery_refuses_what_would_end_its_ranks_and_a_host_without_nvidia_gpus(monkeypatch, tmp_path):
+    """NCCL recovery aborts a broken group itself: a rank refuses (one line) where the torch
+    sees no CUDA device, or where NCCL's own error handling would end it first; the launch
+    refuses --recover over nccl on a host that shows no NVIDIA device."""
+    import torch
+
+    from ddp_hpc.engine.recovery import rank
+    from ddp_hpc.engine.recovery.backends import host_refusal
+
+    assert rank.abort_refusal("gloo", {}) is None
+    if not torch.cuda.is_available():
+        assert "needs a CUDA device and this torch" in rank.abort_refusal("nccl", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert rank.abort_refusal("nccl", {}) is None
+    assert rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) is None
+    why = rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert why.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets NCCL's watchdog end this rank") and "\n" not in why
+
+    devices = (tmp_path, "nvidia[0-9]*")
+    assert host_refusal("nccl", devices).startswith("nccl needs NVIDIA GPUs and this host shows none")
+    assert host_refusal("gloo", devices) is None
+    (tmp_path / "nvidia0").touch()
+    assert host_refusal("nccl", devices) is None
+
+
+def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wait():
+    """``StepFence`` on the optimizer: a step during which the group was aborted raises
+    ``GroupAborted`` and leaves the parameters as they were; after ``reset`` (a new group)
+    steps apply again. While it waits for the stream, the heartbeat sees it overdue once the
+    collective timeout has passed (a clock of the test's)."""
+    import torch
+
+    from ddp_hpc.engine.recovery import fence as fence_module
+    from ddp_hpc.engine.recovery.errors import GroupAborted
+    from ddp_hpc.engine.recovery.rank import is_collective_error
+
+    now = [100.0]
+    fence = fence_module.StepFence("cpu", timeout_s=30.0, clock=lambda: now[0])
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    fence.attach(optimizer)
+
+    def one_step() -> None:
+        optimizer.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        optimizer.step()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    one_step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    fence.mark_aborted()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(GroupAborted) as refused:
+        one_step()
+    assert is_collective_error(refused.value)  # InJobRecovery.run recovers from it
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    fence.reset()
+    one_step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    seen = []
+
+    def slow_stream(device_type: str) -> None:  # the heartbeat's view while the step's work is not done
+        seen.append(fence.overdue())
+        now[0] += 31.0
+        seen.append(fence.overdue())
+
+    original, fence_module.wait_for_stream = fence_module.wait_for_stream, slow_stream
+    try:
+        one_step()
+    finally:
+        fence_module.wait_for_stream = original
+    assert seen == [False, True] and not fence.overdue()
+
+
+def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int | None, folder: str,
+                                       results) -> None:
+    """One rank under ``InJobRecovery(backend)`` on a launch store served here. At step
+    ``publish_at`` this process plays the launch: it publishes the next plan, as for a lost
+    peer; the rank's heartbeat aborts the group, the step it lands in is refused, the rank
+    forms the next group and trains on. Puts the final state, the generation and how often
+    ``train`` was called. Over gloo (the CPU dry run) the group is handled as NCCL's is,
+    fence and abort, where gloo's abort does nothing: the fence alone keeps the step out."""
+    import time
+
+    from ddp_hpc.contract import RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+    from ddp_hpc.environment.ports import free_port
+    from ddp_hpc.engine.recovery.store import LaunchStore, Plan
+
+    os.environ.update({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ENABLE_MONITORING": "0",
+                       "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    import torch
+    from torch import nn
+
+    from ddp_hpc.engine.recovery import rank
+
+    if backend == "gloo":
+        rank.ABORTED_BACKENDS["gloo"] = "cpu"
+    launch = LaunchStore()
+    os.environ.update({RECOVERY_STORE_VAR: launch.address, RECOVERY_WAIT_VAR: "60", "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+    recovery = rank.InJobRecovery(backend, run_dir=folder, heartbeat_s=0.05, collective_timeout_s=60)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    calls = []
+
+    def train(ddp_model: nn.Module) -> None:
+        calls.append(recovery.step)
+        while recovery.step < steps:
+            batch = torch.randn(64, 32, generator=torch.Generator().manual_seed(recovery.step)).to(device)
+            optimizer.zero_grad()
+            ddp_model(batch).pow(2).mean().backward()
+            if recovery.step == publish_at and recovery.generation == 0:
+                launch.publish(Plan(generation=launch.next_generation(), world_size=1, ranks={0: 0}, lost=1,
+                                    host="elsewhere", cause="the test's plan", detected_at=time.time(),
+                                    replaced=False))
+                deadline = time.monotonic() + 30
+                while not recovery._fence.aborted and time.monotonic() < deadline:  # the abort lands in this step
+                    time.sleep(0.01)
+            optimizer.step()
+            recovery.step_done()
+
+    recovery.run(train, model=model, optimizer=optimizer)
+    state = io.BytesIO()  # bytes, not tensors: a tensor in a queue is shared memory gone with this process
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state)
+    results.put({"state": state.getvalue(), "generation": recovery.generation,
+                 "calls": calls, "step": recovery.step, "recoveries": len(recovery.recoveries)})
+    recovery.close()
+
+
+def run_one_rank_through_an_aborted_group(backend: str, tmp_path, publish_at: int | None) -> dict:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    folder = tmp_path / f"{backend}-{publish_at}"
+    child = context.Process(target=_one_rank_through_an_aborted_group, args=(backend, 8, publish_at, str(folder),
+                                                                             results))
+    child.start()
+    try:
+        return results.get(timeout=240)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+
+
+def assert_the_aborted_step_was_redone_bit_identical(backend: str, tmp_path) -> None:
+    import torch
+
+    reference = run_one_rank_through_an_aborted_group(backend, tmp_path, None)
+    aborted = run_one_rank_through_an_aborted_group(backend, tmp_path, 3)
+    for run in (reference, aborted):
+        run["state"] = torch.load(io.BytesIO(run["state"]), weights_only=True)
+    assert reference["generation"] == 0 and reference["calls"] == [0]
+    assert aborted["generation"] == 1 and aborted["recoveries"] == 1, aborted
+    assert aborted["calls"] == [0, 3], aborted  # the step in which the abort landed was not applied
+    assert aborted["step"] == reference["step"] == 8
+    for name, expected in reference["state"].items():
+        assert torch.equal(expected, aborted["state"][name]), name
+
+
+def test_a_step_the_group_was_aborted_in_is_refused_and_redone_in_the_next_group_cpu_dry_run(tmp_path):
+    """The NCCL path's CPU dry run (the same run with one GPU and nccl: tests/test_gpu_recovery.py):
+    the heartbeat aborts the group on the launch's newer plan, the fence refuses the step it
+    landed in, the rank forms the next group on its own and ends bit-identical to a run
+    without the plan."""
+    assert_the_aborted_step_was_redone_bit_identical("gloo", tmp_path)
 
 
 def test_a_backend_this_torch_lacks_is_refused_in_one_line_without_a_recovering_launch():
@@ -704,3 +878,27 @@ def test_a_loop_calls_one_step_done_either_the_recoverys_or_the_checkpointers(mo
             "step-00000003.pt", "step-00000006.pt"]
     finally:
         recovery.close()
+
+
+def test_ranks_that_recover_in_the_job_get_nccls_error_handling_and_monitor_off_unless_the_user_set_them():
+    """Under ``launch --recover`` the survivors abort a broken NCCL group themselves: their
+    ranks start with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` and ``TORCH_NCCL_ENABLE_MONITORING=0``
+    (a value the user set is kept); a launch without it keeps torchrun's ``1``."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env, ddp_hpc_command
+
+    show = [sys.executable, "-c", "import os; print('seen', os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING'), "
+                                  "os.environ.get('TORCH_NCCL_ENABLE_MONITORING'))"]
+
+    def seen(*flags: str, **env: str) -> str:
+        environment = {k: v for k, v in clean_env().items() if not k.startswith("TORCH_NCCL_")}
+        result = subprocess.run([*ddp_hpc_command(), "launch", "--nproc", "1", *flags, "--", *show],
+                                env={**environment, **env}, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return next(line for line in result.stdout.splitlines() if line.startswith("seen "))
+
+    assert seen("--recover", "1") == "seen 0 0"
+    assert seen("--recover", "1", TORCH_NCCL_ENABLE_MONITORING="1") == "seen 0 1"
+    assert seen() == "seen 1 None"

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.contract import RESTART_COUNT_VAR, RUN_FOLDER_VAR
+from ddp_hpc.contract import NCCL_ERROR_HANDLING_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.launch.attempts import signal_running, start_all
@@ -69,7 +69,7 @@ class LocalRanks:
                        num_nodes=self.num_nodes, master_addr=self.master_addr, master_port=port,
                        source="ddp-hpc launch")
         env = {**self.base_env, **torchrun_variables(rank, run_id, attempt), RESTART_COUNT_VAR: str(attempt)}
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        env.setdefault(NCCL_ERROR_HANDLING_VAR, "1")
         if self.nproc > 1 and not env.get("OMP_NUM_THREADS", "").strip():
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node do not oversubscribe it
         return env

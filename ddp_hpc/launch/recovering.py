@@ -43,10 +43,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_hpc.contract import (RECOVERY_GENERATION_VAR, RECOVERY_SHRINK_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
-                              RECOVERY_WAIT_VAR, ExitStatus)
+                              RECOVERY_WAIT_VAR, NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR, ExitStatus)
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import start_all
 from ddp_hpc.launch.local import LocalRanks
+
+#: Set to 0 for ranks that recover in the job, unless the user set them: the survivors abort
+#: a broken NCCL group themselves, and torch's watchdog and monitor must not end them (or a
+#: replacement) first (torch's ``_abort_process_group`` asks for error handling off).
+RECOVERY_NCCL_SETTINGS = (NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR)
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +174,9 @@ class Recoverer:
         env.update({RECOVERY_STORE_VAR: self._store.address, RECOVERY_WAIT_VAR: f"{self.limits.wait_s:g}",
                     # The launch serves the store: a script that calls init_process_group itself connects to it.
                     "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        for name in RECOVERY_NCCL_SETTINGS:
+            if name not in self.ranks.base_env:
+                env[name] = "0"
         if self.generation:
             env[RECOVERY_GENERATION_VAR] = str(self.generation)
         if self.limits.shrink:

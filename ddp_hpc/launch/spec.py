@@ -93,9 +93,9 @@ class LaunchSpec:
             raise UserError(f"--max-restarts {self.max_restarts} must be >= 0")
         self._check_placement()
         if self.recovery is not None:
-            from ddp_hpc.engine.recovery.backends import backend_refusal
+            from ddp_hpc.engine.recovery.backends import backend_refusal, host_refusal
 
-            if self.backend != "auto" and (why := backend_refusal(self.backend)) is not None:
+            if self.backend != "auto" and (why := backend_refusal(self.backend) or host_refusal(self.backend)):
                 raise UserError(f"--recover with ${BACKEND_VAR}={self.backend}: {why}")
             if self.recovery.shrink and self.node_count > 1:
                 raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a "

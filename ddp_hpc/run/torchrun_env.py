@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, NCCL_ERROR_HANDLING_VAR, RESTART_COUNT_VAR
 from ddp_hpc.engine.collectives import flight_recorder_variables
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
@@ -113,8 +113,8 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     exported[DEVICE_VAR] = choice.device_type
     exported[BACKEND_VAR] = choice.backend
     exported.update(flight_recorder_variables(environ))
-    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environ:
-        exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    if NCCL_ERROR_HANDLING_VAR not in environ:
+        exported[NCCL_ERROR_HANDLING_VAR] = "1"
     if not environ.get("OMP_NUM_THREADS", "").strip():
         exported["OMP_NUM_THREADS"] = str(omp_threads(dist_env.local_world_size, environ,
                                                       cpus if cpus is not None else visible_cpus()))

@@ -50,9 +50,19 @@ class GroupStart:
 
     @classmethod
     def for_this_rank(cls, backend: str, timeout: timedelta, environ: Mapping[str, str] | None = None) -> GroupStart:
-        """What ``process_group()`` would decide for a group on no particular device (the
-        loop binds its own): the job's names checked across nodes, gloo's interface picked
-        for a host suffix (``DDP_HPC_HOST_SUFFIX``)."""
+        """What ``process_group()`` would decide: the job's names checked across nodes,
+        gloo's interface picked for a host suffix (``DDP_HPC_HOST_SUFFIX``). Over gloo the
+        group is on no particular device (the loop binds its own); a backend that needs
+        one (nccl, xccl) binds this rank's, ``LOCAL_RANK``'s, as ``process_group()`` does,
+        with its refusals (more ranks on the node than devices)."""
         environ = os.environ if environ is None else environ
         dist_env = resolve_env(environ)
-        return cls(backend, timeout, None, check_network(dist_env, backend, host_suffix=None, environ=environ))
+        device_id = None
+        if backend in ("nccl", "xccl"):
+            from ddp_hpc.device import select_device
+
+            choice = select_device("auto", backend, local_rank=dist_env.local_rank,
+                                   local_world_size=dist_env.local_world_size, env=environ)
+            choice.activate()
+            device_id = choice.init_device_id
+        return cls(backend, timeout, device_id, check_network(dist_env, backend, host_suffix=None, environ=environ))

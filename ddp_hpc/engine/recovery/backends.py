@@ -3,18 +3,32 @@ before any rank starts)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ddp_hpc.contract import BACKEND_VAR
 
-#: The backends whose broken group a survivor can leave without exiting (gloo: its sockets
-#: shut down). NCCL needs its communicator aborted with error handling that spares the
-#: survivors, XCCL/oneCCL likewise: not built yet, so refused before training starts.
-RECOVERABLE_BACKENDS = ("gloo",)
+#: The backends whose broken group a survivor can leave without exiting: gloo (its sockets
+#: shut down) and nccl (its communicators aborted, ``fence.py``).
+RECOVERABLE_BACKENDS = ("gloo", "nccl")
+#: Where a host's NVIDIA devices show (the driver's device files, in containers too).
+NVIDIA_DEVICES = (Path("/dev"), "nvidia[0-9]*")
 
 
 def backend_refusal(backend: str) -> str | None:
     """Why in-job recovery cannot run over ``backend`` (one line), or None."""
     if backend in RECOVERABLE_BACKENDS:
         return None
-    return (f"in-job recovery runs over gloo only for now, not {backend}: a broken {backend} group cannot be "
-            f"left without ending the process yet; give the backend gloo (DDP over gloo also works with ranks "
-            f"on cuda, e.g. {BACKEND_VAR}=gloo), or drop --recover and restart in place (--max-restarts)")
+    return (f"in-job recovery runs over gloo and nccl, not {backend}: leaving a broken {backend} group without "
+            f"ending the process (aborting its communicator and forming the group anew) is not built for Intel "
+            f"GPUs yet; drop --recover and restart in place (--max-restarts), or train on CPU ranks over gloo "
+            f"({BACKEND_VAR}=gloo)")
+
+
+def host_refusal(backend: str, devices: tuple[Path, str] = NVIDIA_DEVICES) -> str | None:
+    """Why in-job recovery cannot run over ``backend`` on this host (one line), or None:
+    nccl where the host shows no NVIDIA device."""
+    folder, pattern = devices
+    if backend == "nccl" and not any(folder.glob(pattern)):
+        return (f"nccl needs NVIDIA GPUs and this host shows none ({folder / pattern}): give the backend gloo "
+                f"({BACKEND_VAR}=gloo), or launch on the GPU nodes")
+    return None

@@ -10,3 +10,8 @@ class RecoveryError(RuntimeError):
 
 class Superseded(RuntimeError):
     """The group being formed lost a member before it formed: the next plan follows."""
+
+
+class GroupAborted(RuntimeError):
+    """The rank's process group was aborted while a step ran (a peer was lost under NCCL):
+    the step is not applied and the survivors form the next group."""

@@ -23,7 +23,9 @@ def state_from_tensor(payload: torch.Tensor) -> dict[str, Any]:
     from ddp_hpc.engine.checkpoint_files import unsupported_global
 
     try:
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        # On the host: the objects' load_state_dict puts each tensor on its own device (the
+        # sender's GPU index means nothing here).
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = unsupported_global(exc) or "unreadable"
         raise RecoveryError(f"the state from the survivors holds an object other than tensors and plain data "

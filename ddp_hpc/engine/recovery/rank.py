@@ -70,6 +70,7 @@ from ddp_hpc.contract import (
     RECOVERY_WAIT_VAR,
     RENDEZVOUS_TIMEOUT_VAR,
     RESTART_COUNT_VAR,
+    NCCL_ERROR_HANDLING_VAR,
     RUN_FOLDER_VAR,
     SNAPSHOT_EVERY_VAR,
 )
@@ -78,7 +79,8 @@ from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
-from ddp_hpc.engine.recovery.errors import RecoveryError, Superseded
+from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
+from ddp_hpc.engine.recovery.fence import StepFence
 from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
 from ddp_hpc.engine.recovery.record import (
     RecoveryEvent,
@@ -111,7 +113,7 @@ from ddp_hpc.engine.rng import seed_for_step
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
 from ddp_hpc.environment import resolve_env
-from ddp_hpc.errors import RefusedOnRank
+from ddp_hpc.errors import RefusedOnRank, UserError
 from ddp_hpc.startup.distributed import DistributedOptions, start_through_rendezvous
 from ddp_hpc.startup.group_start import GroupStart
 from ddp_hpc.startup.rendezvous import parse_timeout
@@ -122,10 +124,16 @@ T = TypeVar("T")
 
 
 def is_collective_error(exc: BaseException) -> bool:
-    """A collective failed because a peer is gone: torch's ``DistError``s, and the plain
+    """A collective failed because a peer is gone: torch's ``DistError``s, the plain
     ``RuntimeError`` gloo raises from its transport ("[.../gloo/transport/tcp/pair.cc:553]
-    Connection closed by peer"). Any other error is the user's and ends the rank as before."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+    Connection closed by peer"), and a step refused because its group was aborted
+    (``GroupAborted``, NCCL). Any other error is the user's and ends the rank as before."""
+    return (isinstance(exc, (dist.DistError, GroupAborted))
+            or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc)))
+
+#: The backends whose collectives finish on a device stream: a broken group of theirs is
+#: aborted, and each step passes a ``StepFence``.
+ABORTED_BACKENDS = {"nccl": "cuda"}
 
 #: Seconds a rank waits for the next group to form when the launch does not say.
 DEFAULT_WAIT_S = 120.0
@@ -173,6 +181,13 @@ class InJobRecovery:
         if available is not None and not available(backend):
             raise RefusedOnRank(f"InJobRecovery({backend!r}): this torch ({torch.__version__}) has no {backend} "
                                 f"backend", self.slot)
+        if self.enabled and (why := abort_refusal(backend, env)) is not None:
+            raise RefusedOnRank(why, self.slot)
+        #: Each step's check that its group was not aborted meanwhile (NCCL; see fence.py).
+        self._fence = (StepFence(ABORTED_BACKENDS[backend], collective_timeout_s)
+                       if self.enabled and backend in ABORTED_BACKENDS else None)
+        #: The group formed last, for the heartbeat's thread to abort (NCCL).
+        self._group: Any = None
         # A DDP that rebuilds its buckets after its first step lays the gradients out anew, and
         # gloo's ring then sums some of them in another order: the step after a re-wrap would
         # differ in the last bits from the same step without a recovery. With
@@ -294,6 +309,16 @@ class InJobRecovery:
             seed_for_step(self.seed, self.step)
             if self._snapshots is not None and self._restarts > 0:
                 self._resume_from_memory()
+        fenced = self._fence.attach(optimizer) if self._fence is not None else None
+        try:
+            return self._train_through_losses(train, model, checkpointer, wrap, sharded)
+        finally:
+            if fenced is not None:
+                fenced.remove()
+
+    def _train_through_losses(self, train: Callable[[nn.Module], T], model: nn.Module,
+                              checkpointer: Checkpointer | None,
+                              wrap: Callable[[nn.Module], DistributedDataParallel] | None, sharded: bool) -> T:
         recovered = self.joining  # every member of a new group makes the broken save again, a replacement too
         while True:
             wrapped = None
@@ -309,7 +334,7 @@ class InJobRecovery:
                 result = train(wrapped)
                 self._end_snapshots()
                 return result
-            except RuntimeError as exc:  # DistError is one
+            except RuntimeError as exc:  # DistError and GroupAborted are ones
                 if not (self.enabled and is_collective_error(exc)):
                     raise
                 log.warning("rank %d: a collective failed (%s): recovering in the job", self.slot,
@@ -402,12 +427,16 @@ class InJobRecovery:
             settings.init(dist.PrefixStore(keys.group_prefix(generation), self._store), rank, world_size)
         except BaseException:  # a group that failed to form leaves its sockets to be shut down too
             with self._lock:
-                self._group_fds = socket_fds() - before
+                self._group_fds = socket_fds() - before if self._fence is None else set()
             raise
-        # The group's sockets and its generation change together: the heartbeat, which breaks
-        # groups older than the newest plan, never takes the new group's sockets for the old's.
+        # The group (its sockets, or itself for an abort) and its generation change together:
+        # the heartbeat, which breaks groups older than the newest plan, never takes the new
+        # group for the old.
         with self._lock:
-            self._group_fds = socket_fds() - before
+            self._group_fds = socket_fds() - before if self._fence is None else set()
+            self._group = dist.group.WORLD
+            if self._fence is not None:
+                self._fence.reset()
             self.generation = generation
             self._slots = tuple(sorted(plan.ranks, key=plan.ranks.__getitem__)) if plan is not None else self._slots
 
@@ -415,7 +444,10 @@ class InJobRecovery:
         """The start-up every group of this rank shares (decided on the first group: a warm
         spare's place in the job is known only then)."""
         if self._group_start is None:
-            self._group_start = GroupStart.for_this_rank(self.backend, self.collective_timeout, self._environ)
+            try:
+                self._group_start = GroupStart.for_this_rank(self.backend, self.collective_timeout, self._environ)
+            except UserError as exc:  # no device for this rank: the same on every start, no loss
+                raise RefusedOnRank(str(exc), self.slot) from None
         return self._group_start
 
     def _await_members(self, plan: keys.Plan) -> None:
@@ -444,10 +476,17 @@ class InJobRecovery:
         (DDP, a failed work) still holds the group, and nothing can interrupt a wait from
         outside. torchft runs its groups in a subprocess it can kill for the same reason
         (``ProcessGroupBaby``); here the sockets the group opened are shut down instead.
+        An NCCL group is aborted (its communicators, torch's ``ProcessGroup.abort``, as
+        torchft leaves one), its fence marked first (``fence.py``).
         ``older_than``: only a group of an older generation (the heartbeat's view).
         """
         with self._lock:
             if older_than is not None and self.generation >= older_than:
+                return
+            if self._fence is not None:
+                if self._group is not None and not self._fence.aborted:
+                    self._fence.mark_aborted()
+                    abort_group(self._group, self.slot)
                 return
             for fd in self._group_fds:
                 try:
@@ -508,13 +547,20 @@ class InJobRecovery:
 
     def _leave_group(self) -> None:
         self._break_group()
+        with self._lock:
+            self._group = None
         if dist.is_initialized():
             # The group's destructor joins gloo's worker threads, and one that an op of the
             # broken group still holds (seen with rank 0 lost) keeps it until the collective
             # timeout: the last reference is dropped on a thread of its own, so this rank
             # goes on to the next group at once.
             held = [dist.group.WORLD]
-            dist.destroy_process_group()
+            if self._fence is not None:
+                # An aborted NCCL group is let go without a shutdown: that joins its watchdog,
+                # which may sleep a minute dumping its trace after a peer's error.
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
             threading.Thread(target=held.clear, daemon=True, name="ddp_hpc-broken-group-release").start()
 
     # ----- snapshots of a sharded model -------------------------------------------------
@@ -645,13 +691,14 @@ class InJobRecovery:
             rollback = self._roll_back(joining)
             step = rollback.step
         else:
-            mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64)
+            device = ProcessGroupView.current().device
+            mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64, device=device)
             steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(steps, mine)
             done = [int(step) for step in steps]
             step = min(s for s in done if s >= 0)
             source = done.index(step)
-            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source),
+            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source, device),
                        shrunk=not plan.replaced)
         assert self.seed is not None
         seed_for_step(self.seed, step)
@@ -754,6 +801,10 @@ class InJobRecovery:
         latest = keys.latest(store)
         if latest > self.generation:
             self._break_group(older_than=latest)
+        elif self._fence is not None and self._fence.overdue():
+            log.warning("rank %d: a step's collectives did not finish within the collective timeout (%g s): "
+                        "aborting the group", self.slot, self.collective_timeout.total_seconds())
+            self._break_group()
 
 
 def _snapshot_every(given: int | None, env: Mapping[str, str], slot: int) -> int:
@@ -812,21 +863,51 @@ def spare_places(env: Mapping[str, str], slot: int) -> dict[str, str]:
     return {"RANK": str(slot), "LOCAL_RANK": str(slot - first_here)}
 
 
-def broadcast_state(state: dict[str, Any] | None, source: int) -> dict[str, Any]:
+def broadcast_state(state: dict[str, Any] | None, source: int,
+                    device: torch.device | None = None) -> dict[str, Any]:
     """``state`` of rank ``source`` on every rank: ``torch.save`` into bytes on the source,
-    broadcast as a uint8 tensor (its size first), ``torch.load(weights_only=True)`` on the
-    others (as every checkpoint is read: tensors and plain data only, no code runs)."""
+    broadcast as a uint8 tensor (its size first) on ``device`` (the group's: CPU for gloo,
+    the rank's GPU for nccl), ``torch.load(weights_only=True)`` on the others (as every
+    checkpoint is read: tensors and plain data only, no code runs)."""
+    device = torch.device("cpu") if device is None else device
     if dist.get_rank() == source:
         assert state is not None
-        payload = state_to_tensor(state)
-        dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src=source)
+        payload = state_to_tensor(state).to(device)
+        dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=device), src=source)
         dist.broadcast(payload, src=source)
         return state
-    size = torch.zeros(1, dtype=torch.int64)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src=source)
-    payload = torch.empty(int(size), dtype=torch.uint8)
+    payload = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=source)
-    return state_from_tensor(payload)
+    return state_from_tensor(payload.cpu())
+
+
+def abort_refusal(backend: str, env: Mapping[str, str]) -> str | None:
+    """Why this rank cannot leave a broken ``backend`` group by aborting it (one line), or
+    None (and None for a backend that is not aborted)."""
+    if backend not in ABORTED_BACKENDS:
+        return None
+    if not hasattr(dist.ProcessGroup, "abort"):
+        return (f"in-job recovery over {backend} aborts a broken group, and this torch ({torch.__version__}) cannot "
+                f"(no ProcessGroup.abort; torch 2.9 has it): use a newer torch, or the backend gloo")
+    if ABORTED_BACKENDS[backend] == "cuda" and not torch.cuda.is_available():
+        return (f"in-job recovery over {backend} needs a CUDA device and this torch ({torch.__version__}) sees none: "
+                f"give the backend gloo, or run on the GPU nodes")
+    handling = env.get(NCCL_ERROR_HANDLING_VAR, "0").strip() or "0"
+    if handling != "0":
+        return (f"{NCCL_ERROR_HANDLING_VAR}={handling} lets NCCL's watchdog end this rank when a peer is lost: under "
+                f"--recover leave it unset (the launch sets 0) or set it to 0")
+    return None
+
+
+def abort_group(group: dist.ProcessGroup, slot: int) -> None:
+    """Abort ``group``'s communicators (the heartbeat's thread may call it while the
+    training thread waits on the group): its kernels end and its collectives fail."""
+    try:
+        group.abort()
+    except RuntimeError as exc:  # already destroyed: nothing of it is left to end
+        log.warning("rank %d: aborting the broken group: %s", slot, str(exc).splitlines()[0] if str(exc) else exc)
 
 
 def socket_fds() -> set[int]:

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
+from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.host_copy import Copying, dtensor_class, snapshot_on_side_streams
 from ddp_hpc.engine.recovery.payload import state_to_tensor
 from ddp_hpc.startup.group_start import GroupStart
@@ -346,16 +347,18 @@ class Snapshots:
 # ----- the newest step every shard has, and moving copies to where they are needed ------
 
 def gather_json(value: Any) -> list[Any]:
-    """``value`` of every rank of the current group, as JSON (no pickle travels)."""
+    """``value`` of every rank of the current group, as JSON (no pickle travels), in
+    tensors on the group's device (the GPU for nccl)."""
+    device = ProcessGroupView.current().device
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     longest = max(int(size) for size in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:data.numel()] = data
-    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(gathered, padded)
-    return [json.loads(bytes(t[:int(size)].tolist()).decode()) for t, size in zip(gathered, sizes, strict=True)]
+    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(gathered, padded.to(device))
+    return [json.loads(bytes(t[:int(size)].cpu().tolist()).decode()) for t, size in zip(gathered, sizes, strict=True)]
 
 
 @dataclass(frozen=True)
