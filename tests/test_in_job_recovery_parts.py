@@ -272,6 +272,44 @@ def test_a_warm_spare_on_another_node_takes_a_local_rank_of_that_node():
     assert spare_places({"RANK": "0", "LOCAL_RANK": "0"}, 1) == {"RANK": "1", "LOCAL_RANK": "1"}
 
 
+def test_a_warm_spares_device_is_the_one_of_the_local_rank_it_takes(monkeypatch, tmp_path):
+    """The Trainer's start-up (``process_group``) under a recovering launch, on a node of 2
+    GPUs: a warm spare chose a device before it knew its place (its node's first rank's,
+    cuda:0); once the group start made it local rank 1, it computes on cuda:1, the lost
+    rank's GPU, not beside local rank 0 on cuda:0."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ddp_hpc.device import DeviceChoice
+    from ddp_hpc.engine.recovery import spare_places
+    from ddp_hpc.environment.netcheck import NetworkPlan
+    from ddp_hpc.startup.distributed import DistributedOptions, process_group
+
+    class TwoGpus:
+        def device_count(self, device_type: str) -> int:
+            return {"cuda": 2}.get(device_type, 1)
+
+        def backend_available(self, backend: str) -> bool:
+            return backend == "gloo"
+
+    activated = []
+    monkeypatch.setattr("ddp_hpc.device.torch_host", lambda device, backend: TwoGpus())
+    monkeypatch.setattr(DeviceChoice, "activate", lambda choice: activated.append(choice.index))
+    monkeypatch.setattr("ddp_hpc.startup.distributed.check_network", lambda *args, **kwargs: NetworkPlan())
+    environ = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+    def start(settings):  # as InJobRecovery does for a spare: the launch names slot 3, then the group forms
+        environ.update(spare_places(environ, 3))
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        return SimpleNamespace(close=dist.destroy_process_group)
+
+    with process_group(DistributedOptions(device="cuda", backend="gloo"), environ, start=start) as ctx:
+        assert ctx.local_rank == 1 and str(ctx.torch_device) == "cuda:1"
+    assert activated == [0, 1]
+
+
 @pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
 def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, caplog):
     from ddp_hpc.launch.entry import plan_launch

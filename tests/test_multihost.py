@@ -448,13 +448,16 @@ def test_a_hosts_ranks_of_a_sharded_model_lost_with_their_memory_come_back_from_
         assert_same_model_and_optimizer(expected, state)
 
 
-def test_the_trainer_with_fsdp2_on_two_hosts_replaces_a_killed_rank_from_snapshots_bit_identical(world, mpich,
-                                                                                                  tmp_path):
+def test_the_trainer_with_fsdp2_on_two_hosts_replaces_a_killed_rank_by_its_hosts_warm_spare_bit_identical(
+        world, mpich, tmp_path):
     """``ddp-hpc train`` with ``training.strategy=fsdp2``, 2 ranks on each of h1 and h2
-    (``--hostfile``, MPICH, a node supervisor per host, ``--recover 2``): rank 2 on h2 is
-    SIGKILLed after step 6 of 32 and replaced there from the snapshots; the last checkpoint
-    is bit-identical to the same launch without the loss."""
+    (``--hostfile``, MPICH, a node supervisor per host, ``--recover 2 --warm-spare``): rank 3
+    on h2 is SIGKILLed after step 6 of 32 and h2's warm spare takes its place there as local
+    rank 1 of h2 (it started with h2's first rank's variables, local rank 0; its slot, 3, is
+    no local rank of a 2-rank node), its shards from the snapshots; the last checkpoint is
+    bit-identical to the same launch without the loss (and without a spare)."""
     from conftest import assert_same_model_and_optimizer, load_last_checkpoint
+    from ddp_hpc.logs import rank_log_path
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("h1\nh2\n")
@@ -463,21 +466,29 @@ def test_the_trainer_with_fsdp2_on_two_hosts_replaces_a_killed_rank_from_snapsho
                "training.epochs=1", "logging.progress=never", "logging.plot=false", "checkpoint.every_n_epochs=null",
                "checkpoint.every_n_steps=4", "training.strategy=fsdp2", "job.name=synthetic"]
 
-    def launch(name: str, callbacks: str) -> Path:
+    def launch(name: str, callbacks: str, *flags: str) -> tuple[Path, str]:
         command = [*ddp_hpc_command(), "launch", "--launcher", "mpich", "--hostfile", str(hostfile), "--nodes", "2",
-                   "--nproc", "2", "--recover", "2", "--run-folder", str(tmp_path / f"{name}-launch"), "--",
+                   "--nproc", "2", "--recover", "2", *flags, "--run-folder", str(tmp_path / f"{name}-launch"),
+                   "--",
                    *ddp_hpc_command(), *trainer, f"logging.run_dir={tmp_path / name}", f"callbacks=[{callbacks}]"]
         settings = [f"HYDRA_LAUNCHER_EXEC={ON_HOST}", f"PYTHONPATH={REPO / 'tests'}"]
         result = run(on_host("h1", ["env", *settings, *command]), timeout=3 * TIMEOUT)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
         [folder] = list((tmp_path / name).iterdir())
-        return folder
+        return folder, output
 
-    whole = launch("whole", "")
-    lost = launch("lost", f"{{target: 'fault_injection:KillRankAtStep', params: {{rank: 2, step: 6, "
-                          f"marker: '{tmp_path / 'killed-at'}', once: true}}}}")
+    whole, _ = launch("whole", "")
+    lost, output = launch("lost", f"{{target: 'fault_injection:KillRankAtStep', params: {{rank: 3, step: 6, "
+                                  f"marker: '{tmp_path / 'killed-at'}', once: true}}}}", "--warm-spare")
     record = json.loads((lost / "record" / "recovery-1.json").read_text())
-    assert record["rank"] == 2 and record["host"] == "h2" and record["snapshot_step"] in (5, 6)
+    assert record["rank"] == 3 and record["host"] == "h2" and record["snapshot_step"] in (5, 6)
+    spare = re.search(r"rank 3 lost \(.*\): the warm spare \(pid (\d+)\) takes its place", output)
+    assert spare, output[-4000:]
+    # Each process of rank 3 says where it runs (the Trainer's first line in the rank's log).
+    places = re.findall(r"rank 3 of 4 on host (\S+) \(pid (\d+), local rank (\d+),",
+                        rank_log_path(lost, 3).read_text())
+    assert ("h2", spare.group(1), "1") in places, places
     expected, actual = load_last_checkpoint(whole / "checkpoints"), load_last_checkpoint(lost / "checkpoints")
     assert actual["progress"]["global_step"] == expected["progress"]["global_step"] == 32
     assert_same_model_and_optimizer(expected, actual)

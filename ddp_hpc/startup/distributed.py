@@ -299,10 +299,17 @@ def process_group(options: DistributedOptions | None = None,
     if start is not None:
         keeper = start(settings)
         try:
-            # A warm spare takes a lost rank's place (RANK, LOCAL_RANK) only once started.
-            dist_env = replace(resolve_env(environ, host_suffix=options.host_suffix, port_range=options.port_range),
-                               rank=dist.get_rank(), world_size=dist.get_world_size())
-            yield DistContext(dist_env, choice, True, keeper)
+            # A warm spare takes a lost rank's place (RANK, LOCAL_RANK) only once started, and
+            # its device with it: the one chosen before was its node's first rank's. (Its group is
+            # gloo, the one backend that recovers, which is started with no device_id.)
+            started = replace(resolve_env(environ, host_suffix=options.host_suffix,
+                                          port_range=options.port_range),
+                              rank=dist.get_rank(), world_size=dist.get_world_size())
+            if started.local_rank != dist_env.local_rank:
+                choice = select_device(choice.device_type, choice.backend, local_rank=started.local_rank,
+                                       local_world_size=started.local_world_size, env=environ)
+                choice.activate()
+            yield DistContext(started, choice, True, keeper)
         finally:
             gc.collect()  # DDP wrappers before their group (see end_process_group)
             keeper.close()
