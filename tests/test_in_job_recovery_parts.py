@@ -309,6 +309,20 @@ def test_a_warm_spares_device_is_the_one_of_the_local_rank_it_takes(monkeypatch,
         assert ctx.local_rank == 1 and str(ctx.torch_device) == "cuda:1"
     assert activated == [0, 1]
 
+    # Over nccl the group itself is made on the device (device_id): InJobRecovery moves the
+    # start it was handed (decided for cuda:0) to the local rank the spare took.
+    import torch
+    from datetime import timedelta
+
+    from ddp_hpc.startup.group_start import GroupStart
+
+    monkeypatch.setattr(TwoGpus, "backend_available", lambda self, backend: True, raising=False)
+    activated.clear()
+    before = GroupStart("nccl", timedelta(seconds=60), torch.device("cuda", 0))
+    moved = before.for_local_rank(1, 2, environ)
+    assert moved.device_id == torch.device("cuda", 1) and moved.backend == "nccl" and activated == [1]
+    assert GroupStart("gloo", timedelta(seconds=60)).for_local_rank(1, 2, environ).device_id is None
+
 
 @pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
 def test_recover_under_mpiexec_starts_one_node_supervisor_per_node(launcher, caplog):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -59,10 +59,25 @@ class GroupStart:
         dist_env = resolve_env(environ)
         device_id = None
         if backend in ("nccl", "xccl"):
-            from ddp_hpc.device import select_device
-
-            choice = select_device("auto", backend, local_rank=dist_env.local_rank,
-                                   local_world_size=dist_env.local_world_size, env=environ)
-            choice.activate()
-            device_id = choice.init_device_id
+            device_id = bound_device(backend, "auto", dist_env.local_rank, dist_env.local_world_size, environ)
         return cls(backend, timeout, device_id, check_network(dist_env, backend, host_suffix=None, environ=environ))
+
+    def for_local_rank(self, local_rank: int, local_world_size: int,
+                       environ: Mapping[str, str] | None = None) -> GroupStart:
+        """The same start for the rank that took another local rank's place (a warm spare,
+        decided before it knew its place): the device of that local rank, bound."""
+        if self.device_id is None:
+            return self
+        environ = os.environ if environ is None else environ
+        device_id = bound_device(self.backend, self.device_id.type, local_rank, local_world_size, environ)
+        return replace(self, device_id=device_id)
+
+
+def bound_device(backend: str, device: str, local_rank: int, local_world_size: int,
+                 environ: Mapping[str, str]) -> Any:
+    """The device ``select_device`` gives ``local_rank``, made current (its refusals too)."""
+    from ddp_hpc.device import select_device
+
+    choice = select_device(device, backend, local_rank=local_rank, local_world_size=local_world_size, env=environ)
+    choice.activate()
+    return choice.init_device_id

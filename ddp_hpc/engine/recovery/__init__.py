@@ -8,7 +8,9 @@ the rest are its parts:
 - ``record``: each recovery in the run record (torch-free);
 - ``backends``: which process-group backends a broken group can be left on (torch-free:
   the launch asks before any rank starts);
-- ``rank``: the rank side: forming each group, the state transfer, the derived streams;
+- ``rank``: the rank side: forming each group, leaving a broken one (its sockets shut down
+  over gloo, aborted over NCCL), the state transfer, the derived streams;
+- ``fence``: over NCCL, a step counts only where its collectives finished before an abort;
 - ``shards``: a sharded model's snapshots in node-local memory, swapped with buddy ranks;
 - ``payload``: a state as one uint8 tensor (``weights_only`` on the way back); ``errors``.
 
@@ -25,6 +27,7 @@ _NAMES = {
     "InJobRecovery": "rank",
     "RecoveryError": "errors",
     "Superseded": "errors",
+    "GroupAborted": "errors",
     "STREAM_SEED": "rank",
     "is_collective_error": "rank",
     "is_sharded": "rank",
@@ -43,7 +46,7 @@ __all__ = sorted(_NAMES)
 
 if TYPE_CHECKING:
     from ddp_hpc.engine.recovery.backends import backend_refusal
-    from ddp_hpc.engine.recovery.errors import RecoveryError, Superseded
+    from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
     from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
     from ddp_hpc.engine.recovery.rank import (STREAM_SEED, InJobRecovery, broadcast_state, is_collective_error,
                                               is_sharded, run_refusal, spare_places)

@@ -6,7 +6,9 @@ of ``dist.init_process_group`` and runs the user's training function; when a col
 fails (gloo raises within milliseconds once a peer's connection closes; a frozen peer is
 ended by the launch, which closes it):
 
-1. the survivors leave the broken group without exiting (``destroy_process_group``);
+1. the survivors leave the broken group without exiting (over gloo its sockets shut down,
+   then ``destroy_process_group``; over NCCL it is aborted, and each optimizer step
+   refuses to apply what an abort cut short: ``fence.py``);
 2. they wait for the launch's ``Plan`` of the next generation (``engine/recovery/store.py``):
    the same ranks with a replacement the launch started for the lost one, or, where the
    user allowed shrinking, the survivors only, numbered anew;
@@ -235,8 +237,12 @@ class InJobRecovery:
         if spare is not None:
             self.slot = self._wait_as_spare(spare)
             self.generation = int(self._store.get(keys.LATEST_KEY))
+            places = spare_places(env, self.slot)
             if environ is None:  # from here on this process is the rank it replaces, to the script too
-                os.environ.update(spare_places(env, self.slot))
+                os.environ.update(places)
+            if self._group_start is not None:  # decided before it had a place: the device moves with it
+                self._group_start = self._group_start.for_local_rank(int(places["LOCAL_RANK"]),
+                                                                     self._local_world_size or 1, self._environ)
         if self.generation:  # a replacement: the group of the newest plan
             self._form_newest(self._plan(self.generation))
         else:
