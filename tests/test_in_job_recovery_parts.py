@@ -954,3 +954,52 @@ def test_ranks_that_recover_in_the_job_get_nccls_error_handling_and_monitor_off_
     assert seen("--recover", "1") == "seen 0 0"
     assert seen("--recover", "1", TORCH_NCCL_ENABLE_MONITORING="1") == "seen 0 1"
     assert seen() == "seen 1 None"
+
+
+def test_a_warm_spare_forms_its_group_with_the_start_moved_to_the_local_rank_it_takes(monkeypatch):
+    """``InJobRecovery`` handed a ``GroupStart`` decided before the spare had a place (the
+    Trainer's: its node's first rank's device, cuda:0): once the launch names the slot it
+    takes (slot 3, local rank 1 of a node of 2), its NCCL group is started on cuda:1. A
+    described 2-GPU host whose torch has NCCL; the forming itself is stopped where it would
+    connect."""
+    from datetime import timedelta
+
+    import torch
+
+    from ddp_hpc.contract import RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR
+    from ddp_hpc.device import DeviceChoice
+    from ddp_hpc.engine.recovery import InJobRecovery
+    from ddp_hpc.engine.recovery.store import LaunchStore, Plan
+    from ddp_hpc.startup.group_start import GroupStart
+
+    class TwoGpus:
+        def device_count(self, device_type: str) -> int:
+            return {"cuda": 2}.get(device_type, 1)
+
+        def backend_available(self, backend: str) -> bool:
+            return True
+
+    class Forming(Exception):
+        pass
+
+    started_on = []
+
+    def form_newest(recovery, plan):
+        started_on.append(recovery._settings().device_id)
+        raise Forming
+
+    monkeypatch.setattr("ddp_hpc.device.torch_host", lambda device, backend: TwoGpus())
+    monkeypatch.setattr(DeviceChoice, "activate", lambda choice: None)
+    monkeypatch.setattr(InJobRecovery, "_form_newest", form_newest)
+    launch = LaunchStore()
+    launch.publish(Plan(generation=1, world_size=4, ranks={slot: slot for slot in range(4)}, lost=3, host="h2",
+                        cause="exit 137", detected_at=0.0, replaced=True))
+    launch.assign("0", 3)
+    environ = {RECOVERY_STORE_VAR: launch.address, RECOVERY_SPARE_VAR: "0", "RANK": "2", "WORLD_SIZE": "4",
+               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    monkeypatch.setattr(torch.distributed, "is_backend_available", lambda backend: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    decided = GroupStart("nccl", timedelta(seconds=60), torch.device("cuda", 0))
+    with pytest.raises(Forming):
+        InJobRecovery("nccl", environ=environ, group_start=decided)
+    assert started_on == [torch.device("cuda", 1)]
