@@ -176,8 +176,8 @@ def _failure_line(module: str, printed: str, exc: BaseException) -> str:
 #: driver may make them only on first use, but its loaded module lists every GPU under
 #: /proc/driver/nvidia/gpus), Jetson's nvhost/nvgpu, a DRM render node (Intel, AMD; in /dev
 #: and /sys), ROCm's kfd, WSL2's dxg. Without any of them torch sees no GPU.
-GPU_TRACES = ("dev/nvidia[0-9]*", "proc/driver/nvidia/gpus/*", "dev/nvhost-ctrl-gpu", "dev/nvgpu",
-              "dev/dri/renderD*", "sys/class/drm/renderD*", "dev/kfd", "sys/class/kfd", "dev/dxg")
+NVIDIA_TRACES = ("dev/nvidia[0-9]*", "proc/driver/nvidia/gpus/*", "dev/nvhost-ctrl-gpu", "dev/nvgpu", "dev/dxg")
+GPU_TRACES = (*NVIDIA_TRACES, "dev/dri/renderD*", "sys/class/drm/renderD*", "dev/kfd", "sys/class/kfd")
 
 
 class NoGpuHost:

@@ -14,7 +14,8 @@ newer than the checkpoint on disk (``RUN_DIR/record/resume-<N>.json`` says which
 
 Settings (environment): RUN_DIR (default runs/sharded_recovering_loop), CHECKPOINT_EVERY
 (steps between dcp checkpoints, default 10), EPOCHS (default 2), SNAPSHOT_EVERY, STEP_DELAY_S
-(a pause after each step). At
+(a pause after each step), BACKEND (gloo, the default, on CPU; or nccl: each rank on its own
+GPU, cuda:LOCAL_RANK). At
 the end each rank writes RUN_DIR/final/rank-<N>.pt: its shards (local parts), its
 optimizer state's, the step, the number of recoveries, its pid and the checkpoint it
 resumed from (none where nothing came from disk).
@@ -55,11 +56,13 @@ def main() -> None:
     inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     train_set = TensorDataset(inputs[:1500], torch.tensor(digits.target[:1500]))
 
-    recovery = ddp_hpc.InJobRecovery("gloo", run_dir=run_dir,  # in place of dist.init_process_group
-                                     snapshot_every=int(os.environ.get("SNAPSHOT_EVERY", "1")))
+    backend = os.environ.get("BACKEND", "gloo")
+    # In place of dist.init_process_group (over nccl it binds this rank's GPU, cuda:LOCAL_RANK).
+    recovery = ddp_hpc.InJobRecovery(backend, run_dir=run_dir, snapshot_every=int(os.environ.get("SNAPSHOT_EVERY", "1")))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     ddp_hpc.seed_everything(1000 + recovery.slot)  # each rank's own streams (its own dropout)
     torch.manual_seed(0)  # the same initial weights on every rank before sharding
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10)).to(device)
     for layer in (model[0], model[3]):
         fully_shard(layer)
     fully_shard(model)  # over every rank of the group InJobRecovery formed
@@ -81,7 +84,7 @@ def main() -> None:
             sampler.set_epoch(epoch)
             for x, y in loader:
                 optimizer.zero_grad()
-                nn.functional.cross_entropy(sharded(x), y).backward()
+                nn.functional.cross_entropy(sharded(x.to(device)), y.to(device)).backward()
                 optimizer.step()
                 recovery.step_done()  # counts, snapshots, saves every 10 steps
                 if stop.now():

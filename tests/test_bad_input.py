@@ -165,10 +165,10 @@ CORPUS = [
     ("--recover over nccl on a host without NVIDIA GPUs", {},
      ["launch", "--nproc", "2", "--recover", "1", "--", "python", "-c", "1"], {"DDP_HPC_BACKEND": "nccl"},
      "--recover with $DDP_HPC_BACKEND=nccl: nccl needs NVIDIA GPUs and this host shows none"),
-    ("--recover over nccl through a hostfile", {"hosts": "localhost\n"},
+    ("--recover over xccl through a hostfile", {"hosts": "localhost\n"},
      ["launch", "--launcher", "mpich", "--hostfile", "{tmp}/hosts", "--run-folder", "{tmp}/launch", "--recover", "1",
       "--", "python", "-c", "1"],
-     {"DDP_HPC_BACKEND": "nccl"}, "--recover with $DDP_HPC_BACKEND=nccl"),
+     {"DDP_HPC_BACKEND": "xccl"}, "--recover with $DDP_HPC_BACKEND=xccl: in-job recovery runs over gloo and nccl"),
     ("--spare-nodes on PBS without restarts", {}, ["render", "pbs", DIGITS, "--spare-nodes", "1"], {},
      "--spare-nodes needs --max-restarts: spare nodes are used by a restart"),
     # Checkpoints: the format, and the checkpoint commands.

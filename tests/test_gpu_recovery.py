@@ -97,3 +97,36 @@ def test_a_killed_rank_of_an_nccl_group_on_two_gpus_is_replaced_and_the_run_ends
         assert_same_model_and_optimizer(reference, state)
         assert torch.equal(torch.stack(reference["rng"]["cuda"]), torch.stack(state["rng"]["cuda"]))
         assert state["resumed"] is None
+
+
+@pytest.mark.gpu2
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs two CUDA devices, this host has {torch.cuda.device_count()}")
+def test_a_killed_rank_of_an_fsdp2_model_over_nccl_on_two_gpus_comes_back_from_its_buddys_snapshot(tmp_path):
+    """examples/sharded_recovering_loop.py over NCCL, one GPU per rank, ``launch --recover 1``;
+    rank 1 dies before its backward of step 5 (tests/scripts/recovery_faults: rank 0's
+    reduce-scatter then waits on the GPU for a peer that is gone): rank 0 aborts the group,
+    the fence refuses that step, FSDP2 is pointed at the new group, the replacement takes
+    its shards from rank 0's copy of its snapshot, and both ranks' shards and optimizer
+    state end as in the same run without a loss."""
+    example = str(REPO / "examples" / "sharded_recovering_loop.py")
+    settings = {"EPOCHS": "1", "STEP_DELAY_S": "0.2", "BACKEND": "nccl", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                "DDP_HPC_SNAPSHOT_DIR": str(tmp_path / "node-memory")}
+
+    def start(run_dir: Path) -> subprocess.Popen:
+        return subprocess.Popen([*ddp_hpc_command(), "launch", "--nproc", "2", "--recover", "1", "--", "python",
+                                 example], env=clean_env({**settings, "RUN_DIR": str(run_dir)}), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    reference_dir, lost_dir = tmp_path / "reference", tmp_path / "lost"
+    finish(start(reference_dir))
+    settings.update({"PYTHONPATH": str(REPO / "tests" / "scripts" / "recovery_faults"), "RECOVERY_FAULT": "backward",
+                     "RECOVERY_FAULT_SLOT": "1", "RECOVERY_FAULT_STEP": "5"})
+    output = finish(start(lost_dir))
+    assert "rank 1 lost" in output, output[-4000:]
+    record = recovery_record(lost_dir)
+    assert record["rank"] == 1 and record["replaced"] and record["snapshot_step"] is not None
+    for slot in (0, 1):
+        reference, state = final(reference_dir, slot), final(lost_dir, slot)
+        assert state["resumed"] is None
+        assert_same_model_and_optimizer(reference, state)

@@ -96,16 +96,16 @@ def test_nccl_recovery_refuses_what_would_end_its_ranks_and_a_host_without_nvidi
     if not torch.cuda.is_available():
         assert "needs a CUDA device and this torch" in rank.abort_refusal("nccl", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert rank.abort_refusal("nccl", {}) is None
     assert rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) is None
+    unset = rank.abort_refusal("nccl", {})  # torch's default is 3: it ends the rank
+    assert unset.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING unset (torch's 3)") and "\n" not in unset
     why = rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
     assert why.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets NCCL's watchdog end this rank") and "\n" not in why
 
-    devices = (tmp_path, "nvidia[0-9]*")
-    assert host_refusal("nccl", devices).startswith("nccl needs NVIDIA GPUs and this host shows none")
-    assert host_refusal("gloo", devices) is None
-    (tmp_path / "nvidia0").touch()
-    assert host_refusal("nccl", devices) is None
+    assert host_refusal("nccl", tmp_path).startswith("nccl needs NVIDIA GPUs and this host shows none")
+    assert host_refusal("gloo", tmp_path) is None
+    (tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
+    assert host_refusal("nccl", tmp_path) is None  # the driver lists it before /dev/nvidia0 exists
 
 
 def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wait():
@@ -143,6 +143,17 @@ def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wa
     one_step()
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
+    # The step's end: one whose optimizer step passed counts whatever came after; one whose
+    # optimizer step never ran (a gradient scaler skipped it on the inf an abort left) is
+    # checked there instead.
+    one_step()
+    fence.mark_aborted()
+    fence.step_ended()
+    with pytest.raises(GroupAborted):
+        fence.step_ended()
+    fence.reset()
+    fence.step_ended()
+
     seen = []
 
     def slow_stream(device_type: str) -> None:  # the heartbeat's view while the step's work is not done
@@ -159,13 +170,15 @@ def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wa
 
 
 def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int | None, folder: str,
-                                       results) -> None:
+                                       results, hang_at: int | None = None) -> None:
     """One rank under ``InJobRecovery(backend)`` on a launch store served here. At step
     ``publish_at`` this process plays the launch: it publishes the next plan, as for a lost
     peer; the rank's heartbeat aborts the group, the step it lands in is refused, the rank
     forms the next group and trains on. Puts the final state, the generation and how often
     ``train`` was called. Over gloo (the CPU dry run) the group is handled as NCCL's is,
-    fence and abort, where gloo's abort does nothing: the fence alone keeps the step out."""
+    fence and abort, where gloo's abort does nothing: the fence alone keeps the step out.
+    ``hang_at``: from that step the step's work never finishes (the fence's wait holds until
+    an abort), no plan comes: puts the error ``run`` ended with."""
     import time
 
     from ddp_hpc.contract import RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
@@ -181,11 +194,28 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
 
     if backend == "gloo":
         rank.ABORTED_BACKENDS["gloo"] = "cpu"
+    marked_first = []
+    abort_group = rank.abort_group
+
+    def abort_marked_first(group, slot):  # the fence marked before the abort: a kernel it cuts short is seen
+        marked_first.append(recovery._fence.aborted)
+        abort_group(group, slot)
+
+    rank.abort_group = abort_marked_first
+    if hang_at is not None:
+        from ddp_hpc.engine.recovery import fence
+
+        def never_done(device_type: str) -> None:  # a collective no peer joins: the wait ends with an abort
+            while not recovery._fence.aborted:
+                time.sleep(0.01)
+
+        fence.wait_for_stream = lambda device_type: never_done(device_type) if recovery.step >= hang_at else None
     launch = LaunchStore()
-    os.environ.update({RECOVERY_STORE_VAR: launch.address, RECOVERY_WAIT_VAR: "60", "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
-    recovery = rank.InJobRecovery(backend, run_dir=folder, heartbeat_s=0.05, collective_timeout_s=60)
+    os.environ.update({RECOVERY_STORE_VAR: launch.address, RECOVERY_WAIT_VAR: "60" if hang_at is None else "2",
+                       "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    recovery = rank.InJobRecovery(backend, run_dir=folder, heartbeat_s=0.05,
+                                  collective_timeout_s=60 if hang_at is None else 1)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
@@ -208,10 +238,15 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
             optimizer.step()
             recovery.step_done()
 
-    recovery.run(train, model=model, optimizer=optimizer)
+    try:
+        recovery.run(train, model=model, optimizer=optimizer)
+    except rank.RecoveryError as exc:
+        results.put({"error": str(exc), "marked_first": marked_first, "step": recovery.step})
+        recovery.close()
+        return
     state = io.BytesIO()  # bytes, not tensors: a tensor in a queue is shared memory gone with this process
     torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state)
-    results.put({"state": state.getvalue(), "generation": recovery.generation,
+    results.put({"state": state.getvalue(), "generation": recovery.generation, "marked_first": marked_first,
                  "calls": calls, "step": recovery.step, "recoveries": len(recovery.recoveries)})
     recovery.close()
 
@@ -243,6 +278,7 @@ def assert_the_aborted_step_was_redone_bit_identical(backend: str, tmp_path) -> 
     assert reference["generation"] == 0 and reference["calls"] == [0]
     assert aborted["generation"] == 1 and aborted["recoveries"] == 1, aborted
     assert aborted["calls"] == [0, 3], aborted  # the step in which the abort landed was not applied
+    assert aborted["marked_first"] == [True] and reference["marked_first"] == []
     assert aborted["step"] == reference["step"] == 8
     for name, expected in reference["state"].items():
         assert torch.equal(expected, aborted["state"][name]), name
@@ -254,6 +290,28 @@ def test_a_step_the_group_was_aborted_in_is_refused_and_redone_in_the_next_group
     landed in, the rank forms the next group on its own and ends bit-identical to a run
     without the plan."""
     assert_the_aborted_step_was_redone_bit_identical("gloo", tmp_path)
+
+
+def test_a_step_whose_collectives_never_finish_is_aborted_after_the_collective_timeout(tmp_path):
+    """Over NCCL nothing else ends a hung collective (torch's watchdog is off under
+    recovery): the rank's heartbeat aborts the group once the step's wait has outlasted the
+    collective timeout (1 s here), the step is refused, and with no plan from the launch the
+    rank ends (``RecoveryError``) for a restart in place. The fence on gloo, its wait held."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_one_rank_through_an_aborted_group,
+                            args=("gloo", 8, None, str(tmp_path / "hung"), results, 2))
+    child.start()
+    try:
+        ended = results.get(timeout=240)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert ended["step"] == 2 and ended["marked_first"] == [True], ended
+    assert "no new group from the launch within 2 s" in ended["error"], ended
 
 
 def test_a_backend_this_torch_lacks_is_refused_in_one_line_without_a_recovering_launch():
@@ -276,7 +334,8 @@ def test_a_warm_spares_device_is_the_one_of_the_local_rank_it_takes(monkeypatch,
     """The Trainer's start-up (``process_group``) under a recovering launch, on a node of 2
     GPUs: a warm spare chose a device before it knew its place (its node's first rank's,
     cuda:0); once the group start made it local rank 1, it computes on cuda:1, the lost
-    rank's GPU, not beside local rank 0 on cuda:0."""
+    rank's GPU, not beside local rank 0 on cuda:0, and it never made cuda:0 current (CUDA
+    would keep a context there)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -298,7 +357,7 @@ def test_a_warm_spares_device_is_the_one_of_the_local_rank_it_takes(monkeypatch,
     monkeypatch.setattr(DeviceChoice, "activate", lambda choice: activated.append(choice.index))
     monkeypatch.setattr("ddp_hpc.startup.distributed.check_network", lambda *args, **kwargs: NetworkPlan())
     environ = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "DDP_HPC_RECOVERY_SPARE": "0"}
 
     def start(settings):  # as InJobRecovery does for a spare: the launch names slot 3, then the group forms
         environ.update(spare_places(environ, 3))
@@ -307,7 +366,7 @@ def test_a_warm_spares_device_is_the_one_of_the_local_rank_it_takes(monkeypatch,
 
     with process_group(DistributedOptions(device="cuda", backend="gloo"), environ, start=start) as ctx:
         assert ctx.local_rank == 1 and str(ctx.torch_device) == "cuda:1"
-    assert activated == [0, 1]
+    assert activated == [1]  # cuda:0, its node's first rank's, never made current: no context held there
 
     # Over nccl the group itself is made on the device (device_id): InJobRecovery moves the
     # start it was handed (decided for cuda:0) to the local rank the spare took.
@@ -996,7 +1055,8 @@ def test_a_warm_spare_forms_its_group_with_the_start_moved_to_the_local_rank_it_
                         cause="exit 137", detected_at=0.0, replaced=True))
     launch.assign("0", 3)
     environ = {RECOVERY_STORE_VAR: launch.address, RECOVERY_SPARE_VAR: "0", "RANK": "2", "WORLD_SIZE": "4",
-               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ENABLE_MONITORING": "0"}
     monkeypatch.setattr(torch.distributed, "is_backend_available", lambda backend: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     decided = GroupStart("nccl", timedelta(seconds=60), torch.device("cuda", 0))

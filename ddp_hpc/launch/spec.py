@@ -95,7 +95,10 @@ class LaunchSpec:
         if self.recovery is not None:
             from ddp_hpc.engine.recovery.backends import backend_refusal, host_refusal
 
-            if self.backend != "auto" and (why := backend_refusal(self.backend) or host_refusal(self.backend)):
+            if self.backend != "auto" and (why := backend_refusal(self.backend)):
+                raise UserError(f"--recover with ${BACKEND_VAR}={self.backend}: {why}")
+            # Ranks on this host (here, or a node supervisor's): a head node that starts mpiexec need have no GPU.
+            if self.backend != "auto" and self.mode in ("here", "node") and (why := host_refusal(self.backend)):
                 raise UserError(f"--recover with ${BACKEND_VAR}={self.backend}: {why}")
             if self.recovery.shrink and self.node_count > 1:
                 raise UserError("--shrink works on one node only for now: give --nodes 1, or recover with a "

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RENDEZVOUS_TIMEOUT_VAR
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RECOVERY_SPARE_VAR, RENDEZVOUS_TIMEOUT_VAR
 from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
 from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
@@ -286,7 +286,8 @@ def process_group(options: DistributedOptions | None = None,
         local_world_size=dist_env.local_world_size,
         env=environ,
     )
-    choice.activate()
+    if RECOVERY_SPARE_VAR not in environ:  # a warm spare has no device of its own until it takes a place
+        choice.activate()
     # Checked on every rank, even alone, so a bad value shows up before it matters.
     check_fabric(choice.backend, environ, this_host(environ),
                  where=where_label(dist_env.rank, dist_env.world_size))
@@ -300,8 +301,8 @@ def process_group(options: DistributedOptions | None = None,
         keeper = start(settings)
         try:
             # A warm spare takes a lost rank's place (RANK, LOCAL_RANK) only once started, and
-            # its device with it: the one chosen before was its node's first rank's. (Its group is
-            # gloo, the one backend that recovers, which is started with no device_id.)
+            # its device with it: the one chosen before was its node's first rank's (its group,
+            # made on a device over nccl, was moved there by InJobRecovery the same way).
             started = replace(resolve_env(environ, host_suffix=options.host_suffix,
                                           port_range=options.port_range),
                               rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddp_hpc.device import DEVICE_ID_BACKENDS, select_device
 from ddp_hpc.environment import resolve_env
 from ddp_hpc.environment.netcheck import NetworkPlan, check_network, gloo_interface
 
@@ -58,7 +59,7 @@ class GroupStart:
         environ = os.environ if environ is None else environ
         dist_env = resolve_env(environ)
         device_id = None
-        if backend in ("nccl", "xccl"):
+        if backend in DEVICE_ID_BACKENDS:
             device_id = bound_device(backend, "auto", dist_env.local_rank, dist_env.local_world_size, environ)
         return cls(backend, timeout, device_id, check_network(dist_env, backend, host_suffix=None, environ=environ))
 
@@ -76,8 +77,6 @@ class GroupStart:
 def bound_device(backend: str, device: str, local_rank: int, local_world_size: int,
                  environ: Mapping[str, str]) -> Any:
     """The device ``select_device`` gives ``local_rank``, made current (its refusals too)."""
-    from ddp_hpc.device import select_device
-
     choice = select_device(device, backend, local_rank=local_rank, local_world_size=local_world_size, env=environ)
     choice.activate()
     return choice.init_device_id

@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddp_hpc.contract import BACKEND_VAR
+from ddp_hpc.device import NVIDIA_TRACES
 
 #: The backends whose broken group a survivor can leave without exiting: gloo (its sockets
 #: shut down) and nccl (its communicators aborted, ``fence.py``).
 RECOVERABLE_BACKENDS = ("gloo", "nccl")
-#: Where a host's NVIDIA devices show (the driver's device files, in containers too).
-NVIDIA_DEVICES = (Path("/dev"), "nvidia[0-9]*")
 
 
 def backend_refusal(backend: str) -> str | None:
@@ -24,11 +23,10 @@ def backend_refusal(backend: str) -> str | None:
             f"({BACKEND_VAR}=gloo)")
 
 
-def host_refusal(backend: str, devices: tuple[Path, str] = NVIDIA_DEVICES) -> str | None:
-    """Why in-job recovery cannot run over ``backend`` on this host (one line), or None:
-    nccl where the host shows no NVIDIA device."""
-    folder, pattern = devices
-    if backend == "nccl" and not any(folder.glob(pattern)):
-        return (f"nccl needs NVIDIA GPUs and this host shows none ({folder / pattern}): give the backend gloo "
-                f"({BACKEND_VAR}=gloo), or launch on the GPU nodes")
+def host_refusal(backend: str, root: Path = Path("/")) -> str | None:
+    """Why in-job recovery cannot run over ``backend`` with ranks on this host (one line),
+    or None: nccl where the host shows no trace of an NVIDIA GPU (``NVIDIA_TRACES``)."""
+    if backend == "nccl" and not any(next(root.glob(pattern), None) for pattern in NVIDIA_TRACES):
+        return ("nccl needs NVIDIA GPUs and this host shows none (no /dev/nvidia*, /proc/driver/nvidia/gpus): give "
+                f"the backend gloo ({BACKEND_VAR}=gloo), or launch on the GPU nodes")
     return None

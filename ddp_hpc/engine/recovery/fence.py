@@ -36,6 +36,7 @@ class StepFence:
         self.device_type, self.timeout_s, self._clock = device_type, timeout_s, clock
         self._aborted = threading.Event()
         self._waiting_since: float | None = None
+        self._passed = False
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Checks every step of ``optimizer`` from now on; the handle's ``remove()`` ends that."""
@@ -67,6 +68,21 @@ class StepFence:
                 wait_for_stream(self.device_type)
             finally:
                 self._waiting_since = None
+        self.check()
+        self._passed = True
+
+    def step_ended(self) -> None:
+        """At the step's end (``step_done``, before it is counted): a step whose optimizer
+        step did not run (a gradient scaler skipped it on the inf an abort left) is checked
+        here instead; ``GroupAborted`` if the group was aborted before its work was done."""
+        passed, self._passed = self._passed, False
+        if not passed:
+            self.pass_or_raise()
+            self._passed = False
+
+    def check(self) -> None:
+        """``GroupAborted`` if the group was aborted: what a collective of it gave since may
+        be cut short (call it after reading a collective's result on the host)."""
         if self._aborted.is_set():
             raise GroupAborted("the process group was aborted during this step (a peer was lost): the step is not "
                                "applied, the group is formed anew")

@@ -73,6 +73,7 @@ from ddp_hpc.contract import (
     RENDEZVOUS_TIMEOUT_VAR,
     RESTART_COUNT_VAR,
     NCCL_ERROR_HANDLING_VAR,
+    NCCL_MONITORING_VAR,
     RUN_FOLDER_VAR,
     SNAPSHOT_EVERY_VAR,
 )
@@ -185,11 +186,16 @@ class InJobRecovery:
                                 f"backend", self.slot)
         if self.enabled and (why := abort_refusal(backend, env)) is not None:
             raise RefusedOnRank(why, self.slot)
+        if self.enabled and backend in ABORTED_BACKENDS and env.get(NCCL_MONITORING_VAR, "0").strip() != "0":
+            log.warning("rank %d: %s=%s: a replacement's NCCL monitor may end it minutes after it joins (it reads the "
+                        "dump request a survivor's watchdog leaves in the launch's store); the launch sets it to 0",
+                        self.slot, NCCL_MONITORING_VAR, env.get(NCCL_MONITORING_VAR))
         #: Each step's check that its group was not aborted meanwhile (NCCL; see fence.py).
         self._fence = (StepFence(ABORTED_BACKENDS[backend], collective_timeout_s)
                        if self.enabled and backend in ABORTED_BACKENDS else None)
-        #: The group formed last, for the heartbeat's thread to abort (NCCL).
+        #: The group formed last, for the heartbeat's thread to abort (NCCL), and that abort.
         self._group: Any = None
+        self._aborting: threading.Thread | None = None
         # A DDP that rebuilds its buckets after its first step lays the gradients out anew, and
         # gloo's ring then sums some of them in another order: the step after a re-wrap would
         # differ in the last bits from the same step without a recovery. With
@@ -292,6 +298,9 @@ class InJobRecovery:
         """
         sharded = is_sharded(model)
         why = run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks)
+        if why is None and self._fence is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            why = (f"ZeroRedundancyOptimizer cannot recover over {self.backend}: its parameter broadcasts after the "
+                   "step could be cut short by an abort unseen; use a plain optimizer (or FSDP2) under --recover")
         if why is None and sharded and self.enabled:
             why = sharding_refusal(model)
         if why is not None:  # the same on every rank: each exits 2, and the launch spends no recovery on it
@@ -362,7 +371,10 @@ class InJobRecovery:
         snapshot at its cadence.
         ``epoch_ends`` and ``save`` as in ``Checkpointer.step_done`` (``save=False``: the
         caller calls ``checkpointer.save_due()`` itself, once the step's other bookkeeping,
-        its callbacks say, is done)."""
+        its callbacks say, is done). Over NCCL a step the group was aborted in raises
+        ``GroupAborted`` here, before anything is counted (see ``fence.py``)."""
+        if self._fence is not None:
+            self._fence.step_ended()
         if self._checkpointer is not None:
             self._checkpointer.step_done(batches, epoch_ends=epoch_ends, save=save)
         else:
@@ -492,7 +504,11 @@ class InJobRecovery:
             if self._fence is not None:
                 if self._group is not None and not self._fence.aborted:
                     self._fence.mark_aborted()
-                    abort_group(self._group, self.slot)
+                    # On a thread of its own: an abort may take seconds, and the heartbeat
+                    # that calls this must go on beating meanwhile.
+                    self._aborting = threading.Thread(target=abort_group, args=(self._group, self.slot), daemon=True,
+                                                      name="ddp_hpc-group-abort")
+                    self._aborting.start()
                 return
             for fd in self._group_fds:
                 try:
@@ -554,7 +570,9 @@ class InJobRecovery:
     def _leave_group(self) -> None:
         self._break_group()
         with self._lock:
-            self._group = None
+            self._group, aborting, self._aborting = None, self._aborting, None
+        if aborting is not None:  # one abort at a time: torch's below aborts the group too
+            aborting.join(self.collective_timeout.total_seconds())
         if dist.is_initialized():
             # The group's destructor joins gloo's worker threads, and one that an op of the
             # broken group still holds (seen with rank 0 lost) keeps it until the collective
@@ -587,7 +605,7 @@ class InJobRecovery:
             return
         need = snapshot_bytes(self._state()) * (KEPT_STEPS * buddies.replicas + 1)
         mine = {"host": socket.gethostname(), "need": need, "free": available_memory_bytes(files.root)}
-        everyone = gather_json(mine)
+        everyone = gather_json(mine, self._check_group)
         hosts = [one["host"] for one in everyone]
         why = buddies.refusal(hosts) or memory_refusal(everyone, buddies.replicas, files.root)
         if why is not None:
@@ -641,7 +659,8 @@ class InJobRecovery:
         snapshots = self._snapshots
         assert snapshots is not None
         held = snapshots.files.holdings(self._kept_slots())
-        reports = gather_json({"held": {str(slot): steps for slot, steps in held.items()}, "step": self.step})
+        reports = gather_json({"held": {str(slot): steps for slot, steps in held.items()}, "step": self.step},
+                              self._check_group)
         rollback = newest_common([report["held"] for report in reports])
         if rollback is None:
             return None
@@ -702,10 +721,11 @@ class InJobRecovery:
             steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(steps, mine)
             done = [int(step) for step in steps]
+            self._check_group()
             step = min(s for s in done if s >= 0)
             source = done.index(step)
-            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source, device),
-                       shrunk=not plan.replaced)
+            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source, device,
+                                       self._check_group), shrunk=not plan.replaced)
         assert self.seed is not None
         seed_for_step(self.seed, step)
         self.step = step
@@ -713,6 +733,12 @@ class InJobRecovery:
             self._stop_agreement.continue_at(step)
         self._pending = {"plan": plan, "group_s": formed - plan.detected_at,
                          "transfer_s": time.time() - plan.detected_at, "rollback": rollback}
+
+    def _check_group(self) -> None:
+        """What the group's last collective gave is whole: over NCCL an abort (a member lost
+        meanwhile) ends it without an error, so it is asked (``GroupAborted``: the next plan)."""
+        if self._fence is not None:
+            self._fence.check()
 
     def _follow_group(self) -> None:
         """The loop's Checkpointer and StopAgreement act on the group formed last."""
@@ -869,24 +895,37 @@ def spare_places(env: Mapping[str, str], slot: int) -> dict[str, str]:
     return {"RANK": str(slot), "LOCAL_RANK": str(slot - first_here)}
 
 
-def broadcast_state(state: dict[str, Any] | None, source: int,
-                    device: torch.device | None = None) -> dict[str, Any]:
+#: The most bytes of a state that are on a device at once while it is broadcast.
+BROADCAST_CHUNK_BYTES = 256 << 20
+
+
+def broadcast_state(state: dict[str, Any] | None, source: int, device: torch.device | None = None,
+                    check: Callable[[], None] | None = None) -> dict[str, Any]:
     """``state`` of rank ``source`` on every rank: ``torch.save`` into bytes on the source,
-    broadcast as a uint8 tensor (its size first) on ``device`` (the group's: CPU for gloo,
-    the rank's GPU for nccl), ``torch.load(weights_only=True)`` on the others (as every
-    checkpoint is read: tensors and plain data only, no code runs)."""
+    broadcast as uint8 tensors (its size first, then pieces of ``BROADCAST_CHUNK_BYTES``, so
+    that a GPU holds one piece, not the whole state) on ``device`` (the group's: CPU for
+    gloo, the rank's GPU for nccl), ``torch.load(weights_only=True)`` on the others (as every
+    checkpoint is read: tensors and plain data only, no code runs). ``check`` is asked after
+    each piece reaches the host (over NCCL, whether the group was aborted meanwhile)."""
     device = torch.device("cpu") if device is None else device
-    if dist.get_rank() == source:
-        assert state is not None
-        payload = state_to_tensor(state).to(device)
-        dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=device), src=source)
-        dist.broadcast(payload, src=source)
-        return state
-    size = torch.zeros(1, dtype=torch.int64, device=device)
+    check = check or (lambda: None)
+    sending = dist.get_rank() == source
+    payload = state_to_tensor(state) if sending else None  # type: ignore[arg-type]
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src=source)
-    payload = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=source)
-    return state_from_tensor(payload.cpu())
+    total = int(size)
+    check()
+    received = payload if payload is not None else torch.empty(total, dtype=torch.uint8)
+    for start in range(0, total, BROADCAST_CHUNK_BYTES):
+        piece = received[start:start + BROADCAST_CHUNK_BYTES].to(device)
+        dist.broadcast(piece, src=source)
+        if not sending:
+            received[start:start + piece.numel()] = piece.cpu()
+            check()
+    if sending:
+        assert state is not None
+        return state
+    return state_from_tensor(received)
 
 
 def abort_refusal(backend: str, env: Mapping[str, str]) -> str | None:
@@ -900,10 +939,11 @@ def abort_refusal(backend: str, env: Mapping[str, str]) -> str | None:
     if ABORTED_BACKENDS[backend] == "cuda" and not torch.cuda.is_available():
         return (f"in-job recovery over {backend} needs a CUDA device and this torch ({torch.__version__}) sees none: "
                 f"give the backend gloo, or run on the GPU nodes")
-    handling = env.get(NCCL_ERROR_HANDLING_VAR, "0").strip() or "0"
+    handling = env.get(NCCL_ERROR_HANDLING_VAR, "").strip()
     if handling != "0":
-        return (f"{NCCL_ERROR_HANDLING_VAR}={handling} lets NCCL's watchdog end this rank when a peer is lost: under "
-                f"--recover leave it unset (the launch sets 0) or set it to 0")
+        said = f"{NCCL_ERROR_HANDLING_VAR}={handling}" if handling else f"{NCCL_ERROR_HANDLING_VAR} unset (torch's 3)"
+        return (f"{said} lets NCCL's watchdog end this rank when a peer is lost: under --recover the launch sets it "
+                f"to 0; leave it so")
     return None
 
 

@@ -346,19 +346,24 @@ class Snapshots:
 
 # ----- the newest step every shard has, and moving copies to where they are needed ------
 
-def gather_json(value: Any) -> list[Any]:
+def gather_json(value: Any, check: Callable[[], None] | None = None) -> list[Any]:
     """``value`` of every rank of the current group, as JSON (no pickle travels), in
-    tensors on the group's device (the GPU for nccl)."""
+    tensors on the group's device (the GPU for nccl). ``check`` is asked after each result
+    reaches the host (over NCCL, whether the group was aborted meanwhile)."""
+    check = check or (lambda: None)
     device = ProcessGroupView.current().device
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     longest = max(int(size) for size in sizes)
+    check()
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:data.numel()] = data
     gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
     dist.all_gather(gathered, padded.to(device))
-    return [json.loads(bytes(t[:int(size)].cpu().tolist()).decode()) for t, size in zip(gathered, sizes, strict=True)]
+    texts = [bytes(t[:int(size)].cpu().tolist()) for t, size in zip(gathered, sizes, strict=True)]
+    check()
+    return [json.loads(text.decode()) for text in texts]
 
 
 @dataclass(frozen=True)
