@@ -132,6 +132,7 @@ def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wa
 
     before = [p.detach().clone() for p in model.parameters()]
     one_step()
+    fence.step_ended()
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     fence.mark_aborted()
     before = [p.detach().clone() for p in model.parameters()]
@@ -141,6 +142,7 @@ def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wa
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     fence.reset()
     one_step()
+    fence.step_ended()
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
     # The step's end: one whose optimizer step passed counts whatever came after; one whose
@@ -153,6 +155,16 @@ def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wa
         fence.step_ended()
     fence.reset()
     fence.step_ended()
+
+    # Two optimizer steps in one step, the abort between them: the first is applied, so no
+    # whole state is left to go on from in the job (a restart in place).
+    from ddp_hpc.engine.recovery.errors import RecoveryError
+
+    one_step()
+    fence.mark_aborted()
+    with pytest.raises(RecoveryError, match="between two optimizer steps of one step"):
+        one_step()
+    fence.reset()
 
     seen = []
 
@@ -190,6 +202,7 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
     import torch
     from torch import nn
 
+    from ddp_hpc.engine.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import rank
 
     if backend == "gloo":
@@ -220,6 +233,9 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # A gradient scaler (the Trainer's fp16 path): the refused step is refused inside scaler.step.
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    checkpointer = Checkpointer(folder, {"model": model, "optimizer": optimizer, "scaler": scaler})
     calls = []
 
     def train(ddp_model: nn.Module) -> None:
@@ -227,7 +243,7 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
         while recovery.step < steps:
             batch = torch.randn(64, 32, generator=torch.Generator().manual_seed(recovery.step)).to(device)
             optimizer.zero_grad()
-            ddp_model(batch).pow(2).mean().backward()
+            scaler.scale(ddp_model(batch).pow(2).mean()).backward()
             if recovery.step == publish_at and recovery.generation == 0:
                 launch.publish(Plan(generation=launch.next_generation(), world_size=1, ranks={0: 0}, lost=1,
                                     host="elsewhere", cause="the test's plan", detected_at=time.time(),
@@ -235,11 +251,12 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
                 deadline = time.monotonic() + 30
                 while not recovery._fence.aborted and time.monotonic() < deadline:  # the abort lands in this step
                     time.sleep(0.01)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             recovery.step_done()
 
     try:
-        recovery.run(train, model=model, optimizer=optimizer)
+        recovery.run(train, model=model, optimizer=optimizer, checkpointer=checkpointer)
     except rank.RecoveryError as exc:
         results.put({"error": str(exc), "marked_first": marked_first, "step": recovery.step})
         recovery.close()
@@ -289,7 +306,7 @@ def test_a_step_the_group_was_aborted_in_is_refused_and_redone_in_the_next_group
     the heartbeat aborts the group on the launch's newer plan, the fence refuses the step it
     landed in, the rank forms the next group on its own and ends bit-identical to a run
     without the plan."""
-    assert_the_aborted_step_was_redone_bit_identical("gloo", tmp_path)
+    assert_the_aborted_step_was_redone_bit_identical("gloo", tmp_path)  # a gradient scaler's stages made fresh too
 
 
 def test_a_step_whose_collectives_never_finish_is_aborted_after_the_collective_timeout(tmp_path):

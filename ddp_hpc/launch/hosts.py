@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.contract import (HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RECOVERY_STORE_VAR,
+from ddp_hpc.contract import (BACKEND_VAR, DEVICE_VAR, HOST_SUFFIX_VAR, LOCAL_SCHEDULER, RECOVERY_STORE_VAR,
                               RESTART_COUNT_VAR, RUN_FOLDER_VAR, SNAPSHOT_DIR_VAR, Submission, atomic_write)
 from ddp_hpc.environment.hosts import with_suffix
 from ddp_hpc.errors import UserError
@@ -47,6 +47,12 @@ ATTEMPT_HOSTFILE = ".hosts"
 DEFAULT_MASTER_PORT = 29500
 #: What Open MPI must pass on to ranks on other hosts (MPICH passes the whole environment).
 FORWARDED = ("PATH", "MASTER_ADDR", "MASTER_PORT", RESTART_COUNT_VAR, RUN_FOLDER_VAR)
+
+def chosen_device_vars() -> tuple[str, ...]:
+    """The user's device and backend choice, where set, for every rank (Open MPI passes a
+    variable to another host only by name)."""
+    return tuple(name for name in (DEVICE_VAR, BACKEND_VAR) if os.environ.get(name))
+
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*$")
 
@@ -161,8 +167,8 @@ class HostfileAttempts:
         bound = recovery is None
         return build_mpiexec(MpiLaunch(launch.flavour, launch.nodes, launch.tasks_per_host, argv,
                                        hostfile=str(self.hostfile),
-                                       forward=FORWARDED if bound else (*FORWARDED, RECOVERY_STORE_VAR,
-                                                                        SNAPSHOT_DIR_VAR),
+                                       forward=(*FORWARDED, *chosen_device_vars()) if bound else (
+                                           *FORWARDED, *chosen_device_vars(), RECOVERY_STORE_VAR, SNAPSHOT_DIR_VAR),
                                        cpu_bind=launch.cpu_bind if bound else None,
                                        depth=launch.depth if bound else None,
                                        allow_root=os.geteuid() == 0), program=launch.program)

@@ -309,6 +309,7 @@ def process_group(options: DistributedOptions | None = None,
             if started.local_rank != dist_env.local_rank:
                 choice = select_device(choice.device_type, choice.backend, local_rank=started.local_rank,
                                        local_world_size=started.local_world_size, env=environ)
+            if started.local_rank != dist_env.local_rank or RECOVERY_SPARE_VAR in environ:
                 choice.activate()
             yield DistContext(started, choice, True, keeper)
         finally:

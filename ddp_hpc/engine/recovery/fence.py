@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ddp_hpc.engine.recovery.errors import GroupAborted
+from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError
 
 
 class StepFence:
@@ -49,6 +49,7 @@ class StepFence:
     def reset(self) -> None:
         """A new group formed: its steps count again."""
         self._aborted.clear()
+        self._passed = False
 
     @property
     def aborted(self) -> bool:
@@ -61,7 +62,12 @@ class StepFence:
 
     def pass_or_raise(self) -> None:
         """Wait until the step's queued work is done; ``GroupAborted`` if the group was
-        aborted before it was (the step's all-reduce may have been cut short)."""
+        aborted before it was (the step's all-reduce may have been cut short). A second
+        optimizer step in one step, the first applied and this one refused, leaves no whole
+        state to go on from in the job: ``RecoveryError`` (a restart in place)."""
+        if self._passed and self._aborted.is_set():
+            raise RecoveryError("the process group was aborted between two optimizer steps of one step (the first "
+                                "applied): the launch restarts the job in place")
         if not self._aborted.is_set():
             self._waiting_since = self._clock()
             try:

@@ -13,6 +13,16 @@ import torch
 from ddp_hpc.engine.recovery.errors import RecoveryError
 
 
+#: The most bytes of a payload on a device at once while it travels over a group whose
+#: tensors live there (NCCL): a payload goes in pieces of this size.
+PIECE_BYTES = 256 << 20
+
+
+def pieces(total: int) -> range:
+    """Where each piece of a payload of ``total`` bytes starts."""
+    return range(0, total, PIECE_BYTES)
+
+
 def state_to_tensor(state: dict[str, Any]) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(state, buffer)

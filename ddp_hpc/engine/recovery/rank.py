@@ -16,7 +16,7 @@ ended by the launch, which closes it):
    does for each quorum (``torchft/process_group.py``, ``configure``);
 4. the lowest rank at the lowest step every member completed sends model, optimizer,
    sampler position and step, and the objects and bookkeeping of the loop's
-   ``Checkpointer`` (``torch.save`` into bytes, broadcast as one uint8 tensor, read with
+   ``Checkpointer`` (``torch.save`` into bytes, broadcast as uint8 tensors, read with
    ``torch.load(weights_only=True)``: only tensors and plain data travel); ranks one step
    ahead (they finished the failed step's all-reduce before the peer's loss reached them)
    go back to it, and every rank takes its RNG streams as they were after that step: they
@@ -46,6 +46,7 @@ launch --recover``), a failure ends the rank as before and the launcher restarts
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -83,8 +84,8 @@ from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
 from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
-from ddp_hpc.engine.recovery.fence import StepFence
-from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
+from ddp_hpc.engine.recovery.fence import StepFence, wait_for_stream
+from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_from_tensor, state_to_tensor
 from ddp_hpc.engine.recovery.record import (
     RecoveryEvent,
     ResumeEvent,
@@ -246,6 +247,8 @@ class InJobRecovery:
             places = spare_places(env, self.slot)
             if environ is None:  # from here on this process is the rank it replaces, to the script too
                 os.environ.update(places)
+            else:
+                self._environ = {**environ, **places}
             if self._group_start is not None:  # decided before it had a place: the device moves with it
                 self._group_start = self._group_start.for_local_rank(int(places["LOCAL_RANK"]),
                                                                      self._local_world_size or 1, self._environ)
@@ -573,6 +576,10 @@ class InJobRecovery:
             self._group, aborting, self._aborting = None, self._aborting, None
         if aborting is not None:  # one abort at a time: torch's below aborts the group too
             aborting.join(self.collective_timeout.total_seconds())
+            if aborting.is_alive():
+                raise RecoveryError(f"rank {self.slot}: aborting the broken group did not end within the collective "
+                                    f"timeout ({self.collective_timeout.total_seconds():g} s); the launch restarts "
+                                    "the job in place")
         if dist.is_initialized():
             # The group's destructor joins gloo's worker threads, and one that an op of the
             # broken group still holds (seen with rank 0 lost) keeps it until the collective
@@ -665,7 +672,8 @@ class InJobRecovery:
         if rollback is None:
             return None
         rollback = dataclasses.replace(rollback, redone=max(report["step"] for report in reports) - rollback.step)
-        self._load(state_from_tensor(fetch_own(rollback, snapshots.files)), shrunk=False)
+        self._load(state_from_tensor(fetch_own(rollback, snapshots.files, ProcessGroupView.current().device,
+                                               self._check_group)), shrunk=False)
         for slot in self._kept_slots():
             snapshots.files.drop_after(slot, rollback.step)  # steps that are done again
         return rollback
@@ -784,6 +792,9 @@ class InJobRecovery:
             self._checkpointer.continue_from(state["checkpointer"])
         if self._optimizer is not None:  # a step the loss broke may have left part of its gradients
             self._optimizer.zero_grad(set_to_none=True)
+        for obj in self._objects().values():
+            if isinstance(obj, torch.amp.GradScaler):
+                fresh_scaler_stages(obj)
 
     def _base_seed(self) -> int:
         """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
@@ -895,15 +906,11 @@ def spare_places(env: Mapping[str, str], slot: int) -> dict[str, str]:
     return {"RANK": str(slot), "LOCAL_RANK": str(slot - first_here)}
 
 
-#: The most bytes of a state that are on a device at once while it is broadcast.
-BROADCAST_CHUNK_BYTES = 256 << 20
-
-
 def broadcast_state(state: dict[str, Any] | None, source: int, device: torch.device | None = None,
                     check: Callable[[], None] | None = None) -> dict[str, Any]:
     """``state`` of rank ``source`` on every rank: ``torch.save`` into bytes on the source,
-    broadcast as uint8 tensors (its size first, then pieces of ``BROADCAST_CHUNK_BYTES``, so
-    that a GPU holds one piece, not the whole state) on ``device`` (the group's: CPU for
+    broadcast as uint8 tensors (its size first, then pieces of ``PIECE_BYTES``, so that a
+    GPU holds one piece, not the whole state) on ``device`` (the group's: CPU for
     gloo, the rank's GPU for nccl), ``torch.load(weights_only=True)`` on the others (as every
     checkpoint is read: tensors and plain data only, no code runs). ``check`` is asked after
     each piece reaches the host (over NCCL, whether the group was aborted meanwhile)."""
@@ -916,10 +923,12 @@ def broadcast_state(state: dict[str, Any] | None, source: int, device: torch.dev
     total = int(size)
     check()
     received = payload if payload is not None else torch.empty(total, dtype=torch.uint8)
-    for start in range(0, total, BROADCAST_CHUNK_BYTES):
-        piece = received[start:start + BROADCAST_CHUNK_BYTES].to(device)
+    for start in pieces(total):
+        piece = received[start:start + PIECE_BYTES].to(device)
         dist.broadcast(piece, src=source)
-        if not sending:
+        if sending:
+            wait_for_stream(device.type)  # this piece sent before the next is put on the device
+        else:
             received[start:start + piece.numel()] = piece.cpu()
             check()
     if sending:
@@ -945,6 +954,16 @@ def abort_refusal(backend: str, env: Mapping[str, str]) -> str | None:
         return (f"{said} lets NCCL's watchdog end this rank when a peer is lost: under --recover the launch sets it "
                 f"to 0; leave it so")
     return None
+
+
+def fresh_scaler_stages(scaler: torch.amp.GradScaler) -> None:
+    """``scaler`` as after its ``update()``: a step refused inside ``scaler.step`` (over NCCL,
+    ``GroupAborted`` from the optimizer's pre-hook) left its optimizer's stage at "unscaled"
+    and its inf check behind, and the step done again would apply gradients not unscaled.
+    ``load_state_dict`` keeps the stages; torch's own ``update()`` clears them this way."""
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
 
 
 def abort_group(group: dist.ProcessGroup, slot: int) -> None:

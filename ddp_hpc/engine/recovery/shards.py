@@ -53,7 +53,8 @@ import torch.distributed as dist
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.host_copy import Copying, dtensor_class, snapshot_on_side_streams
-from ddp_hpc.engine.recovery.payload import state_to_tensor
+from ddp_hpc.engine.recovery.fence import wait_for_stream
+from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_to_tensor
 from ddp_hpc.startup.group_start import GroupStart
 
 log = logging.getLogger(__name__)
@@ -395,9 +396,13 @@ def newest_common(holdings: Sequence[Mapping[str, Sequence[int]]]) -> Rollback |
     return Rollback(step=step, sources=sources)
 
 
-def fetch_own(rollback: Rollback, files: SnapshotFiles) -> torch.Tensor:
+def fetch_own(rollback: Rollback, files: SnapshotFiles, device: torch.device | None = None,
+              check: Callable[[], None] | None = None) -> torch.Tensor:
     """This rank's copy at the rollback step: its own file, or sent by the rank that has it
-    (peer to peer, in slot order so that every send meets its receive)."""
+    (peer to peer, in slot order so that every send meets its receive), in pieces on
+    ``device`` (the group's: the GPU for nccl). ``check`` as in ``gather_json``."""
+    device = torch.device("cpu") if device is None else device
+    check = check or (lambda: None)
     rank = dist.get_rank()
     mine: torch.Tensor | None = None
     for slot in sorted(rollback.sources):
@@ -406,13 +411,21 @@ def fetch_own(rollback: Rollback, files: SnapshotFiles) -> torch.Tensor:
             continue
         if rank == source:
             payload = files.read(slot, rollback.step)
-            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), slot)
-            dist.send(payload, slot)
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), slot)
+            for start in pieces(payload.numel()):
+                dist.send(payload[start:start + PIECE_BYTES].to(device), slot)
+                wait_for_stream(device.type)
         elif rank == slot:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=device)
             dist.recv(size, source)
-            mine = torch.empty(int(size), dtype=torch.uint8)
-            dist.recv(mine, source)
+            total = int(size)
+            check()
+            mine = torch.empty(total, dtype=torch.uint8)
+            for start in pieces(total):
+                piece = torch.empty(min(PIECE_BYTES, total - start), dtype=torch.uint8, device=device)
+                dist.recv(piece, source)
+                mine[start:start + piece.numel()] = piece.cpu()
+                check()
     if mine is None:
         mine = files.read(rank, rollback.step)
     return mine
