@@ -39,6 +39,13 @@ COMPATIBLE_BACKENDS: dict[str, tuple[str, ...]] = {
     "xpu": ("xccl", "ccl"),
     "cpu": ("gloo", "ccl"),
 }
+#: torch's NCCL error handling: ``1`` (a NCCL error ends the rank, as torchrun sets it) unless
+#: the user set it; ``0`` under in-job recovery, which aborts a broken group itself.
+NCCL_ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+#: torch's NCCL heartbeat monitor: ``0`` under in-job recovery. A survivor's watchdog that saw
+#: a peer's error leaves a dump request in the launch's store, which every NCCL group's store
+#: is a prefix of; a replacement's monitor would read it and end the replacement minutes later.
+NCCL_MONITORING_VAR = "TORCH_NCCL_ENABLE_MONITORING"
 #: Backends whose init_process_group takes ``device_id`` (binds the communicator eagerly).
 DEVICE_ID_BACKENDS = frozenset({"nccl", "xccl"})
 #: Variables a scheduler or wrapper uses to give each rank its own single device.

@@ -38,8 +38,6 @@ from ddp_hpc.contract.variables import (  # noqa: F401
     CLUSTERS_DIR_VAR,
     BENCH_STARTED_AT_VAR,
     CONSOLE_RANKS_VAR,
-    NCCL_ERROR_HANDLING_VAR,
-    NCCL_MONITORING_VAR,
 )
 from ddp_hpc.contract.exit_status import (  # noqa: F401
     ExitStatus,

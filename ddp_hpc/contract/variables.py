@@ -60,13 +60,3 @@ CLUSTERS_DIR_VAR = "DDP_HPC_CLUSTERS_DIR"
 BENCH_STARTED_AT_VAR = "DDP_HPC_BENCH_T0"
 #: ``train``/``doctor``: the ranks whose INFO lines reach the console (``--console-ranks``).
 CONSOLE_RANKS_VAR = "DDP_HPC_CONSOLE_RANKS"
-
-# torch's own, which a launch sets for its ranks.
-
-#: NCCL's error handling: ``1`` (a NCCL error ends the rank, as torchrun sets it) unless the
-#: user set it; ``0`` under in-job recovery, which aborts a broken group itself.
-NCCL_ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-#: NCCL's heartbeat monitor: ``0`` under in-job recovery. A survivor's watchdog that saw a
-#: peer's error leaves a dump request in the launch's store, which every NCCL group's store
-#: is a prefix of; a replacement's monitor would read it and end the replacement minutes later.
-NCCL_MONITORING_VAR = "TORCH_NCCL_ENABLE_MONITORING"

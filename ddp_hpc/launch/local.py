@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.contract import NCCL_ERROR_HANDLING_VAR, RESTART_COUNT_VAR, RUN_FOLDER_VAR
+from ddp_hpc.contract import RESTART_COUNT_VAR, RUN_FOLDER_VAR
+from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.launch.attempts import signal_running, start_all

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_hpc.contract import (RECOVERY_GENERATION_VAR, RECOVERY_SHRINK_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
-                              RECOVERY_WAIT_VAR, NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR, ExitStatus)
+                              RECOVERY_WAIT_VAR, ExitStatus)
+from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import start_all
 from ddp_hpc.launch.local import LocalRanks

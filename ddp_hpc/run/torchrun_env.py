@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, NCCL_ERROR_HANDLING_VAR, RESTART_COUNT_VAR
+from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
 from ddp_hpc.engine.collectives import flight_recorder_variables
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
@@ -113,6 +113,8 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     exported[DEVICE_VAR] = choice.device_type
     exported[BACKEND_VAR] = choice.backend
     exported.update(flight_recorder_variables(environ))
+    from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR  # imported already: the choice was made there
+
     if NCCL_ERROR_HANDLING_VAR not in environ:
         exported[NCCL_ERROR_HANDLING_VAR] = "1"
     if not environ.get("OMP_NUM_THREADS", "").strip():

@@ -73,12 +73,11 @@ from ddp_hpc.contract import (
     RECOVERY_WAIT_VAR,
     RENDEZVOUS_TIMEOUT_VAR,
     RESTART_COUNT_VAR,
-    NCCL_ERROR_HANDLING_VAR,
-    NCCL_MONITORING_VAR,
     RUN_FOLDER_VAR,
     SNAPSHOT_EVERY_VAR,
 )
 from ddp_hpc.engine.recovery import store as keys
+from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
