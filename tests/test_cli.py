@@ -333,3 +333,24 @@ def test_record_exit_writes_the_job_s_exit_file_and_stays_out_of_the_help(tmp_pa
         cli.parse(["record-exit", str(tmp_path), "7", "x"])
     assert ended.value.code == 2 and "not an exit status (0-255): 'x'" in capsys.readouterr().err
     assert "record-exit" not in cli.build_parser().format_help()
+
+
+def test_open_mpi_over_a_hostfile_passes_the_users_device_and_backend_to_every_host(tmp_path):
+    """Open MPI passes a variable to another host only by name (``-x NAME``): the user's
+    ``DDP_HPC_DEVICE``/``DDP_HPC_BACKEND``, where set, go with the others, with or without
+    ``--recover``; unset, no ``-x`` names them."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\nh2\n")
+
+    def dry_run(*flags: str, **env: str) -> str:
+        result = run([*ddp_hpc_command(), "launch", "--launcher", "openmpi", "--hostfile", str(hostfile), "--nodes", "2",
+                      "--nproc", "1", "--run-folder", str(tmp_path / "run"), *flags, "--dry-run", "--", "python", "-c",
+                      "1"], env={k: v for k, v in clean_env(env).items()
+                                 if k not in ("DDP_HPC_DEVICE", "DDP_HPC_BACKEND") or k in env})
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert "-x DDP_HPC_BACKEND" in dry_run(DDP_HPC_BACKEND="gloo")
+    assert "-x DDP_HPC_DEVICE -x DDP_HPC_BACKEND -x DDP_HPC_RECOVERY_STORE" in dry_run(
+        "--recover", "1", DDP_HPC_DEVICE="cpu", DDP_HPC_BACKEND="gloo")
+    assert "DDP_HPC_BACKEND" not in dry_run() and "DDP_HPC_DEVICE" not in dry_run()

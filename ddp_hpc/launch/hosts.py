@@ -48,6 +48,7 @@ DEFAULT_MASTER_PORT = 29500
 #: What Open MPI must pass on to ranks on other hosts (MPICH passes the whole environment).
 FORWARDED = ("PATH", "MASTER_ADDR", "MASTER_PORT", RESTART_COUNT_VAR, RUN_FOLDER_VAR)
 
+
 def chosen_device_vars() -> tuple[str, ...]:
     """The user's device and backend choice, where set, for every rank (Open MPI passes a
     variable to another host only by name)."""
@@ -167,8 +168,8 @@ class HostfileAttempts:
         bound = recovery is None
         return build_mpiexec(MpiLaunch(launch.flavour, launch.nodes, launch.tasks_per_host, argv,
                                        hostfile=str(self.hostfile),
-                                       forward=(*FORWARDED, *chosen_device_vars()) if bound else (
-                                           *FORWARDED, *chosen_device_vars(), RECOVERY_STORE_VAR, SNAPSHOT_DIR_VAR),
+                                       forward=(*FORWARDED, *chosen_device_vars(),
+                                                *(() if bound else (RECOVERY_STORE_VAR, SNAPSHOT_DIR_VAR))),
                                        cpu_bind=launch.cpu_bind if bound else None,
                                        depth=launch.depth if bound else None,
                                        allow_root=os.geteuid() == 0), program=launch.program)
