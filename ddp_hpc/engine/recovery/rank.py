@@ -78,6 +78,7 @@ from ddp_hpc.contract import (
 )
 from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR
+from ddp_hpc.engine import sharding
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
@@ -169,6 +170,10 @@ class InJobRecovery:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
         self.slot = int(env.get("RANK", "0"))
+        if (why := group_refusal()) is not None:
+            # Ended first: left to the interpreter's exit, a live gloo group can abort the process.
+            dist.destroy_process_group()
+            raise RefusedOnRank(why, self.slot)
         self.enabled = env.get(RECOVERY_STORE_VAR) is not None
         self.snapshot_every = _snapshot_every(snapshot_every, env, self.slot)
         self._snapshot_replicas = snapshot_replicas
@@ -299,7 +304,8 @@ class InJobRecovery:
         reason given in the class's ``__init__``.
         """
         sharded = is_sharded(model)
-        why = run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks)
+        why = (sharded_run_refusal(model, optimizer, wrap)
+               or run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks))
         if why is None and self._fence is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
             why = (f"ZeroRedundancyOptimizer cannot recover over {self.backend}: its parameter broadcasts after the "
                    "step could be cut short by an abort unseen; use a plain optimizer (or FSDP2) under --recover")
@@ -1003,6 +1009,30 @@ def run_refusal(model: nn.Module, checkpointer: Checkpointer | None, *, shrinks:
         return ("InJobRecovery.run: give the Checkpointer the model itself, not its DDP wrapper (each group gets "
                 "a wrapper of its own)")
     return None
+
+
+def sharded_run_refusal(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        wrap: Callable[[nn.Module], Any] | None) -> str | None:
+    """Why ``InJobRecovery.run`` cannot train a sharded (FSDP2) ``model`` (one line), or
+    None: the same mistake on every rank, found before anything is wrapped or trained."""
+    bare = model.module if isinstance(model, DistributedDataParallel) else model
+    if not is_sharded(bare):
+        return None
+    if bare is not model or wrap is not None:
+        return ("InJobRecovery.run: a sharded (FSDP2) model is its own wrapper: give run the model itself, with no "
+                "DDP around it and no wrap (DDP cannot take FSDP2's sharded parameters)")
+    return sharding.model_refusal(model) or sharding.optimizer_refusal([model], optimizer)
+
+
+def group_refusal() -> str | None:
+    """Why ``InJobRecovery`` cannot start this rank's group (one line), or None: a default
+    group started before it (``dist.init_process_group``, or ``fully_shard`` or
+    ``init_device_mesh``, which start one where none exists) is not one it can replace."""
+    if not dist.is_initialized():
+        return None
+    return ("InJobRecovery started after a process group already existed (dist.init_process_group, or fully_shard "
+            "/ init_device_mesh, which start one): construct InJobRecovery first, in place of "
+            "init_process_group, then build and shard the model")
 
 
 def is_sharded(model: nn.Module) -> bool:
