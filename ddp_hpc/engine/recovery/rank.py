@@ -86,7 +86,7 @@ from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
-from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step
+from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step, load_buffers
 from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
 from ddp_hpc.engine.recovery.fence import StepFence, wait_for_stream
 from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_from_tensor, state_to_tensor
@@ -334,9 +334,10 @@ class InJobRecovery:
             if self._snapshots is not None and self._restarts > 0:
                 self._resume_from_memory()
         self._keeps_buffers = self.enabled and not sharded  # a sharded model's come back with its snapshot
+        hooks = [self._step_start.attach(optimizer)]
         if self._keeps_buffers:
             self._step_start.keep(model)
-        hooks = [self._step_start.attach(optimizer)]
+            hooks.append(self._step_start.watch(model, lambda: self.step))
         if self._fence is not None:
             hooks.append(self._fence.attach(optimizer))
         try:
@@ -745,8 +746,13 @@ class InJobRecovery:
             dist.all_gather(reports, mine)
             self._check_group()
             step, source = transfer_source([(int(report[0]), bool(report[1])) for report in reports], self.slot)
-            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source, device,
-                                       self._check_group), shrunk=not plan.replaced)
+            sent = None
+            if dist.get_rank() == source:
+                sent = self._state()
+                if self._keeps_buffers:  # rank 0's, of the last step's end, where a replacement of rank 0 needs them
+                    sent["received_buffers"] = self._step_start.received(step + 1)
+            self._load(broadcast_state(sent, source, device, self._check_group), shrunk=not plan.replaced,
+                       joining=joining)
         assert self.seed is not None
         seed_for_step(self.seed, step)
         self.step = step
@@ -790,7 +796,7 @@ class InJobRecovery:
             state["checkpointer"] = self._checkpointer.bookkeeping()
         return state
 
-    def _load(self, state: dict[str, Any], shrunk: bool) -> None:
+    def _load(self, state: dict[str, Any], shrunk: bool, joining: bool = False) -> None:
         self._repeated = 0
         # A snapshot's shards travel as plain tensors: made DTensors again as the live objects' are.
         sharded = [path[1:] for path in state.get("dtensors", ()) if path and path[0] == "objects"]
@@ -805,7 +811,24 @@ class InJobRecovery:
             self._checkpointer.continue_from(state["checkpointer"])
         self._step_start.applied = False
         if self._keeps_buffers and self._model is not None:
+            self._take_buffers(state, joining)
             self._step_start.keep(self._model)
+
+    def _take_buffers(self, state: dict[str, Any], joining: bool) -> None:
+        """A DDP model's buffers after a transfer: a survivor at the step the group goes on
+        from keeps its own (as at that step's end); a replacement of rank 0 takes rank 0's,
+        which the survivors received in the broken step's forward (DDP broadcasts rank 0's
+        buffers at each forward: the other ranks' are overwritten by them before use)."""
+        assert self._model is not None
+        if not joining and self.step == state["step"]:
+            self._step_start.put_back(self._model)
+        elif joining and dist.get_rank() == 0:
+            received = state.get("received_buffers")
+            if received is not None:
+                load_buffers(self._model, received)
+            elif any(True for _ in self._model.buffers()):
+                log.warning("rank %d: rank 0's buffers (BatchNorm's running statistics) were lost with it before the "
+                            "broken step's forward: they go on from the sending rank's", self.slot)
 
     def _base_seed(self) -> int:
         """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
