@@ -247,3 +247,73 @@ def test_the_trainer_with_fsdp2_replaces_a_killed_rank_from_snapshots_and_ends_b
     expected, actual = load_last_checkpoint(whole / "checkpoints"), load_last_checkpoint(lost / "checkpoints")
     assert actual["progress"]["global_step"] == expected["progress"]["global_step"] == TRAINER_STEPS
     assert_same_model_and_optimizer(expected, actual)
+
+
+# ----- the docs' script ---------------------------------------------------------------------
+
+def docs_script(folder: Path) -> Path:
+    """docs/api.md's sharded recovery script, copied as shown into a file (whose name the
+    faults of recovery_faults/ look for)."""
+    guide = (REPO / "docs" / "api.md").read_text()
+    section = guide.split("**A sharded model** (FSDP2, `fully_shard`) recovers too", 1)[1]
+    script = folder / "docs_sharded_recovering_loop.py"
+    script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    return script
+
+
+def whole_checkpoint(run_dir: Path, out: Path) -> dict:
+    import torch
+
+    from ddp_hpc import convert_checkpoint
+
+    return torch.load(convert_checkpoint(run_dir, out), weights_only=True)
+
+
+def assert_same_tree(expected, actual, path: str = "") -> None:
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(expected, actual), path
+    elif isinstance(expected, dict):
+        assert expected.keys() == actual.keys(), path
+        for key in expected:
+            assert_same_tree(expected[key], actual[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), path
+        for index, (one, other) in enumerate(zip(expected, actual)):
+            assert_same_tree(one, other, f"{path}/{index}")
+    else:
+        assert expected == actual, path
+
+
+@pytest.mark.reliability
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_docs_sharded_script_as_shown_ends_bit_identical_after_a_rank_is_killed_mid_step(tmp_path):
+    """The script docs/api.md shows (root-owned head, LambdaLR, AdamW, dropout), under
+    ``--recover 2`` on 2 ranks: rank 1 dies inside its backward of step 6, once the
+    gradient reached its last block's output, so rank 0 fails inside its backward after
+    the root's head computed its gradient (which FSDP2 keeps on its unsharded parameter
+    until the root's reduce-scatter: it was left there and doubled the redone step's).
+    The last checkpoint, converted whole, equals the run without a loss."""
+    script = docs_script(tmp_path)
+
+    def launch_script(run_dir: Path, settings: dict[str, str]) -> None:
+        result = subprocess.run([*ddp_hpc_command(), "launch", "--nproc", "2", "--recover", "2", "--", "python",
+                                 str(script)],
+                                env=clean_env({**settings, "RUN_DIR": str(run_dir),
+                                               "DDP_HPC_SNAPSHOT_DIR": str(run_dir.parent / "node-memory")}),
+                                cwd=tmp_path, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        (run_dir.parent / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+
+    launch_script(tmp_path / "reference", {})
+    lost = tmp_path / "lost"
+    launch_script(lost, {**fault("mid-backward", 6, slots="1"), "RECOVERY_FAULT_MODULE": "blocks.2"})
+    assert (lost / "fault-rank").exists()
+    record = json.loads((lost / "record" / "recovery-1.json").read_text())
+    assert record["rank"] == 1 and record["replaced"]
+    expected = whole_checkpoint(tmp_path / "reference", tmp_path / "reference.pt")
+    actual = whole_checkpoint(lost, tmp_path / "lost.pt")
+    assert_same_tree(expected, actual)

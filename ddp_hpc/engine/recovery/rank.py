@@ -1,12 +1,15 @@
-"""In-job recovery for DDP: a lost rank costs seconds, not a restart.
+"""In-job recovery: a lost rank costs seconds, not a restart.
 
 Under DDP every rank holds the whole model, optimizer state and its place in the data, so
-a lost rank needs nothing from disk. ``InJobRecovery`` starts the process group in place
+a lost rank needs nothing from disk; a sharded (FSDP2) model goes back to snapshots each
+rank and a buddy keep in node memory (``shards.py``). ``InJobRecovery`` starts the process group in place
 of ``dist.init_process_group`` and runs the user's training function; when a collective
 fails (gloo raises within milliseconds once a peer's connection closes; a frozen peer is
 ended by the launch, which closes it):
 
-1. the survivors leave the broken group without exiting (over gloo its sockets shut down,
+1. each survivor clears what the broken step left (``broken_step.py``: gradients, FSDP2's
+   step state, buffers the broken forward changed, a scaler's stages), and the survivors
+   leave the broken group without exiting (over gloo its sockets shut down,
    then ``destroy_process_group``; over NCCL it is aborted, and each optimizer step
    refuses to apply what an abort cut short: ``fence.py``);
 2. they wait for the launch's ``Plan`` of the next generation (``engine/recovery/store.py``):
@@ -16,10 +19,12 @@ ended by the launch, which closes it):
    does for each quorum (``torchft/process_group.py``, ``configure``);
 4. the lowest rank at the lowest step every member completed sends model, optimizer,
    sampler position and step, and the objects and bookkeeping of the loop's
-   ``Checkpointer`` (``torch.save`` into bytes, broadcast as uint8 tensors, read with
+   ``Checkpointer`` (``torch.save`` into bytes, broadcast as uint8 tensors in pieces, read with
    ``torch.load(weights_only=True)``: only tensors and plain data travel); ranks one step
    ahead (they finished the failed step's all-reduce before the peer's loss reached them)
-   go back to it, and every rank takes its RNG streams as they were after that step: they
+   go back to it (a member whose optimizer step was applied before a collective of the
+   same step failed is never the source: see ``transfer_source``), and every rank takes
+   its RNG streams as they were after that step: they
    are derived from the rank's base seed and the step (``step_done`` reseeds every stream
    with ``step_seed(base, step)``), so a replacement rebuilds the lost rank's from its base
    seed, which each rank leaves in the store once. Nothing of a step needs to have reached
@@ -35,18 +40,17 @@ When the launch gives up (no recovery left), it says so in a last plan, and ever
 ends at once (``RecoveryError``) for the restart in place.
 
 No checkpoint is read and no completed step is lost. Unlike torchft (a quorum and a commit
-vote every step), nothing is added to a step but a reseed of the streams: the launch that
-started the ranks sees which one ended, so no per-step agreement is needed.
+vote every step), nothing is added to a DDP step but a reseed of the streams and a copy of
+the model's buffers (BatchNorm's statistics; none in most models): the launch that started
+the ranks sees which one ended, so no per-step agreement is needed.
 
-Limits: DDP only (FSDP2's shards exist once; refused). The state travels in one
-broadcast, serialized whole on the sender (fine for models of a few GB on one host;
-larger ones would broadcast tensor by tensor). Without a launch that recovers (``ddp-hpc
-launch --recover``), a failure ends the rank as before and the launcher restarts in place.
+Limits: the state is serialized whole on the sender (fine for models of a few GB on one
+host). Without a launch that recovers (``ddp-hpc launch --recover``), a failure ends the
+rank as before and the launcher restarts in place.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import gc
 import logging
@@ -83,6 +87,7 @@ from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
+from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step, load_buffers
 from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
 from ddp_hpc.engine.recovery.fence import StepFence, wait_for_stream
 from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_from_tensor, state_to_tensor
@@ -107,7 +112,6 @@ from ddp_hpc.engine.recovery.shards import (
     gather_json,
     newest_common,
     rebind,
-    reset_after_failure,
     restored_dtensors,
     sharding_refusal,
     snapshot_root,
@@ -227,6 +231,9 @@ class InJobRecovery:
         self.seed: int | None = None
         self._repeated = 0
         self._pending: dict[str, Any] | None = None
+        #: A DDP model's buffers at the last step's end, and whether this step's optimizer step was applied.
+        self._step_start = StepStart()
+        self._keeps_buffers = False
         self._lock = threading.Lock()
         self._group_fds: set[int] = set()
         #: The slots of the group formed last (its members' heartbeats are the ones a watchdog reads).
@@ -332,12 +339,18 @@ class InJobRecovery:
             seed_for_step(self.seed, self.step)
             if self._snapshots is not None and self._restarts > 0:
                 self._resume_from_memory()
-        fenced = self._fence.attach(optimizer) if self._fence is not None else None
+        self._keeps_buffers = self.enabled and not sharded  # a sharded model's come back with its snapshot
+        hooks = [self._step_start.attach(optimizer)]
+        if self._keeps_buffers:
+            self._step_start.keep(model)
+            hooks.append(self._step_start.watch(model, lambda: self.step))
+        if self._fence is not None:
+            hooks.append(self._fence.attach(optimizer))
         try:
             return self._train_through_losses(train, model, checkpointer, wrap, sharded)
         finally:
-            if fenced is not None:
-                fenced.remove()
+            for hook in hooks:
+                hook.remove()
 
     def _train_through_losses(self, train: Callable[[nn.Module], T], model: nn.Module,
                               checkpointer: Checkpointer | None,
@@ -397,6 +410,9 @@ class InJobRecovery:
         if self.seed is None:  # step_done outside run(): the streams' base is the seed the script set
             self.seed = torch.initial_seed()
         seed_for_step(self.seed, self.step)
+        self._step_start.applied = False
+        if self._keeps_buffers and self._model is not None:
+            self._step_start.keep(self._model)
         if self._snapshots is not None and self._snapshots.due(self.step):
             self._snapshots.take(self.step)
         if self._pending is not None:
@@ -534,6 +550,9 @@ class InJobRecovery:
             self._group_fds = set()
 
     def _recover(self) -> None:
+        assert self._model is not None
+        clear_broken_step(self._model, self._optimizer, self._objects().values(), sharded=self._snapshots is not None,
+                          step_start=self._step_start if self._keeps_buffers else None)
         self._leave_group()
         self._join_next(self._plan(self.generation + 1), joining=False)
 
@@ -649,15 +668,12 @@ class InJobRecovery:
         assert self._snapshots is not None
         return [self.slot, *self._snapshots.buddies.held_by(self.slot)]
 
-    def _roll_back(self, joining: bool) -> Rollback:
+    def _roll_back(self) -> Rollback:
         """Every member goes back to the newest snapshot every shard has: its own copy, or
-        (a replacement) the lost rank's from a buddy. A survivor first clears what the broken
-        step left in FSDP2 (a survivor lost in its backward holds gathered parameters and
-        hooks of that step, and would start the redone step elsewhere than its peers)."""
+        (a replacement) the lost rank's from a buddy. A survivor cleared what the broken step
+        left first (``_recover``)."""
         snapshots, model = self._snapshots, self._model
         assert snapshots is not None and model is not None
-        if not joining:
-            reset_after_failure(model)
         rebind(model)
         self._attach_snapshots()
         rollback = self._load_newest_snapshot()
@@ -726,19 +742,23 @@ class InJobRecovery:
         self._follow_group()
         rollback = None
         if self._snapshots is not None:
-            rollback = self._roll_back(joining)
+            rollback = self._roll_back()
             step = rollback.step
         else:
             device = ProcessGroupView.current().device
-            mine = torch.tensor([-1 if joining else self.step], dtype=torch.int64, device=device)
-            steps = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(steps, mine)
-            done = [int(step) for step in steps]
+            mine = torch.tensor([-1 if joining else self.step, int(self._step_start.applied)], dtype=torch.int64,
+                                device=device)
+            reports = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(reports, mine)
             self._check_group()
-            step = min(s for s in done if s >= 0)
-            source = done.index(step)
-            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source, device,
-                                       self._check_group), shrunk=not plan.replaced)
+            step, source = transfer_source([(int(report[0]), bool(report[1])) for report in reports], self.slot)
+            sent = None
+            if dist.get_rank() == source:
+                sent = self._state()
+                if self._keeps_buffers:  # rank 0's, of the last step's end, where a replacement of rank 0 needs them
+                    sent["received_buffers"] = self._step_start.received(step + 1)
+            self._load(broadcast_state(sent, source, device, self._check_group), shrunk=not plan.replaced,
+                       joining=joining)
         assert self.seed is not None
         seed_for_step(self.seed, step)
         self.step = step
@@ -782,7 +802,7 @@ class InJobRecovery:
             state["checkpointer"] = self._checkpointer.bookkeeping()
         return state
 
-    def _load(self, state: dict[str, Any], shrunk: bool) -> None:
+    def _load(self, state: dict[str, Any], shrunk: bool, joining: bool = False) -> None:
         self._repeated = 0
         # A snapshot's shards travel as plain tensors: made DTensors again as the live objects' are.
         sharded = [path[1:] for path in state.get("dtensors", ()) if path and path[0] == "objects"]
@@ -795,11 +815,26 @@ class InJobRecovery:
                 self._repeated = max(self._repeated, obj.repeated)
         if self._checkpointer is not None:
             self._checkpointer.continue_from(state["checkpointer"])
-        if self._optimizer is not None:  # a step the loss broke may have left part of its gradients
-            self._optimizer.zero_grad(set_to_none=True)
-        for obj in self._objects().values():
-            if isinstance(obj, torch.amp.GradScaler):
-                fresh_scaler_stages(obj)
+        self._step_start.applied = False
+        if self._keeps_buffers and self._model is not None:
+            self._take_buffers(state, joining)
+            self._step_start.keep(self._model)
+
+    def _take_buffers(self, state: dict[str, Any], joining: bool) -> None:
+        """A DDP model's buffers after a transfer: a survivor at the step the group goes on
+        from keeps its own (as at that step's end); a replacement of rank 0 takes rank 0's,
+        which the survivors received in the broken step's forward (DDP broadcasts rank 0's
+        buffers at each forward: the other ranks' are overwritten by them before use)."""
+        assert self._model is not None
+        if not joining and self.step == state["step"]:
+            self._step_start.put_back(self._model)
+        elif joining and dist.get_rank() == 0:
+            received = state.get("received_buffers")
+            if received is not None:
+                load_buffers(self._model, received)
+            elif any(True for _ in self._model.buffers()):
+                log.warning("rank %d: rank 0's buffers (BatchNorm's running statistics) were lost with it before the "
+                            "broken step's forward: they go on from the sending rank's", self.slot)
 
     def _base_seed(self) -> int:
         """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
@@ -961,14 +996,20 @@ def abort_refusal(backend: str, env: Mapping[str, str]) -> str | None:
     return None
 
 
-def fresh_scaler_stages(scaler: torch.amp.GradScaler) -> None:
-    """``scaler`` as after its ``update()``: a step refused inside ``scaler.step`` (over NCCL,
-    ``GroupAborted`` from the optimizer's pre-hook) left its optimizer's stage at "unscaled"
-    and its inf check behind, and the step done again would apply gradients not unscaled.
-    ``load_state_dict`` keeps the stages; torch's own ``update()`` clears them this way."""
-    from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
-    scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+def transfer_source(reports: Sequence[tuple[int, bool]], slot: int) -> tuple[int, int]:
+    """The step every member continues from and the group rank that sends it, from each
+    member's (steps completed, optimizer step applied since) (-1: a replacement): the lowest
+    step among the members whose parameters are those of their count. One whose optimizer
+    step was applied before a collective of the same step failed (one between
+    ``optimizer.step()`` and ``step_done()``) holds parameters a step ahead of its count,
+    and the step cannot be done again from it: where no member is clean, ``RecoveryError``
+    (the launch restarts in place, from the checkpoint)."""
+    clean = [(step, rank) for rank, (step, applied) in enumerate(reports) if step >= 0 and not applied]
+    if not clean:
+        raise RecoveryError(f"rank {slot}: every survivor had applied its optimizer step when a collective of the same "
+                            "step failed (a collective between optimizer.step() and step_done(): do it before the "
+                            "optimizer step or after step_done); the launch restarts the job in place")
+    return min(clean)
 
 
 def abort_group(group: dist.ProcessGroup, slot: int) -> None:

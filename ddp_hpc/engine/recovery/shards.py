@@ -464,8 +464,10 @@ def available_memory_bytes(folder: Path) -> int:
 # ----- an FSDP2 model on a new group ----------------------------------------------------
 
 def _fsdp_states(model: torch.nn.Module) -> list[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6: no model here is sharded by this FSDP2
+        return []
     return [module._get_fsdp_state() for module in model.modules() if isinstance(module, FSDPModule)]
 
 
@@ -474,6 +476,11 @@ def _param_groups(state: Any) -> list[Any]:
     if groups is None:
         groups = [state._fsdp_param_group]
     return [group for group in groups if group is not None]
+
+
+def fsdp_param_groups(model: torch.nn.Module) -> list[Any]:
+    """Every FSDP2 parameter group of ``model`` (none where nothing in it is sharded)."""
+    return [group for state in _fsdp_states(model) for group in _param_groups(state)]
 
 
 def rebind(model: torch.nn.Module) -> None:
@@ -511,7 +518,8 @@ def reset_after_failure(model: torch.nn.Module) -> None:
     afresh. The step's gradients are lost; it is done again. torch 2.13's
     ``reset_iter_state`` is made for this after a failed step, but it waits on the step's
     pending work, which a broken group may hold until its timeout: the same flags are
-    cleared here without waiting (the group is gone; nothing of its work is used)."""
+    cleared here without waiting (the group is gone; nothing of its work is used). The
+    step's gradients are cleared by ``broken_step.clear_broken_step``, after this."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     for state in _fsdp_states(model):

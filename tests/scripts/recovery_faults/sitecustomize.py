@@ -11,6 +11,10 @@ ddp_hpc's public parts in the rank in slot ``RECOVERY_FAULT_SLOT`` only.
   formed, before it took the state (the survivors are in the transfer).
 - ``backward``: that rank dies before its backward of step ``RECOVERY_FAULT_STEP`` (its
   forward done): its peers fail inside their backward's collectives;
+- ``mid-backward``: that rank dies inside its backward of that step, once the gradient
+  reaches the output of the module ``RECOVERY_FAULT_MODULE`` (a name in the model given to
+  ``InJobRecovery.run``): what ran after that module in the forward has its gradients on
+  every rank, its peers fail in the module's backward collectives;
 - ``host``: as ``window``, in every slot of ``RECOVERY_FAULT_SLOT`` (a comma-separated list:
   the ranks of one host), and each first removes the snapshots it kept in its node's memory
   (``InJobRecovery``'s sharded snapshots), as the loss of the host would.
@@ -44,6 +48,7 @@ def _patch() -> None:
     generation = int(os.environ.get("DDP_HPC_RECOVERY_GENERATION", "0"))
     Recovery = recovery_module.InJobRecovery
     step_done, init, save_rank_part = Recovery.step_done, Recovery.__init__, checkpoint_files.save_rank_part
+    run = Recovery.run
 
     def faulty_step_done(self, *args, **kwargs):
         if generation == 0 and FAULT in ("window", "replacement") and self.step + 1 == step:
@@ -80,7 +85,20 @@ def _patch() -> None:
 
         torch.Tensor.backward = faulty_backward
 
-    Recovery.step_done, Recovery.__init__ = faulty_step_done, faulty_init
+    def faulty_run(self, train, *, model, **kwargs):
+        if generation == 0 and FAULT == "mid-backward":
+            def die_in_backward(_grad):
+                if self.step + 1 == step:
+                    _die("rank")
+
+            def on_forward(_module, _inputs, output):
+                if self.step + 1 == step and output.requires_grad:
+                    output.register_hook(die_in_backward)
+
+            model.get_submodule(os.environ["RECOVERY_FAULT_MODULE"]).register_forward_hook(on_forward)
+        return run(self, train, model=model, **kwargs)
+
+    Recovery.step_done, Recovery.__init__, Recovery.run = faulty_step_done, faulty_init, faulty_run
     checkpoint_files.save_rank_part = faulty_save_rank_part
 
 

@@ -1,0 +1,145 @@
+"""What a step broken by a lost peer leaves on a survivor, and the one reset that clears it.
+
+A survivor's collective fails somewhere inside a step: in its forward, its backward (after
+some gradients were computed), between two micro-batches of an accumulation, around its
+optimizer step. Before the step is done again, everything that step changed is cleared or
+put back, so that the redone step starts where the uninterrupted run started it:
+
+- gradients: every parameter's, and under FSDP2 also those on the unsharded parameters
+  (a backward broken before its unit's reduce-scatter leaves the gradient there: the root
+  owns parameters whose reduce-scatter runs last, so theirs is always left) and the
+  accumulated ones of a ``set_requires_gradient_sync(False)`` accumulation;
+- FSDP2's per-step state (``shards.reset_after_failure``): gathered parameters, pending
+  collectives, training states;
+- buffers changed by the broken forward (BatchNorm's running statistics): put back as they
+  were at the last step's end (``StepStart``), each survivor its own. DDP broadcasts rank
+  0's buffers at the start of each forward, so a replacement of rank 0 takes the ones the
+  survivors received in the broken step's forward (``StepStart.received``), which are rank
+  0's of the last step's end. A sharded model's come back with its snapshot instead;
+- a gradient scaler's per-step stages (``fresh_scaler_stages``);
+- an optimizer step applied but not yet counted (``StepStart.applied``): a DDP member that
+  applied it is not a source of the state (its parameters are a step ahead of its count).
+
+The RNG streams need nothing here: every rank reseeds them from the step it continues at.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class StepStart:
+    """What a DDP model's step changes before its optimizer step that no transfer puts
+    back: its buffers (kept at each step's end, put back on a survivor before the state
+    travels), the buffers its first forward of each step started from (``received``: under
+    DDP's ``broadcast_buffers``, rank 0's of the step before), and whether this step's
+    optimizer step was applied (``applied``: set by the optimizer's post-hook, cleared when
+    the step is counted)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._received: dict[str, torch.Tensor] = {}
+        #: The step (completed steps + 1) whose first forward ``received`` was taken in.
+        self._received_in = -1
+        self.applied = False
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Marks each applied step of ``optimizer`` from now on; the handle's ``remove()`` ends that."""
+        def mark(*_: Any) -> None:
+            self.applied = True
+
+        return optimizer.register_step_post_hook(mark)
+
+    def watch(self, model: nn.Module, steps_done: Callable[[], int]) -> Any:
+        """Keeps the buffers each step's first forward of ``model`` starts from (a forward
+        pre-hook of the module DDP wraps: it runs after DDP's broadcast of rank 0's
+        buffers); ``steps_done``: the steps completed. The handle's ``remove()`` ends that."""
+        def take(module: nn.Module, _args: Any) -> None:
+            step = steps_done() + 1
+            if module.training and step != self._received_in:  # an evaluation's forward broadcasts nothing
+                self._received, self._received_in = _copied(module, self._received), step
+        return model.register_forward_pre_hook(take)
+
+    def received(self, step: int) -> dict[str, torch.Tensor] | None:
+        """The buffers the first forward of step ``step`` started from, where it ran."""
+        return dict(self._received) if self._received_in == step else None
+
+    def keep(self, model: nn.Module) -> None:
+        """The model's buffers as they are now: a step's end (or the state just loaded)."""
+        self._buffers = _copied(model, self._buffers)
+
+    def put_back(self, model: nn.Module) -> None:
+        """The buffers as kept last (what a broken forward changed is undone)."""
+        load_buffers(model, self._buffers)
+
+
+def _copied(model: nn.Module, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s buffers, in the tensors of ``into`` where they fit."""
+    kept = {}
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            copy = into.get(name)
+            if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype:
+                copy = torch.empty_like(buffer)
+            kept[name] = copy.copy_(buffer)
+    return kept
+
+
+def load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """``buffers`` (by name) into ``model``'s."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers and buffers[name].shape == buffer.shape:
+                buffer.copy_(buffers[name])
+
+
+def clear_broken_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, objects: Iterable[Any],
+                      *, sharded: bool, step_start: StepStart | None = None) -> None:
+    """Everything of the broken step on this survivor cleared (see the module's docstring),
+    before any state travels; ``objects``: the other objects that travel (a gradient scaler)."""
+    if sharded:
+        from ddp_hpc.engine.recovery.shards import reset_after_failure
+
+        reset_after_failure(model)
+    elif step_start is not None:
+        step_start.put_back(model)
+    clear_gradients(model, optimizer)
+    for obj in objects:
+        if isinstance(obj, torch.amp.GradScaler):
+            fresh_scaler_stages(obj)
+
+
+def clear_gradients(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """No gradient is left anywhere: the model's parameters, the optimizer's (it may hold
+    tensors the model does not list), and FSDP2's unsharded and accumulated ones."""
+    for param in model.parameters():
+        param.grad = None
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    for fsdp_param in _fsdp_params(model):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made at its first all-gather
+        if unsharded is not None:
+            unsharded.grad = None
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    from ddp_hpc.engine.recovery.shards import fsdp_param_groups
+
+    return [fsdp_param for group in fsdp_param_groups(model) for fsdp_param in group.fsdp_params]
+
+
+def fresh_scaler_stages(scaler: torch.amp.GradScaler) -> None:
+    """``scaler`` as after its ``update()``: a step refused inside ``scaler.step`` (over NCCL,
+    ``GroupAborted`` from the optimizer's pre-hook) left its optimizer's stage at "unscaled"
+    and its inf check behind, and the step done again would apply gradients not unscaled.
+    ``load_state_dict`` keeps the stages; torch's own ``update()`` clears them this way."""
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)

@@ -1,0 +1,172 @@
+"""The one reset of a step a lost peer broke (engine/recovery/broken_step.py), in one process:
+a step is broken where a failed collective would break it, cleared, done again, and must give
+what the same step gives unbroken."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from torch import nn  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.norm(self.linear(x)))
+
+
+class RootOwns(nn.Module):
+    """Blocks each under fully_shard, a head owned by the root (the shape issue 44 found)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Broken(RuntimeError):
+    """What gloo raises when a peer's connection closes, as far as the loop can tell."""
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = RootOwns()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.to_local().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+
+
+def _loss(model, seed: int):
+    x, y = _batch(seed)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _break_backward_in(module: nn.Module):
+    """The backward fails in ``module`` (its first block, the last to run backward): the
+    root's head has computed its gradient, its reduce-scatter not yet run."""
+    def fail(*_):
+        raise Broken("Connection closed by peer")
+
+    return module.register_full_backward_pre_hook(fail)
+
+
+@pytest.mark.parametrize("broken", ["backward", "accumulation"])
+def test_a_backward_broken_with_root_owned_parameters_leaves_no_gradient_for_the_redone_step(one_rank, broken):
+    """``backward``: the step's backward breaks after the root's head computed its gradient
+    (left on FSDP2's unsharded parameter: it came out 2x a clean step's when redone).
+    ``accumulation``: the first micro-batch of two ran without gradient sync (its unsharded
+    gradients are kept for the next) and the second breaks. Either way, after
+    ``clear_broken_step`` the redone step's gradients equal a clean step's bit for bit."""
+    from ddp_hpc.engine.recovery.broken_step import clear_broken_step
+
+    clean = _sharded()
+    _loss(clean, 1).backward()
+    expected = _grads(clean)
+
+    model = _sharded()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if broken == "accumulation":
+        model.set_requires_gradient_sync(False)
+        _loss(model, 7).backward()
+        model.set_requires_gradient_sync(True)
+    handle = _break_backward_in(model.blocks[0])
+    with pytest.raises(Broken):
+        _loss(model, 1).backward()
+    handle.remove()
+    clear_broken_step(model, optimizer, [], sharded=True)
+    _loss(model, 1).backward()
+    redone = _grads(model)
+    assert redone.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert torch.equal(redone[name], grad), (name, (redone[name] / grad).flatten()[:3])
+
+
+def test_a_forward_broken_after_batch_norm_ran_puts_its_running_statistics_back():
+    """DDP's state travels from a survivor's live model: the running statistics a broken
+    forward updated would travel with it (and be updated again by the redone forward). They
+    are put back as they were at the last step's end; an applied optimizer step is marked."""
+    from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start = StepStart()
+    handle = start.attach(optimizer)
+    start.keep(model)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    model(torch.randn(5, 4)).sum().backward()  # the forward ran; a collective of the backward fails
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    clear_broken_step(model, optimizer, [], sharded=False, step_start=start)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert all(p.grad is None for p in model.parameters())
+    assert not start.applied
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    assert start.applied
+    handle.remove()
+
+
+def test_the_state_travels_from_the_lowest_step_among_members_whose_optimizer_step_was_not_applied():
+    from ddp_hpc.engine.recovery.errors import RecoveryError
+    from ddp_hpc.engine.recovery.rank import transfer_source
+
+    assert transfer_source([(5, False), (-1, False), (5, False)], 0) == (5, 0)
+    assert transfer_source([(6, False), (5, False), (-1, False)], 0) == (5, 1)  # one a step ahead goes back
+    # rank 0 applied step 6's optimizer step and then failed before counting it: not a source
+    assert transfer_source([(5, True), (5, False), (-1, False)], 0) == (5, 1)
+    assert transfer_source([(5, True), (6, False), (-1, False)], 0) == (6, 1)
+    with pytest.raises(RecoveryError, match="between optimizer.step\\(\\) and step_done"):
+        transfer_source([(5, True), (-1, False), (5, True)], 2)
+
+
+def test_the_buffers_each_step_starts_from_are_kept_from_its_first_training_forward():
+    """Under DDP's broadcast_buffers the first forward of a step starts from rank 0's
+    buffers of the step before: what a replacement of rank 0 needs. An evaluation forward
+    (not training) takes nothing."""
+    from ddp_hpc.engine.recovery.broken_step import StepStart
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    start, done = StepStart(), [0]
+    handle = start.watch(model, lambda: done[0])
+    at_start = model[1].running_mean.clone()
+    model(torch.randn(5, 4))
+    model(torch.randn(5, 4))  # the second micro-batch of the step: not its start
+    assert torch.equal(start.received(1)["1.running_mean"], at_start)
+    assert start.received(2) is None
+    done[0] = 1
+    model.eval()
+    model(torch.randn(5, 4))
+    assert start.received(2) is None
+    handle.remove()
