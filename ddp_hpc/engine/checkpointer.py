@@ -19,9 +19,12 @@ checkpoint carries too. Every rank's RNG streams are saved and restored, so a re
 continues bit-identically. Where the files go and how they are written is the *format*:
 ``SingleFileFormat`` (one ``torch.save`` file that rank 0 writes, atomically, optionally
 in the background, the newest ``keep_last`` kept; each rank's RNG in a small file of its
-own) or ``format="dcp"``: ``ShardedFormat``, a folder that every rank writes its part of,
-in parallel (torch.distributed.checkpoint; needed for FSDP2 models). Others plug in
-through ``CheckpointFormat``.
+own; a sharded (FSDP2) model and its optimizer gathered whole into it, ``engine/sharding.py``)
+or ``format="dcp"``: ``ShardedFormat``, a folder that every rank writes its part of,
+in parallel (torch.distributed.checkpoint; the one for FSDP2 models too large to gather on
+one rank). Others plug in through ``CheckpointFormat``. A sharded model whose root is not
+sharded, or whose optimizer steps other tensors than its parameters, is refused in one line
+(``RefusedOnRank``) when the Checkpointer is made.
 """
 
 from __future__ import annotations
