@@ -30,7 +30,6 @@ def launch(script: str, *flags: str, env: dict[str, str]) -> subprocess.Complete
     ("root_not_sharded", "file", "Checkpointer: the model is sharded (fully_shard) but its parameter(s) 2.weight"),
     ("optimizer_before_shard", "", "the optimizer steps 6 of its 6 tensors that are not the sharded model's"),
     ("shard_before_recovery", "", "InJobRecovery started after a process group already existed"),
-    ("ddp_wrap", "", "a sharded (FSDP2) model is its own wrapper"),
     ("ddp_around", "", "a sharded (FSDP2) model is its own wrapper"),
 ])
 def test_each_mistake_with_a_sharded_model_ends_every_rank_in_one_line_with_2_spending_no_recovery_or_restart(
@@ -151,3 +150,42 @@ def test_in_job_recovery_made_after_a_group_exists_is_refused_in_one_line_and_en
     with pytest.raises(RefusedOnRank, match="construct InJobRecovery first") as refused:
         InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1"})
     assert refused.value.code == 2 and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("mistake,fragment", [
+    ("wrap", "a sharded (FSDP2) model is its own wrapper: give run the model itself, with no DDP around it and no wrap"),
+    ("root_not_sharded", "its parameter(s) 1.weight, 1.bias belong to no fully_shard unit"),
+    ("optimizer_before_shard", "the optimizer steps 4 of its 4 tensors that are not the sharded model's parameters"),
+])
+def test_without_recovery_run_refuses_a_sharded_model_that_would_train_wrongly_before_wrapping_it(mistake, fragment):
+    """``InJobRecovery`` outside a recovering launch (one rank, its own rendezvous): ``run``
+    refuses in one line, before ``wrap`` is called or a step taken, and ends its group."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_hpc.engine.recovery import InJobRecovery
+    from ddp_hpc.environment.ports import free_port
+    from ddp_hpc.errors import RefusedOnRank
+
+    recovery = InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                              "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(free_port())})
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        optimizer = torch.optim.Adam(model.parameters()) if mistake == "optimizer_before_shard" else None
+        fully_shard(model[0])
+        if mistake != "root_not_sharded":
+            fully_shard(model)
+        optimizer = optimizer or torch.optim.Adam(model.parameters())
+        called: list[str] = []
+        with pytest.raises(RefusedOnRank) as refused:
+            recovery.run(lambda m: called.append("train"), model=model, optimizer=optimizer,
+                         wrap=(lambda m: called.append("wrap")) if mistake == "wrap" else None)
+        assert fragment in str(refused.value) and "\n" not in str(refused.value) and refused.value.code == 2
+        assert called == [] and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
