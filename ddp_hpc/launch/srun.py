@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ddp_hpc.contract import RESTART_COUNT_VAR, ExitStatus
+from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import signal_running
@@ -174,11 +174,8 @@ class SrunSteps:
         """The step's status (the launch reads a stop through the preempted marker:
         ``--kill-on-bad-exit`` ended the others, and srun's status says a kill), once its
         stderr is copied through."""
-        failed = self._step_log.finished() if self._step_log is not None else None
-        # srun says the highest status of its tasks: a rank that refused the user's mistake
-        # (2) reads as the 137 of another that --kill-on-bad-exit ended. Its own line says 2.
-        if failed is not None and failed.reason.endswith(f"Exited with exit code {ExitStatus.USAGE:d}"):
-            return ExitStatus.USAGE
+        if self._step_log is not None:
+            self._step_log.finished()
         return status
 
     @property
