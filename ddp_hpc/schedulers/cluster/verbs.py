@@ -52,7 +52,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
-    _, walltime_s = parse_walltime(args.walltime)
+    hours, minutes, seconds = (int(part) for part in parse_walltime(args.walltime)[0].split(":"))
+    walltime_s = hours * 3600 + minutes * 60 + seconds
     result = check_profile(profile, read_facts(profile.scheduler), walltime_s=walltime_s, nodes=args.nodes)
     for note in result.notes:
         sys.stdout.write(f"note: {note}\n")
