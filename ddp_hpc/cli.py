@@ -71,7 +71,7 @@ def _add_console_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from ddp_hpc.device import requested, select_device
+    from ddp_hpc.device import backend_label, requested, select_device
     from ddp_hpc.environment import resolve_env
 
     dist_env = resolve_env(host_suffix=args.host_suffix)
@@ -81,13 +81,15 @@ def _cmd_env(args: argparse.Namespace) -> int:
                            local_world_size=dist_env.local_world_size)
     report = {**dist_env.to_dict(), "host": socket.gethostname(),
               "device": str(choice.torch_device), "backend": choice.backend}
+    if backend_label(choice.backend) != choice.backend:  # torch's ROCm build: nccl is RCCL
+        report["backend_library"] = backend_label(choice.backend)
     if args.json:
         line = json.dumps(report, sort_keys=True)
     else:
         line = (f"rank {dist_env.rank}/{dist_env.world_size} local {dist_env.local_rank}/"
                 f"{dist_env.local_world_size} node {dist_env.node_rank}/{dist_env.num_nodes} "
                 f"source={dist_env.source} master={dist_env.master_addr}:{dist_env.master_port} "
-                f"device={choice.torch_device} backend={choice.backend} host={report['host']}")
+                f"device={choice.torch_device} backend={backend_label(choice.backend)} host={report['host']}")
     write_line(sys.stdout, line)
     return 0
 

@@ -123,7 +123,7 @@ def _profile(args: argparse.Namespace) -> ClusterProfile:
     from ddp_hpc.schedulers.cluster.which import profile_for
 
     profile, why = profile_for(args.scheduler)
-    logging.getLogger(__name__).info("cluster profile %s (%s): %s", profile.name, profile.path, why)
+    logging.getLogger(__name__).debug("cluster profile %s (%s): %s", profile.name, profile.path, why)
     return profile
 
 
