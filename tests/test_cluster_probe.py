@@ -292,3 +292,14 @@ def test_probe_through_slurms_pbs_wrappers(tmp_path, qsub):
     assert "scheduler: pbs" in text and "#   gpu: " in text and "#   debug: " in text
     assert "# note: server name and default queue: `qstat -B -f` did not answer (Slurm's PBS wrappers do not)" in text
     assert "# not learned: the default queue" in text
+
+
+@pytest.mark.parametrize("name, devices, queue", [("perlmutter", 4, None), ("frontier", 8, "batch"),
+                                                  ("lumi-g", 8, "standard-g"), ("leonardo", 4, "boost_usr_prod")])
+def test_shipped_site_profiles_cite_their_guide_and_say_they_never_ran(name, devices, queue):
+    text = (REPO / "ddp_hpc" / "clusters" / f"{name}.yaml").read_text()
+    assert "Rendered here, never run" in text and "https://docs." in text
+    profile = load_profile(name)
+    assert (profile.scheduler, profile.launcher, profile.devices_per_node, profile.ranks_per_node, profile.device,
+            profile.backend, profile.queue) == ("slurm", "srun", devices, devices, "cuda", "nccl", queue)
+    assert profile.match is not None
