@@ -193,6 +193,10 @@ def test_check_names_each_planted_mismatch_in_one_line():
                                   "queue: partition 'a100' does not exist (there are: debug, gpu)")
     xpu = check_profile(replace(good, device="xpu", backend="xccl"), GPU_FACTS, walltime_s=60, which=shutil.which)
     assert xpu.mismatches == ("device: xpu, but partition gpu's GPUs are a100 (NVIDIA: cuda)",)
+    slurms_wrapper = {"mpiexec": "/usr/bin/mpiexec.slurm"}.get
+    mpich = check_profile(replace(good, launcher="mpich"), GPU_FACTS, walltime_s=60, which=slurms_wrapper)
+    assert mpich.mismatches == ("launcher: mpich, but the mpiexec on PATH is not: /usr/bin/mpiexec.slurm is "
+                                "Slurm's mpiexec wrapper (mpiexec.slurm), not an MPI",)
 
 
 def _profiles(folder: Path, **matches: dict) -> None:
@@ -279,7 +283,7 @@ def _scheduler_commands_only(env: dict, tmp_path: Path) -> dict:
     """PATH with ddp-hpc and the scheduler's query commands, and no mpiexec."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name in ("scontrol", "sinfo", "sacctmgr"):
+    for name in ("scontrol", "sinfo", "sacctmgr", "qstat", "pbsnodes"):
         (bin_dir / name).symlink_to(shutil.which(name))
     return {**env, "PATH": f"{Path(ddp_hpc_command()[0]).parent}{os.pathsep}{bin_dir}"}
 
@@ -292,6 +296,11 @@ def test_probe_through_slurms_pbs_wrappers(tmp_path, qsub):
     assert "scheduler: pbs" in text and "#   gpu: " in text and "#   debug: " in text
     assert "# note: server name and default queue: `qstat -B -f` did not answer (Slurm's PBS wrappers do not)" in text
     assert "# not learned: the default queue" in text
+    checked = run([*ddp_hpc_command(), "cluster", "check", "pbs-generic"], env=_scheduler_commands_only({}, tmp_path))
+    assert checked.returncode == 2 and checked.stderr.splitlines() == [
+        "ddp-hpc: cluster check: pbs-generic: launcher: mpich needs mpiexec.mpich or mpiexec.hydra or mpiexec on PATH; "
+        "none is here"], checked.stderr
+    assert "note: queue debug: no walltime limit said (resources_max.walltime)" in checked.stdout
 
 
 @pytest.mark.parametrize("name, devices, queue", [("perlmutter", 4, None), ("frontier", 8, "batch"),

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddp_hpc.launch.mpi import PROGRAMS
+from ddp_hpc.schedulers.cluster.node import find_launcher
 from ddp_hpc.schedulers.cluster.probe import gpu_kind
-from ddp_hpc.schedulers.facts import ClusterFacts
+from ddp_hpc.schedulers.facts import ClusterFacts, Runner, run_readonly
 from ddp_hpc.specs.profiles import ClusterProfile
 
 #: The program each launcher needs on PATH (``torchrun``: ddp-hpc starts the ranks itself).
@@ -24,7 +25,7 @@ class CheckResult:
 
 
 def check_profile(profile: ClusterProfile, facts: ClusterFacts, *, walltime_s: int, nodes: int = 1,
-                  which: Callable[[str], str | None] = shutil.which) -> CheckResult:
+                  which: Callable[[str], str | None] = shutil.which, runner: Runner = run_readonly) -> CheckResult:
     bad: list[str] = []
     notes: list[str] = list(facts.notes)
     kind = "partition" if facts.scheduler == "slurm" else "queue"
@@ -47,6 +48,10 @@ def check_profile(profile: ClusterProfile, facts: ClusterFacts, *, walltime_s: i
     programs = LAUNCHER_PROGRAMS.get(profile.launcher, ())
     if programs and not any(which(p) for p in programs):
         bad.append(f"launcher: {profile.launcher} needs {' or '.join(programs)} on PATH; none is here")
+    elif profile.launcher in PROGRAMS:  # an mpiexec is here: is it this flavour's?
+        found = find_launcher("pbs", runner, which)
+        if found.launcher != profile.launcher:
+            bad.append(f"launcher: {profile.launcher}, but the mpiexec on PATH is not: {found.how}")
     return CheckResult(tuple(bad), tuple(notes))
 
 
