@@ -15,8 +15,9 @@
 # (n3, n4, two more slurmd processes), whose nodes declare 4 A100s each as GRES that no GPU
 # backs: Slurm 22.05 drops a GPU without a File, so each is a link to /dev/null
 # ($RUN_DIR/fake-gpus/gpuN, outside /dev so that nothing takes it for an NVIDIA device).
-# `up` on a cluster already running an older config restarts slurmctld and the slurmds
-# (the config's hash is kept in $RUN_DIR/config.sha256), so it is the same from any start.
+# `up` on a cluster already running an older config restarts slurmctld and the slurmds. What
+# they run is known only for a slurmctld this script started: $RUN_DIR/config.sha256 holds its
+# pid and the config's hash; any other slurmctld (an older script's) is restarted once.
 # There is no systemd here: munged, mariadbd, slurmdbd, slurmctld and slurmd are started
 # by hand. Accounting (slurmdbd + MariaDB) is on because submitit polls `sacct`.
 # Needs root: it writes /etc/slurm and /etc/hosts.
@@ -146,14 +147,15 @@ FLUSH PRIVILEGES;
 EOF
 }
 
-config_hash() { cat "$CONF_DIR/slurm.conf" "$CONF_DIR/gres.conf" | sha256sum | cut -d' ' -f1; }
+config_hash() { cat "$CONF_DIR/slurm.conf" "$CONF_DIR/gres.conf" 2>/dev/null | sha256sum | cut -d' ' -f1; }
+running_stamp() { echo "$(cat "$RUN_DIR/slurmctld.pid" 2>/dev/null) $(config_hash)"; }
 
 # A cluster started with another config (older partitions or nodes) is stopped here and
 # started again by start_slurm: `scontrol reconfigure` starts no node daemons.
 restart_if_changed() {
-  local want have=""; want=$(config_hash)
+  local have=""
   [ -s "$RUN_DIR/config.sha256" ] && have=$(cat "$RUN_DIR/config.sha256")
-  if [ "$want" != "$have" ] && scontrol ping >/dev/null 2>&1; then
+  if [ "$(running_stamp)" != "$have" ] && scontrol ping >/dev/null 2>&1; then
     log "config changed: restarting slurmctld and the slurmds"
     local ctld=""; [ -s "$RUN_DIR/slurmctld.pid" ] && ctld=$(cat "$RUN_DIR/slurmctld.pid")
     [ -n "$ctld" ] && kill "$ctld" 2>/dev/null || true
@@ -163,7 +165,6 @@ restart_if_changed() {
       sleep 0.2
     done
   fi
-  echo "$want" >"$RUN_DIR/config.sha256"
 }
 
 start_slurm() {
@@ -198,6 +199,7 @@ up() {
   start_mariadb
   restart_if_changed
   start_slurm
+  running_stamp >"$RUN_DIR/config.sha256"  # this slurmctld runs this config
   log "up: $(sinfo -h -o '%P %D nodes %t' | tr '\n' ' ')"
 }
 
