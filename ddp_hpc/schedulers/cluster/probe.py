@@ -139,12 +139,11 @@ def profile_text(found: Probe, *, when: float | None = None) -> str:
     else:
         lines.append(f"queue: {chosen.name}")
     lines += _shape_lines(chosen, found.node)
+    chosen_shape = shape(chosen)
     for other in facts.partitions:
-        if other is chosen:
-            continue
         other_shape = shape(other)
-        if other_shape is not None and (other_shape.device, other_shape.ranks_per_node) != \
-                (_or(shape(chosen)).device, _or(shape(chosen)).ranks_per_node):
+        if other is not chosen and other_shape is not None and (chosen_shape is None or (
+                other_shape.device, other_shape.ranks_per_node) != (chosen_shape.device, chosen_shape.ranks_per_node)):
             lines.append(f"# for {other.name} (--partition {other.name}, or a copy of this file with queue: "
                          f"{other.name}): ranks_per_node: {other_shape.ranks_per_node}, devices_per_node: "
                          f"{other_shape.devices_per_node}, device: {other_shape.device}, backend: {other_shape.backend}"
@@ -155,10 +154,6 @@ def profile_text(found: Probe, *, when: float | None = None) -> str:
     lines += ["setup: []", "env: {}" if not _env(found.node) else "env:"]
     lines += [f"  {k}: {v}  # the high-speed interface, not the default route's" for k, v in _env(found.node).items()]
     return "\n".join(lines) + "\n"
-
-
-def _or(value: Shape | None) -> Shape:
-    return value or Shape(0, 0, "", "", None, "")
 
 
 def _shape_lines(partition: Partition, node: NodeFacts | None) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import logging
 import os
 import sys
 from pathlib import Path
@@ -23,8 +22,6 @@ from ddp_hpc.schedulers.pbs import probe as pbs_probe
 from ddp_hpc.schedulers.slurm import probe as slurm_probe
 from ddp_hpc.specs.profiles import ClusterProfile, find_profile, load_profile, matching_profiles
 from ddp_hpc.specs.request import parse_walltime
-
-log = logging.getLogger(__name__)
 
 
 def read_facts(family: str) -> ClusterFacts:

@@ -75,9 +75,7 @@ def _smaller(a: Partition, b: Partition) -> Partition:
     def low(x: int | None, y: int | None) -> int | None:
         return min(v for v in (x, y) if v is not None) if x is not None or y is not None else None
 
-    gpus = a.gpus if a.gpus is None or (b.gpus is not None and a.gpus.count <= b.gpus.count) else b.gpus
-    if a.gpus is None or b.gpus is None:
-        gpus = None
+    gpus = None if a.gpus is None or b.gpus is None else min(a.gpus, b.gpus, key=lambda g: g.count)
     return Partition(name=a.name, nodes=(a.nodes or 0) + (b.nodes or 0), cpus=low(a.cpus, b.cpus),
                      memory_mb=low(a.memory_mb, b.memory_mb), gpus=gpus, time_limit_s=a.time_limit_s,
                      time_limit=a.time_limit, default=a.default or b.default)
