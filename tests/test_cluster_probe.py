@@ -312,3 +312,18 @@ def test_shipped_site_profiles_cite_their_guide_and_say_they_never_ran(name, dev
     assert (profile.scheduler, profile.launcher, profile.devices_per_node, profile.ranks_per_node, profile.device,
             profile.backend, profile.queue) == ("slurm", "srun", devices, devices, "cuda", "nccl", queue)
     assert profile.match is not None
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_a_probed_pbs_profile_runs_a_two_node_job_through_the_wrappers(tmp_path, qsub, mpich):
+    profile = tmp_path / "wrappers.yaml"
+    probed = run([*ddp_hpc_command(), "cluster", "probe", "--scheduler", "pbs", "--out", str(profile)])
+    assert probed.returncode == 0, probed.stderr
+    assert "launcher: mpich  # mpiexec.mpich at " in profile.read_text()
+    submitted = run([*ddp_hpc_command(), "submit", "pbs", "--cluster", str(profile), "--nodes", "2", "--walltime", "5",
+                     "--wait", "--poll", "1", "--", sys_python(), "-c",
+                     "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"],
+                    cwd=tmp_path, timeout=240)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "rank 0 of 2" in submitted.stdout and "rank 1 of 2" in submitted.stdout
