@@ -14,6 +14,7 @@ import yaml
 from ddp_hpc.config_loader import ConfigError, build
 from ddp_hpc.contract import ExitStatus, atomic_write
 from ddp_hpc.errors import UserError
+from ddp_hpc.schedulers import registry
 from ddp_hpc.schedulers.cluster.check import check_profile
 from ddp_hpc.schedulers.cluster.probe import probe, profile_text
 from ddp_hpc.schedulers.cluster.which import this_machine
@@ -63,6 +64,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_which(args: argparse.Namespace) -> int:
+    fixed = registry.default_profile(args.scheduler) if args.scheduler else None
+    if fixed:  # local: this machine, nothing to match
+        profile = load_profile(fixed)
+        sys.stdout.write(f"{profile.name} ({profile.path}): {args.scheduler} always uses it\n")
+        return 0
     machine = this_machine()
     find_profile(machine, args.scheduler)  # none: its one line
     (first, why), *others = matching_profiles(machine, args.scheduler)
