@@ -327,3 +327,13 @@ def test_a_probed_pbs_profile_runs_a_two_node_job_through_the_wrappers(tmp_path,
                     cwd=tmp_path, timeout=240)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert "rank 0 of 2" in submitted.stdout and "rank 1 of 2" in submitted.stdout
+
+
+def test_which_for_local_needs_no_match(capsys):
+    import argparse
+
+    from ddp_hpc.schedulers.cluster.verbs import cmd_which
+
+    assert cmd_which(argparse.Namespace(scheduler="local")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("local (") and out.endswith("): local always uses it\n")
