@@ -71,7 +71,7 @@ def _add_console_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from ddp_hpc.device import requested, select_device
+    from ddp_hpc.device import backend_label, requested, select_device
     from ddp_hpc.environment import resolve_env
 
     dist_env = resolve_env(host_suffix=args.host_suffix)
@@ -81,13 +81,15 @@ def _cmd_env(args: argparse.Namespace) -> int:
                            local_world_size=dist_env.local_world_size)
     report = {**dist_env.to_dict(), "host": socket.gethostname(),
               "device": str(choice.torch_device), "backend": choice.backend}
+    if backend_label(choice.backend) != choice.backend:  # torch's ROCm build: nccl is RCCL
+        report["backend_library"] = backend_label(choice.backend)
     if args.json:
         line = json.dumps(report, sort_keys=True)
     else:
         line = (f"rank {dist_env.rank}/{dist_env.world_size} local {dist_env.local_rank}/"
                 f"{dist_env.local_world_size} node {dist_env.node_rank}/{dist_env.num_nodes} "
                 f"source={dist_env.source} master={dist_env.master_addr}:{dist_env.master_port} "
-                f"device={choice.torch_device} backend={choice.backend} host={report['host']}")
+                f"device={choice.torch_device} backend={backend_label(choice.backend)} host={report['host']}")
     write_line(sys.stdout, line)
     return 0
 
@@ -256,6 +258,33 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
     fan_out.set_defaults(func=_cmd_stage_fan_out)
 
 
+def _add_cluster_parser(sub, common: argparse.ArgumentParser) -> None:
+    from ddp_hpc.schedulers.cluster import verbs
+
+    cluster = sub.add_parser("cluster", help="a cluster profile from the scheduler (probe), checked against it "
+                                             "(check), or found for this machine (which)")
+    steps = cluster.add_subparsers(dest="cluster_step", metavar="STEP", parser_class=_Parser)
+    steps.required = True
+    probe = steps.add_parser("probe", parents=[common],
+                             help="ask the scheduler (and, inside a job, the node) and write a commented profile; "
+                                  "read-only, submits nothing")
+    probe.add_argument("--scheduler", choices=("slurm", "pbs"), help="default: the one that answers")
+    probe.add_argument("--out", metavar="FILE", help="the profile to write (default: stdout), e.g. "
+                                                     "configs/clusters/NAME.yaml")
+    probe.set_defaults(func=verbs.cmd_probe)
+    check = steps.add_parser("check", parents=[common],
+                             help="the profile against the cluster: one line per mismatch, exit 2 on any")
+    check.add_argument("profile", metavar="PROFILE", help="a profile name or YAML path")
+    check.add_argument("--walltime", "--time", dest="walltime", default="01:00:00",
+                       help="the walltime to check against the partition's limit (default: 01:00:00)")
+    check.add_argument("--nodes", type=int, default=1, help="the nodes to check against the partition's (default: 1)")
+    check.set_defaults(func=verbs.cmd_check)
+    which = steps.add_parser("which", parents=[common],
+                             help="the profile render/submit use here without --cluster, and why")
+    which.add_argument("--scheduler", choices=("slurm", "pbs", "local"), help="only profiles of this family")
+    which.set_defaults(func=verbs.cmd_which)
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.entry import launch
     from ddp_hpc.launch.spec import from_arguments
@@ -366,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
             job_parser.add_argument("-n", "--lines", type=int, default=40, help="lines per file (default: 40)")
             job_parser.add_argument("--poll", type=float, default=2.0, help="seconds between checks with -f")
         job_parser.set_defaults(func=func)
+
+    _add_cluster_parser(sub, common)
 
     port = sub.add_parser("port", parents=[common],
                           help="print the rendezvous port derived from a job id ($PBS_JOBID, $SLURM_JOB_ID)")

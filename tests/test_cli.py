@@ -171,8 +171,9 @@ def test_scheduler_commands_and_a_config_that_does_not_load_never_import_torch(t
     (poison / "__init__.py").write_text("raise ImportError('torch was imported')\n")
     env = {"PYTHONPATH": str(tmp_path / "poison")}
     digits = str(REPO / "configs" / "digits.yaml")
-    for args in (["render", "slurm", digits], ["render", "pbs", digits, "--cluster", "aurora"],
-                 ["submit", "slurm", "--sbatch", "--dry-run", digits],
+    for args in (["render", "slurm", digits, "--cluster", "slurm-cpu"],
+                 ["render", "pbs", digits, "--cluster", "aurora"],
+                 ["submit", "slurm", "--cluster", "slurm-cpu", "--sbatch", "--dry-run", digits],
                  ["submit", "pbs", "--cluster", "pbs-generic", "--dry-run", "--", "python", "train.py"]):
         result = run([*ddp_hpc_command(), *args], env=env, cwd=tmp_path)
         assert result.returncode == 0 and "#!/bin/bash" in result.stdout, (args, result.stderr[-2000:])

@@ -280,7 +280,8 @@ def test_slurm_script_torchrun_per_node(tmp_path):
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
-                                               ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm")])
+                                               ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm"), ("perlmutter", "slurm"),
+                                               ("frontier", "slurm"), ("lumi-g", "slurm"), ("leonardo", "slurm")])
 def test_rendered_scripts_are_valid_bash(cluster, scheduler):
     req = request(cluster, overrides=["training.epochs=2"], setup=("echo set up",), env={"A_B": "x y"})
     torchrun = dataclasses.replace(req, torchrun_per_node=True)
