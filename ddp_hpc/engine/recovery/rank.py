@@ -51,6 +51,7 @@ rank as before and the launcher restarts in place.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import logging
@@ -272,6 +273,10 @@ class InJobRecovery:
         self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, heartbeat_s,
                                          self.wait_s)
         self._heartbeat.start()
+        # Stopped before the interpreter (or the script runner) ends the group: a beat thread
+        # inside a store call while the interpreter finalizes aborts the process (SIGABRT,
+        # seen after a one-line refusal raised by another part, which reads as a lost rank).
+        atexit.register(self._heartbeat.stop, self.wait_s)
         self._store.set(keys.ready_key(self.slot), "1")
 
     # ----- the user's loop --------------------------------------------------------------
