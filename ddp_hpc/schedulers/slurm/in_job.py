@@ -23,6 +23,7 @@ from ddp_hpc.launch.outcome import Ended, attempt_outcome, failed_rank_here
 from ddp_hpc.specs.request import CommandPayload, TrainPayload
 from ddp_hpc.launch.restart import RestartPolicy, record_exit, requeue_job
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
+from ddp_hpc.stop_handler import record_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class SubmititTrainTask:
     """What each SLURM task runs for a training config: ``train`` on this rank.
 
     submitit's own handler for its signal (SIGUSR2) would requeue at once, killing the
-    ranks wherever they are. Instead the ranks take the signal as under sbatch: they agree
+    ranks wherever they are. Instead the ranks take the signal as under sbatch (the rank's
+    one stop-signal handler, ``ddp_hpc.stop_handler``, from the task's start): they agree
     on a step, checkpoint there and stop; only then is submitit's handler called, which
     calls ``checkpoint`` and requeues. A stop for the job's deadline is handed over the
     same way. After SIGTERM (scancel, preemption; submitit ignores it) the ranks stop
@@ -47,15 +49,19 @@ class SubmititTrainTask:
         self.requeue = requeue
 
     def __call__(self) -> dict[str, Any]:
+        # First, before torch is imported: submitit's handler would requeue at once on a
+        # signal that comes during start-up; recorded, it is a stop at the first agreed step.
+        handler = record_stop_signals()
         from ddp_hpc.training.run_on_rank import TrainOptions, train
 
         os.chdir(self.workdir)
         options = TrainOptions(configure_logs=True, handle_signals=True)
         summary = train(self.payload.config_path, self.payload.overrides, options=options)
         if not summary.preempted:
-            return summary.to_dict()
+            return summary.to_dict()  # a signal from now on is recorded, not a requeue of a finished run
         if not self.requeue:  # a chain's next link continues the run
             raise SystemExit(summary.exit_status)
+        handler.give_back()  # submitit's handler again: the hand-over calls it
         hand_over_to_submitit(signal.Signals[summary.stopped_by] if summary.stopped_by else None)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
