@@ -271,6 +271,15 @@ def _cmd_record_exit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_record_stop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.contract import PREEMPTED_MARKER, mark_stopped
+
+    mark_stopped(Path(args.run_folder) / PREEMPTED_MARKER)
+    return 0
+
+
 def _exit_status(text: str) -> int:
     if not text.isdigit() or int(text) > 255:
         raise argparse.ArgumentTypeError(f"not an exit status (0-255): {text!r}")
@@ -544,6 +553,11 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("job_id")
     record.add_argument("status", type=_exit_status)
     record.set_defaults(func=_cmd_record_exit)
+    # Internal too: the rank wrapper under mpiexec says rank 0 stopped (exit 75) through the
+    # marker's one writer, which StopAgreement's rank 0 calls.
+    stopped = sub.add_parser("record-stop", parents=[common])
+    stopped.add_argument("run_folder")
+    stopped.set_defaults(func=_cmd_record_stop)
     return parser
 
 

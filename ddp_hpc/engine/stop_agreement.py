@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from ddp_hpc.engine.checkpointer import Checkpointer
-from ddp_hpc.contract import DEADLINE_VAR, PREEMPTED_MARKER, RUN_FOLDER_VAR, ExitStatus, atomic_write
+from ddp_hpc.contract import DEADLINE_VAR, PREEMPTED_MARKER, RUN_FOLDER_VAR, ExitStatus, mark_stopped
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now, time_needed
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.stop import ALWAYS_STOP, job_deadline
@@ -197,8 +197,7 @@ class StopAgreement:
         if self.checkpointer is not None:
             self.checkpointer.save_step(wait=True)  # no rank exits before the checkpoint is whole on disk
         if self.group.is_rank_zero and self.marker is not None:
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.marker, b"", durable=False)
+            mark_stopped(self.marker)
         if self.group.is_rank_zero and not quiet:
             log.warning("stopped %s at step %d%s: rerun or requeue to resume", self.reason, self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")
