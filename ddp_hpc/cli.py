@@ -120,16 +120,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.config import load_config
-    from ddp_hpc.stop import StopSignalsOutsideTraining, parse_stop_signal
+    from ddp_hpc.stop import parse_stop_signal, stop_signals
+    from ddp_hpc.stop_handler import record_stop_signals, recorded_signals
 
-    # A config that does not load is one line in a fraction of a second: checked before
-    # train_job imports torch (seconds), then loaded again by train().
+    # Read once, before train_job imports torch (seconds): a config that does not load is
+    # one line in a fraction of a second.
     config = load_config(args.config, list(args.overrides))
     # Before torch is imported: a stop signal during start-up (a scheduler may send it at
     # any moment of a short job) is kept for the trainer instead of killing the rank.
-    outside_training = StopSignalsOutsideTraining()
-    stop_signal = parse_stop_signal(config.checkpoint.stop_signal)
-    outside_training.install(StopSignalsOutsideTraining.signals(stop_signal))
+    record_stop_signals(recorded_signals(stop_signals(parse_stop_signal(config.checkpoint.stop_signal))))
     from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.training.run_on_rank import TrainOptions, train
 
@@ -137,9 +136,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     enable_flight_recorder(os.environ)
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
-                           verbose=args.verbose, report=True, outside_training=outside_training,
+                           verbose=args.verbose, report=True,
                            console=ConsoleFilter.from_environment(args.console_ranks, os.environ))
-    summary = train(args.config, args.overrides, options=options)
+    summary = train(config, options=options, config_path=args.config)
     if summary.preempted:  # not an error: the run goes on when run again
         write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, summary.stop_line())}")
     return summary.exit_status
@@ -298,6 +297,15 @@ def _cmd_record_exit(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.restart import record_exit
 
     record_exit(Path(args.run_folder), args.job_id, args.status)
+    return 0
+
+
+def _cmd_record_stop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.contract import PREEMPTED_MARKER, mark_stopped
+
+    mark_stopped(Path(args.run_folder) / PREEMPTED_MARKER)
     return 0
 
 
@@ -576,6 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("job_id")
     record.add_argument("status", type=_exit_status)
     record.set_defaults(func=_cmd_record_exit)
+    # Internal too: the rank wrapper under mpiexec says rank 0 stopped (exit 75) through the
+    # marker's one writer, which StopAgreement's rank 0 calls.
+    stopped = sub.add_parser("record-stop", parents=[common])
+    stopped.add_argument("run_folder")
+    stopped.set_defaults(func=_cmd_record_stop)
     return parser
 
 

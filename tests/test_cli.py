@@ -355,3 +355,37 @@ def test_open_mpi_over_a_hostfile_passes_the_users_device_and_backend_to_every_h
     assert "-x DDP_HPC_DEVICE -x DDP_HPC_BACKEND -x DDP_HPC_RECOVERY_STORE" in dry_run(
         "--recover", "1", DDP_HPC_DEVICE="cpu", DDP_HPC_BACKEND="gloo")
     assert "DDP_HPC_BACKEND" not in dry_run() and "DDP_HPC_DEVICE" not in dry_run()
+
+
+def test_train_reads_its_config_once_and_names_the_run_after_it(tmp_path, monkeypatch):
+    """``ddp-hpc train CONFIG``: the YAML is read once (the CLI's load, handed on to
+    ``train()`` with the path that names the run), not once more inside ``train()``."""
+    import logging
+    import signal
+
+    from ddp_hpc import cli, config
+    from ddp_hpc.stop_handler import rank_stop_handler
+
+    reads = []
+    real_read = config.read_yaml
+    monkeypatch.setattr(config, "read_yaml", lambda path: reads.append(path) or real_read(path))
+    for name in ("DDP_HPC_RUN_FOLDER", "DDP_HPC_DEADLINE", "RANK", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    logger = logging.getLogger("ddp_hpc")
+    saved = (list(logger.handlers), logger.level, logger.propagate, signal.getsignal(signal.SIGUSR2))
+    args = cli.parse(["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=128",
+                      "job.params.val_samples=32", "job.params.input_dim=8", "job.params.hidden=8",
+                      "job.params.depth=1", "training.epochs=1", "logging.progress=never", "logging.plot=false",
+                      f"logging.run_dir={tmp_path}"])
+    try:
+        assert args.func(args) == 0
+    finally:
+        rank_stop_handler().give_back()  # what the CLI's record_stop_signals took
+        signal.signal(signal.SIGUSR2, saved[3])
+        for handler in [h for h in logger.handlers if h not in saved[0]]:
+            logger.removeHandler(handler)
+            handler.close()
+        logger.setLevel(saved[1])
+        logger.propagate = saved[2]
+    assert reads == [str(REPO / "configs" / "synthetic.yaml")]
+    assert (tmp_path / "synthetic" / "summary.json").exists()

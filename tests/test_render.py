@@ -818,6 +818,30 @@ def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_sta
     assert not (tmp_path / "preempted").exists()  # rank 1's: only rank 0 says the ranks stopped
 
 
+def test_the_rank_wrapper_leaves_the_preempted_marker_through_its_one_writer(tmp_path):
+    """Rank 0's 75 under mpiexec: the wrapper calls ``ddp-hpc record-stop`` (the marker's one
+    writer, StopAgreement's), seen here through a ``ddp-hpc`` on PATH that notes its arguments
+    and runs the real one; and ``record-stop`` itself leaves the marker."""
+    from conftest import ddp_hpc_command
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    calls, folder = tmp_path / "calls", tmp_path / "run"
+    shim = tmp_path / "bin" / "ddp-hpc"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$@" >>{calls}\nexec {" ".join(ddp_hpc_command())} "$@"\n')
+    shim.chmod(0o755)
+    result = subprocess.run(recording_rank_failures(["sh", "-c", "exit 75"]), timeout=60, env={
+        "PATH": f"{shim.parent}:/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(folder), "PMI_RANK": "0"})
+    assert result.returncode == 75 and calls.read_text() == f"record-stop {folder}\n"
+    assert (folder / "preempted").exists()
+    elsewhere = tmp_path / "other"
+    assert subprocess.run([*ddp_hpc_command(), "record-stop", str(elsewhere)], timeout=60).returncode == 0
+    assert [p.name for p in elsewhere.iterdir()] == ["preempted"]
+    from ddp_hpc import cli
+
+    assert "record-stop" not in cli.build_parser().format_help()  # internal, like record-exit
+
+
 def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_interrupt(tmp_path):
     """Rank 0's 75 touches the preempted marker (Hydra may report it as 0), another rank's
     does not; the rank, a background job of the shell (SIGINT ignored, stdin /dev/null), still

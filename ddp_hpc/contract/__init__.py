@@ -70,6 +70,7 @@ from ddp_hpc.contract.run_files import (  # noqa: F401
     RANK_FAILURES_PREFIX,
     TEMPORARY_GLOB,
     exit_file_name,
+    mark_stopped,
 )
 from ddp_hpc.contract.atomic import (  # noqa: F401
     fsync_directory,
