@@ -635,20 +635,20 @@ class InJobRecovery:
     def _say_snapshot_memory(self, hosts: list[str], payloads: list[int], held: dict[str, int], buddies: Buddies,
                              files: SnapshotFiles) -> None:
         """rank 0's line on what the snapshots take of its node's memory, and the plan in the record."""
-        host = hosts[0]
-        ranks_here = hosts.count(host)
-        slots = buddies.slots_on_host(hosts, host)
+        here = hosts[0]
+        ranks_here = hosts.count(here)
+        slots = buddies.slots_on_host(hosts, here)
         in_files = KEPT_STEPS * sum(payloads[slot] for slot in slots)
         log.info("snapshots of the sharded state every %d step(s) in %s, each also held %d rank(s) away: about %.1f "
                  "MiB of node-local memory per rank (%.1f MiB of files: %d steps of the %d slots whose copies %s "
                  "keeps; %.1f MiB of host buffers)", self.snapshot_every, files.root, buddies.distance,
-                 held[host] / ranks_here / 2**20, in_files / ranks_here / 2**20, KEPT_STEPS, len(slots), host,
-                 (held[host] - in_files) / ranks_here / 2**20)
+                 held[here] / ranks_here / 2**20, in_files / ranks_here / 2**20, KEPT_STEPS, len(slots), here,
+                 (held[here] - in_files) / ranks_here / 2**20)
         if self.run_dir is not None:
             write_snapshot_plan(self.run_dir, SnapshotPlan(
                 every=self.snapshot_every, replicas=buddies.replicas, distance=buddies.distance,
                 kept_steps=KEPT_STEPS, folder=str(files.root),
-                bytes_per_rank={str(rank): held[hosts[rank]] // hosts.count(hosts[rank]) for rank in range(len(hosts))},
+                bytes_per_rank={str(rank): held[host] // hosts.count(host) for rank, host in enumerate(hosts)},
                 snapshot_bytes={str(rank): payload for rank, payload in enumerate(payloads)},
                 node_bytes=held,
                 file_bytes={one: KEPT_STEPS * sum(payloads[slot] for slot in buddies.slots_on_host(hosts, one))
