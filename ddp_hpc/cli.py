@@ -17,6 +17,7 @@ from typing import NoReturn
 from ddp_hpc.contract import (
     BACKEND_VAR,
     CONSOLE_RANKS_VAR,
+    DEBUG_VAR,
     DEVICE_VAR,
     HOST_SUFFIX_VAR,
     STAGE_ROOT_VAR,
@@ -633,7 +634,11 @@ def _run(args: argparse.Namespace) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return ExitStatus.INTERRUPTED
-    except Exception:
+    except Exception as exc:
+        status = getattr(type(exc), "one_line_status", None)
+        if isinstance(status, int) and not args.debug:  # in-job recovery given up: the fall-back, not a bug
+            write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, str(exc))}")
+            return status
         if not getattr(args, "exit_without_teardown", False):
             raise
         traceback.print_exc()  # a rank's bug: its traceback, then end the job (main)
@@ -650,6 +655,8 @@ def _with_rank(args: argparse.Namespace, message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     configure_logging(None, verbose=args.verbose)
+    if args.debug:  # what this process starts (a launch's ranks) shows its tracebacks too
+        os.environ[DEBUG_VAR] = "1"
     code = _run(args)
     if getattr(args, "exit_without_teardown", False):
         # Commands that ran a process group end here, after it was destroyed and every

@@ -389,3 +389,22 @@ def test_train_reads_its_config_once_and_names_the_run_after_it(tmp_path, monkey
         logger.propagate = saved[2]
     assert reads == [str(REPO / "configs" / "synthetic.yaml")]
     assert (tmp_path / "synthetic" / "summary.json").exists()
+
+
+def test_in_job_recovery_given_up_under_a_ddp_hpc_verb_is_one_line_and_status_1(capsys):
+    """``ddp-hpc train`` under ``launch --recover`` whose launch gave up: the rank's
+    ``RecoveryError`` is the fall-back working, said in one line with status 1 (a failure: the
+    launch restarts in place), its traceback only with ``--debug`` (issue 44)."""
+    import argparse
+
+    from ddp_hpc import cli
+    from ddp_hpc.engine.recovery.errors import RecoveryError
+
+    def given_up(args):
+        raise RecoveryError("rank 1: the launch gave up in-job recovery after losing rank 2 (exit 137 (SIGKILL))")
+
+    assert cli._run(argparse.Namespace(func=given_up, debug=False)) == 1
+    assert capsys.readouterr().err == (
+        "ddp-hpc: rank 1: the launch gave up in-job recovery after losing rank 2 (exit 137 (SIGKILL))\n")
+    with pytest.raises(RecoveryError):
+        cli._run(argparse.Namespace(func=given_up, debug=True))

@@ -24,6 +24,7 @@ from ddp_hpc.contract.variables import (  # noqa: F401
     RECOVERY_SPARE_VAR,
     RECOVERY_SHRINK_VAR,
     RUN_FOLDER_VAR,
+    DEBUG_VAR,
     SNAPSHOT_DIR_VAR,
     SNAPSHOT_EVERY_VAR,
     DEADLINE_VAR,
