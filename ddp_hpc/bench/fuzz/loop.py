@@ -53,6 +53,7 @@ class Faults:
 
     def _fire(self, index: int, fault: Fault, step: int) -> None:
         marker = self.run_dir / f"{FIRED_PREFIX}{index}-slot-{self.slot}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # nothing may have written the run folder yet
         try:
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
