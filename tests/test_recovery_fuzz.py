@@ -91,6 +91,7 @@ def test_a_fault_fires_once_per_run_folder_in_its_own_slot_and_generation_only(t
 
     sent = []
     monkeypatch.setattr(loop.os, "kill", lambda pid, sig: sent.append(sig))
+    tmp_path = tmp_path / "run"  # not written yet: a fault in the first steps comes before anything else
     case = draw_case(case_seeds(1, 1)[0])
     faults = (Fault(signal="KILL", slots=(1,), moment="window", step=3),
               Fault(signal="STOP", slots=(1,), moment="transfer", step=3, replacement=True),
