@@ -39,6 +39,9 @@ LAUNCHER_PREFIXES = ("OMPI_", "PMI", "PMIX_", "MPI_LOCAL", "SLURM_", "PALS_", "M
 LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                   "RUN_DIR"}
 
+#: The launches running now (their process groups), ended on an interrupt.
+_RUNNING: set[int] = set()
+
 IDENTICAL_IN_JOB = "identical (recovered in the job)"
 IDENTICAL_FELL_BACK = "identical (fell back to a restart in place)"
 
@@ -90,6 +93,7 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
+    _RUNNING.add(process.pid)
     try:
         output, _ = process.communicate(timeout=timeout_s)
         status: int | None = process.returncode
@@ -99,6 +103,7 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
         status = None
     seconds = time.monotonic() - started
     _end_group(process.pid)  # a rank left behind (stopped, say) goes with its launch
+    _RUNNING.discard(process.pid)
     paths = [run_dir / "final" / f"rank-{slot}.pt" for slot in range(case.shape.world_size)]
     finals = None
     if all(path.exists() for path in paths):
@@ -265,14 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     fuzz = Fuzz(args.out, args.timeout, args.keep)
     print(f"recovery_fuzz: {len(seeds)} case(s), seed {args.seed}, results in {args.out / 'results.jsonl'}",
           flush=True)
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for future in as_completed([pool.submit(fuzz.run_case, seed) for seed in seeds]):
-                print(future.result().line(), flush=True)
+        for future in as_completed([pool.submit(fuzz.run_case, seed) for seed in seeds]):
+            print(future.result().line(), flush=True)
     except KeyboardInterrupt:
-        print("recovery_fuzz: interrupted; the finished cases are in results.jsonl", file=sys.stderr)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for pid in list(_RUNNING):
+            _end_group(pid)
+        print(f"recovery_fuzz: interrupted; the {len(fuzz.results)} finished case(s) are in "
+              f"{args.out / 'results.jsonl'}", file=sys.stderr)
         return 130
     finally:
+        pool.shutdown(wait=False)
         if not args.keep:
             fuzz.close()
     print(table(fuzz.results))
