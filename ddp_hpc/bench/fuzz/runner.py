@@ -106,8 +106,9 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
     _RUNNING.discard(process.pid)
     paths = [run_dir / "final" / f"rank-{slot}.pt" for slot in range(case.shape.world_size)]
     finals = None
-    if all(path.exists() for path in paths):
-        finals = tuple(torch.load(path, weights_only=False) for path in paths)
+    # After a shrink the lost slots have no rank at the end: the others' files are the end.
+    if all(path.exists() for path in paths) or case.shrink and any(path.exists() for path in paths):
+        finals = tuple(torch.load(path, weights_only=False) for path in paths if path.exists())
     fired = tuple(sorted(p.read_text().strip() for p in run_dir.glob("fault-*-slot-*"))) if run_dir.exists() else ()
     return Launch(status=status, seconds=seconds, output=output, finals=finals, fired=fired)
 
