@@ -39,8 +39,9 @@ LAUNCHER_PREFIXES = ("OMPI_", "PMI", "PMIX_", "MPI_LOCAL", "SLURM_", "PALS_", "M
 LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                   "RUN_DIR"}
 
-#: The launches running now (their process groups), ended on an interrupt.
+#: The launches running now (their process groups), ended on an interrupt; after it none starts.
 _RUNNING: set[int] = set()
+_STOPPING = threading.Event()
 
 IDENTICAL_IN_JOB = "identical (recovered in the job)"
 IDENTICAL_FELL_BACK = "identical (fell back to a restart in place)"
@@ -90,6 +91,8 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
     env.update({"RUN_DIR": str(run_dir), "DDP_HPC_SNAPSHOT_DIR": str(snapshots), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1"})
+    if _STOPPING.is_set():
+        raise KeyboardInterrupt("the fuzz run was interrupted")
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
@@ -276,9 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         for future in as_completed([pool.submit(fuzz.run_case, seed) for seed in seeds]):
             print(future.result().line(), flush=True)
     except KeyboardInterrupt:
+        _STOPPING.set()
         pool.shutdown(wait=False, cancel_futures=True)
         for pid in list(_RUNNING):
-            _end_group(pid)
+            try:
+                _end_group(pid)
+            except KeyboardInterrupt:  # a second Ctrl-C (or the signal passed on twice) ends them all the same
+                _end_group(pid)
         print(f"recovery_fuzz: interrupted; the {len(fuzz.results)} finished case(s) are in "
               f"{args.out / 'results.jsonl'}", file=sys.stderr)
         return 130
