@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from ddp_hpc.contract import (
@@ -278,6 +278,22 @@ def _exit_status(text: str) -> int:
     return int(text)
 
 
+class _LauncherNames:
+    """``--launcher``'s choices, from the launcher registry (entry points), read only when
+    the flag is given or the help shown."""
+
+    def _names(self) -> tuple[str, ...]:
+        from ddp_hpc.launch.launchers.registry import names
+
+        return names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddp-hpc", description="PyTorch DDP from a laptop to a supercomputer.")
     parser.add_argument("--version", action="version", version=f"ddp-hpc {__version__}")
@@ -465,13 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="local", choices=("local", "openmpi", "mpich", "pals", "srun", "torchrun"),
+    launch.add_argument("--launcher", default="local", choices=_LauncherNames(),
                         help="local (default): ddp-hpc starts the ranks itself with torchrun's variables (the "
                              "old name torchrun still works); "
                              "openmpi, mpich: mpiexec starts them; pals: Cray PALS's mpiexec, with --hostfile "
                              "only (a PBS job's nodes); srun: one srun step per attempt, inside a "
                              "SLURM allocation (--nodes of its nodes, --nproc ranks each; its other nodes are "
-                             "spares a restart takes in place of a node where a rank failed)")
+                             "spares a restart takes in place of a node where a rank failed); a site's package may add "
+                             "its own (docs/run.md)")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks after a failure, at most N times; they resume from the newest "

@@ -40,7 +40,6 @@ from ddp_hpc.launch.script import recording_rank_failures
 
 log = logging.getLogger(__name__)
 
-HOSTFILE_LAUNCHERS = ("openmpi", "mpich", "pals")
 #: Each attempt's hosts, one per line, in the run folder (rewritten by every attempt).
 ATTEMPT_HOSTFILE = ".hosts"
 #: Rank 0's port when ``$MASTER_PORT`` is unset (torch's default).

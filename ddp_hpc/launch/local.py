@@ -22,8 +22,6 @@ from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
 from ddp_hpc.launch.script import recording_rank_failures, split_staged
 from ddp_hpc.run.torchrun_env import torchrun_variables
 
-LOCAL_LAUNCHERS = ("local", "openmpi", "mpich")
-
 
 def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
     """torchrun on this node only, without restarts (the benchmarks time it against the

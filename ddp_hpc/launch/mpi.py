@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -15,15 +14,6 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
     "openmpi": ("mpiexec.openmpi", "mpirun.openmpi", "mpiexec"),
     "mpich": ("mpiexec.mpich", "mpiexec.hydra", "mpiexec"),
     "pals": ("mpiexec",),
-}
-#: The signal a launch sends mpiexec so that the ranks stop (they stop on SIGUSR2 and SIGTERM
-#: alike): Hydra ends the job on SIGUSR2 and passes SIGTERM on; Open MPI's mpirun passes
-#: SIGUSR2 on. PALS: SIGUSR2, as before (Cray's aprun documents passing both on; there is no
-#: PALS on the test machine).
-STOP_PASSED_ON: dict[str, signal.Signals] = {
-    "openmpi": signal.SIGUSR2,
-    "mpich": signal.SIGTERM,
-    "pals": signal.SIGUSR2,
 }
 #: Launchers whose exit status may lose the ranks' 75 once they passed a stop on (Hydra
 #: reports it as 0 about one time in six): their ranks run under the wrapper that touches

@@ -1,0 +1,28 @@
+"""``--launcher pals``: Cray PALS's mpiexec (mpiexec.py), over the hosts of ``--hostfile`` only
+(a PBS job's nodes), with its ``--cpu-bind`` and ``--depth``. The stop: SIGUSR2, as before
+(Cray's aprun documents passing both on; there is no PALS on the test machine)."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from ddp_hpc.errors import UserError
+from ddp_hpc.launch.launchers.mpiexec import MpiexecLauncher
+
+if TYPE_CHECKING:
+    from ddp_hpc.launch.spec import LaunchSpec
+
+
+@dataclass(frozen=True)
+class PalsLauncher(MpiexecLauncher):
+    name: ClassVar[str] = "pals"
+    listed_at: ClassVar[int] = 40
+    summary: ClassVar[str] = "Cray PALS's mpiexec starts the ranks, over --hostfile only (a PBS job's nodes)"
+    passes_on: ClassVar[signal.Signals] = signal.SIGUSR2
+    binds: ClassVar[bool] = True
+
+    def check_here(self, spec: LaunchSpec) -> None:
+        raise UserError("--launcher pals starts ranks over the hosts of a --hostfile (a PBS job's nodes): give "
+                        "--hostfile FILE")
