@@ -13,7 +13,6 @@ which checks the flags only it reads and says how the launch runs.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +27,6 @@ from ddp_hpc.launch.launchers.node_supervisor import NodeSupervisor
 from ddp_hpc.launch.recovering import RecoveryLimits
 from ddp_hpc.launch.restart import record_exit
 from ddp_hpc.launch.srun import NODE_COUNT_VAR
-
-log = logging.getLogger(__name__)
-
-
-def launcher_name(given: str) -> str:
-    """``given``, or its new name with a warning where it was renamed."""
-    return registry.get(given).name
 
 
 @dataclass(frozen=True)

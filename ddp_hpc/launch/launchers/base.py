@@ -54,7 +54,7 @@ class Launcher(ABC):
     old_names: ClassVar[tuple[str, ...]] = ()
     #: One line for ``--help`` and docs/run.md's table.
     summary: ClassVar[str] = ""
-    #: Where it comes in lists (``--help``, error messages): the built-ins 10-50, others after.
+    #: Its place in lists (``--help``, error messages) among its package's (ddp_hpc's come first).
     listed_at: ClassVar[int] = 100
     #: Starts ranks over the hosts of ``--hostfile`` (mpiexec).
     over_hostfile: ClassVar[bool] = False

@@ -7,8 +7,8 @@ naming its ``Launcher`` class (pyproject.toml)::
     flux = "my_site.flux_launcher:FluxLauncher"
 
 so a site's own package adds one without editing ddp_hpc (docs/architecture.md). They are
-listed by ``Launcher.listed_at`` (the built-ins first; the metadata's order is its
-installer's); a name taken twice keeps ddp_hpc's, else the first found.
+listed ddp_hpc's first, then the others, each by ``Launcher.listed_at`` (the metadata's
+order is its installer's); a name taken twice keeps ddp_hpc's, else the first found.
 """
 
 from __future__ import annotations
@@ -57,23 +57,19 @@ def _load(name: str, target: str) -> Launcher | None:
 
 @lru_cache(maxsize=1)
 def launchers() -> dict[str, Launcher]:
-    """Every launcher by name, the built-ins first."""
-    points = sorted(entry_points(group=GROUP), key=lambda point: not _own(point))  # stable: file order kept
-    if not any(_own(point) for point in points):
+    """Every launcher by name: ddp_hpc's first, then the others, each by ``listed_at``."""
+    points = list(entry_points(group=GROUP))
+    targets = [(point.name, point.value, _own(point)) for point in points]
+    if not any(own for _, _, own in targets):
         log.debug("ddp_hpc's own launcher entry points are not installed (an install older than its "
                   "pyproject.toml; pip install -e . adds them): the built-in launchers by module")
-        targets = list(_BUILT_IN.items())
-    else:
-        targets = []
-    targets += [(point.name, point.value) for point in points]
-    found: dict[str, Launcher] = {}
-    for name, target in targets:
-        if name in found:
-            continue
-        launcher = _load(name, target)
-        if launcher is not None:
-            found[name] = launcher
-    return dict(sorted(found.items(), key=lambda item: item[1].listed_at))
+        targets = [(name, target, True) for name, target in _BUILT_IN.items()] + targets
+    found: dict[str, tuple[bool, Launcher]] = {}
+    for name, target, own in sorted(targets, key=lambda item: not item[2]):  # stable: ddp_hpc's win a name
+        if name not in found and (launcher := _load(name, target)) is not None:
+            found[name] = own, launcher
+    ordered = sorted(found.items(), key=lambda item: (not item[1][0], item[1][1].listed_at))
+    return {name: launcher for name, (_, launcher) in ordered}
 
 
 def names() -> tuple[str, ...]:
