@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 from ddp_hpc.contract import (
@@ -26,6 +26,7 @@ from ddp_hpc.contract import (
     ExitStatus,
 )
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.launchers.registry import CHOICES as LAUNCHER_CHOICES
 from ddp_hpc.logs import ConsoleFilter, configure_logging
 from ddp_hpc.stop import stop_signal_arg
 from ddp_hpc.version import __version__
@@ -278,22 +279,6 @@ def _exit_status(text: str) -> int:
     return int(text)
 
 
-class _LauncherNames:
-    """``--launcher``'s choices, from the launcher registry (entry points), read only when
-    the flag is given or the help shown."""
-
-    def _names(self) -> tuple[str, ...]:
-        from ddp_hpc.launch.launchers.registry import names
-
-        return names()
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddp-hpc", description="PyTorch DDP from a laptop to a supercomputer.")
     parser.add_argument("--version", action="version", version=f"ddp-hpc {__version__}")
@@ -481,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="local", choices=_LauncherNames(),
+    launch.add_argument("--launcher", default="local", choices=LAUNCHER_CHOICES,
                         help="local (default): ddp-hpc starts the ranks itself with torchrun's variables (the "
                              "old name torchrun still works); "
                              "openmpi, mpich: mpiexec starts them; pals: Cray PALS's mpiexec, with --hostfile "

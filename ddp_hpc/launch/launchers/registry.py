@@ -14,6 +14,7 @@ order is its installer's); a name taken twice keeps ddp_hpc's, else the first fo
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from functools import lru_cache
 from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
@@ -93,3 +94,16 @@ def get(given: str) -> Launcher:
                         given, launcher.name)
             return launcher
     raise UserError(f"unknown launcher {given!r}: choose one of {', '.join(known)}")
+
+
+class _Names:
+    """``--launcher``'s choices (``names``), read only when the flag is given or the help shown."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(names())
+
+
+CHOICES = _Names()
