@@ -26,7 +26,7 @@ from ddp_hpc.contract import (
     ExitStatus,
 )
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.launchers.registry import CHOICES as LAUNCHER_CHOICES
+from ddp_hpc.launch.registry import CHOICES as LAUNCHER_CHOICES
 from ddp_hpc.logs import ConsoleFilter, configure_logging
 from ddp_hpc.stop import stop_signal_arg
 from ddp_hpc.version import __version__

@@ -15,7 +15,7 @@ import pytest
 from conftest import ddp_hpc_command, run
 from ddp_hpc.environment.launchers import site_launchers
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.launchers import registry
+from ddp_hpc.launch import registry
 
 SITE = Path(__file__).parent / "data" / "site_launcher"
 BUILT_IN = ("local", "openmpi", "mpich", "pals", "srun")

@@ -53,7 +53,7 @@ def launch(spec: LaunchSpec, install_handler: InstallHandler) -> int:
 @contextlib.contextmanager
 def _scratch_folder(spec: LaunchSpec) -> Iterator[Path | None]:
     """The launch's run folder; under mpiexec here without one, a folder of its own, where
-    the ranks say they stopped: the launcher's status may lose their 75 (``mpi.STOP_STATUS_LOST``)."""
+    the ranks say they stopped: the launcher's status may lose their 75 (``Launcher.needs_scratch_folder``)."""
     if spec.folder is None and spec.chosen.needs_scratch_folder(spec):
         with tempfile.TemporaryDirectory(prefix="ddp-hpc-launch-") as scratch:
             yield Path(scratch)

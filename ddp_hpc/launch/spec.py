@@ -21,7 +21,7 @@ from ddp_hpc.contract import BACKEND_VAR, RECOVERY_STORE_VAR, RUN_FOLDER_VAR, Ex
 from ddp_hpc.device import requested
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.hosts import read_hostfile
-from ddp_hpc.launch.launchers import registry
+from ddp_hpc.launch import registry
 from ddp_hpc.launch.launchers.base import Launcher
 from ddp_hpc.launch.launchers.node_supervisor import NodeSupervisor
 from ddp_hpc.launch.recovering import RecoveryLimits

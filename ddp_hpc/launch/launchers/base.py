@@ -9,7 +9,7 @@ host is its ``Attempts``' (``outcome.NamesFailedHost``); the variables its tasks
 there too. ``LaunchSpec`` (launch/spec.py) holds the object; ``entry.launch`` asks it.
 
 One module per launcher in this package, each registered through the ``ddp_hpc.launchers``
-entry points (registry.py), so a site's package adds its own the same way.
+entry points (launch/registry.py), so a site's package adds its own the same way.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Launcher(ABC):
         if spec.hostfile is not None:
             check_hostfile_flags(spec)
             if not self.over_hostfile:
-                from ddp_hpc.launch.launchers.registry import hostfile_launchers
+                from ddp_hpc.launch.registry import hostfile_launchers
 
                 raise UserError(f"--hostfile starts ranks on other hosts through mpiexec: give --launcher "
                                 f"{' or '.join(hostfile_launchers())} (not {self.name})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -17,7 +18,7 @@ from ddp_hpc.launch.attempts import Attempts, MarkedAttempts
 from ddp_hpc.launch.hosts import HostfileAttempts, HostLaunch, record_this_launch, recovery_store_host
 from ddp_hpc.launch.launchers.base import Launcher, Plan
 from ddp_hpc.launch.local import mpiexec_here, rank_command
-from ddp_hpc.launch.mpi import STOP_STATUS_LOST
+from ddp_hpc.launch.mpi import MpiLaunch
 from ddp_hpc.launch.node import NodeSupervisors, node_supervisor_command
 from ddp_hpc.launch.restart import Decision, LaunchEnd
 from ddp_hpc.contract import ExitStatus
@@ -34,6 +35,14 @@ class MpiexecLauncher(Launcher):
     passes_on: ClassVar[signal.Signals] = signal.SIGUSR2
     #: Takes ``--cpu-bind`` and ``--depth`` (Cray PALS).
     binds: ClassVar[bool] = False
+    #: ``mpi.MpiFlavour``: its program names, how to install it, whether its status may lose a stop.
+    programs: ClassVar[tuple[str, ...]] = ("mpiexec",)
+    install_hint: ClassVar[str] = "install an MPI"
+    loses_stop_status: ClassVar[bool] = False
+
+    @abstractmethod
+    def mpiexec_args(self, launch: MpiLaunch, program: str) -> list[str]:
+        """Its mpiexec line up to the command (``mpi.build_mpiexec``)."""
 
     def stop_passed_on(self, spec: LaunchSpec) -> int | None:
         return self.passes_on
@@ -67,7 +76,7 @@ class MpiexecLauncher(Launcher):
                             f"(not {self.name}), or leave them out")
 
     def needs_scratch_folder(self, spec: LaunchSpec) -> bool:
-        return spec.hostfile is None and self.name in STOP_STATUS_LOST
+        return spec.hostfile is None and self.loses_stop_status
 
     def plan(self, spec: LaunchSpec, folder: Path | None) -> Plan:
         if spec.hostfile is not None:

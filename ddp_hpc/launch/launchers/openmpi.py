@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ddp_hpc.launch.launchers.mpiexec import MpiexecLauncher
+from ddp_hpc.launch.mpi import MpiLaunch
 
 
 @dataclass(frozen=True)
@@ -15,3 +16,22 @@ class OpenMpiLauncher(MpiexecLauncher):
     listed_at: ClassVar[int] = 20
     summary: ClassVar[str] = "Open MPI's mpiexec starts the ranks (on this machine, or over --hostfile)"
     passes_on: ClassVar[signal.Signals] = signal.SIGUSR2
+    programs: ClassVar[tuple[str, ...]] = ("mpiexec.openmpi", "mpirun.openmpi", "mpiexec")
+    install_hint: ClassVar[str] = "apt-get install openmpi-bin"
+
+    def mpiexec_args(self, launch: MpiLaunch, program: str) -> list[str]:
+        """Ranks placed ``ppr:N:node``, unbound; each variable exported or forwarded by name
+        (``-x``: Open MPI passes no other variable to another host)."""
+        args = [program, "-n", str(launch.world_size), "--map-by", f"ppr:{launch.ranks_per_node}:node",
+                "--bind-to", "none"]
+        if launch.hostfile:
+            args += ["--hostfile", launch.hostfile]
+        if launch.oversubscribe:
+            args.append("--oversubscribe")
+        if launch.allow_root:
+            args.append("--allow-run-as-root")
+        for name, value in launch.export.items():
+            args += ["-x", f"{name}={value}"]
+        for name in launch.forward:
+            args += ["-x", name]
+        return args
