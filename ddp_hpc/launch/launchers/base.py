@@ -52,8 +52,6 @@ class Launcher(ABC):
     name: ClassVar[str] = ""
     #: Names it was called before, still accepted with a warning naming ``name``.
     old_names: ClassVar[tuple[str, ...]] = ()
-    #: One line for ``--help`` and docs/run.md's table.
-    summary: ClassVar[str] = ""
     #: Its place in lists (``--help``, error messages) among its package's (ddp_hpc's come first).
     listed_at: ClassVar[int] = 100
     #: Starts ranks over the hosts of ``--hostfile`` (mpiexec).

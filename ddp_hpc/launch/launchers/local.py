@@ -24,8 +24,6 @@ class LocalLauncher(Launcher):
     name: ClassVar[str] = "local"
     old_names: ClassVar[tuple[str, ...]] = ("torchrun",)
     listed_at: ClassVar[int] = 10
-    summary: ClassVar[str] = ("ddp-hpc starts the ranks on this machine itself, with torchrun's variables "
-                              "(the old name torchrun still works)")
 
     def ranks(self, spec: LaunchSpec) -> LocalRanks:
         """Each attempt's ranks (a launcher that runs them locally with variables of its own

@@ -16,7 +16,6 @@ from ddp_hpc.launch.mpi import MpiLaunch
 class MpichLauncher(MpiexecLauncher):
     name: ClassVar[str] = "mpich"
     listed_at: ClassVar[int] = 30
-    summary: ClassVar[str] = "MPICH's (Hydra's) mpiexec starts the ranks (on this machine, or over --hostfile)"
     passes_on: ClassVar[signal.Signals] = signal.SIGTERM
     programs: ClassVar[tuple[str, ...]] = ("mpiexec.mpich", "mpiexec.hydra", "mpiexec")
     install_hint: ClassVar[str] = "apt-get install mpich"

@@ -14,7 +14,6 @@ from ddp_hpc.launch.mpi import MpiLaunch
 class OpenMpiLauncher(MpiexecLauncher):
     name: ClassVar[str] = "openmpi"
     listed_at: ClassVar[int] = 20
-    summary: ClassVar[str] = "Open MPI's mpiexec starts the ranks (on this machine, or over --hostfile)"
     passes_on: ClassVar[signal.Signals] = signal.SIGUSR2
     programs: ClassVar[tuple[str, ...]] = ("mpiexec.openmpi", "mpirun.openmpi", "mpiexec")
     install_hint: ClassVar[str] = "apt-get install openmpi-bin"

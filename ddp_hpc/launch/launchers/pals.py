@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 class PalsLauncher(MpiexecLauncher):
     name: ClassVar[str] = "pals"
     listed_at: ClassVar[int] = 40
-    summary: ClassVar[str] = "Cray PALS's mpiexec starts the ranks, over --hostfile only (a PBS job's nodes)"
     passes_on: ClassVar[signal.Signals] = signal.SIGUSR2
     binds: ClassVar[bool] = True
     programs: ClassVar[tuple[str, ...]] = ("mpiexec",)

@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 class SrunLauncher(Launcher):
     name: ClassVar[str] = "srun"
     listed_at: ClassVar[int] = 50
-    summary: ClassVar[str] = ("one srun step per attempt, inside a SLURM allocation (--nodes of its nodes, --nproc "
-                              "ranks each; its other nodes are spares a restart takes in place of a node where a "
-                              "rank failed)")
 
     def check_here(self, spec: LaunchSpec) -> None:
         if spec.folder is None:

@@ -35,7 +35,6 @@ class FluxRanks(LocalRanks):
 class FluxLauncher(LocalLauncher):
     name: ClassVar[str] = "flux"
     old_names: ClassVar[tuple[str, ...]] = ()
-    summary: ClassVar[str] = "a fake Flux: the ranks on this machine with Flux's task variables"
 
     def ranks(self, spec) -> LocalRanks:
         return FluxRanks(spec.nproc, rank_command(spec.command))
