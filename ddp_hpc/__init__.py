@@ -35,7 +35,7 @@ _EXPORTS = {
     "Checkpointer": "ddp_hpc.engine.checkpointer",
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
-    "record_stop_signals": "ddp_hpc.stop",
+    "record_stop_signals": "ddp_hpc.stop_handler",
     "watchdog": "ddp_hpc.engine.watchdog",
     "InJobRecovery": "ddp_hpc.engine.recovery",
     "seed_everything": "ddp_hpc.engine.rng",
@@ -131,7 +131,7 @@ if TYPE_CHECKING:
     from ddp_hpc.environment.base import DistEnv
     from ddp_hpc.errors import UserError
     from ddp_hpc.specs.request import SubmitRequest
-    from ddp_hpc.stop import record_stop_signals
+    from ddp_hpc.stop_handler import record_stop_signals
     from ddp_hpc.schedulers.runner import submit, wait
     from ddp_hpc.summary import RunSummary
     from ddp_hpc.training.run_on_rank import TrainOptions, train

@@ -17,6 +17,7 @@ from typing import NoReturn
 from ddp_hpc.contract import (
     BACKEND_VAR,
     CONSOLE_RANKS_VAR,
+    DEBUG_VAR,
     DEVICE_VAR,
     HOST_SUFFIX_VAR,
     STAGE_ROOT_VAR,
@@ -72,7 +73,7 @@ def _add_console_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from ddp_hpc.device import requested, select_device
+    from ddp_hpc.device import backend_label, requested, select_device
     from ddp_hpc.environment import resolve_env
 
     dist_env = resolve_env(host_suffix=args.host_suffix)
@@ -82,13 +83,15 @@ def _cmd_env(args: argparse.Namespace) -> int:
                            local_world_size=dist_env.local_world_size)
     report = {**dist_env.to_dict(), "host": socket.gethostname(),
               "device": str(choice.torch_device), "backend": choice.backend}
+    if backend_label(choice.backend) != choice.backend:  # torch's ROCm build: nccl is RCCL
+        report["backend_library"] = backend_label(choice.backend)
     if args.json:
         line = json.dumps(report, sort_keys=True)
     else:
         line = (f"rank {dist_env.rank}/{dist_env.world_size} local {dist_env.local_rank}/"
                 f"{dist_env.local_world_size} node {dist_env.node_rank}/{dist_env.num_nodes} "
                 f"source={dist_env.source} master={dist_env.master_addr}:{dist_env.master_port} "
-                f"device={choice.torch_device} backend={choice.backend} host={report['host']}")
+                f"device={choice.torch_device} backend={backend_label(choice.backend)} host={report['host']}")
     write_line(sys.stdout, line)
     return 0
 
@@ -119,16 +122,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ddp_hpc.config import load_config
-    from ddp_hpc.stop import StopSignalsOutsideTraining, parse_stop_signal
+    from ddp_hpc.stop import parse_stop_signal, stop_signals
+    from ddp_hpc.stop_handler import record_stop_signals, recorded_signals
 
-    # A config that does not load is one line in a fraction of a second: checked before
-    # train_job imports torch (seconds), then loaded again by train().
+    # Read once, before train_job imports torch (seconds): a config that does not load is
+    # one line in a fraction of a second.
     config = load_config(args.config, list(args.overrides))
     # Before torch is imported: a stop signal during start-up (a scheduler may send it at
     # any moment of a short job) is kept for the trainer instead of killing the rank.
-    outside_training = StopSignalsOutsideTraining()
-    stop_signal = parse_stop_signal(config.checkpoint.stop_signal)
-    outside_training.install(StopSignalsOutsideTraining.signals(stop_signal))
+    record_stop_signals(recorded_signals(stop_signals(parse_stop_signal(config.checkpoint.stop_signal))))
     from ddp_hpc.engine.collectives import enable_flight_recorder
     from ddp_hpc.training.run_on_rank import TrainOptions, train
 
@@ -136,9 +138,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     enable_flight_recorder(os.environ)
 
     options = TrainOptions(device=args.device, backend=args.backend, handle_signals=True, configure_logs=True,
-                           verbose=args.verbose, report=True, outside_training=outside_training,
+                           verbose=args.verbose, report=True,
                            console=ConsoleFilter.from_environment(args.console_ranks, os.environ))
-    summary = train(args.config, args.overrides, options=options)
+    summary = train(config, options=options, config_path=args.config)
     if summary.preempted:  # not an error: the run goes on when run again
         write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, summary.stop_line())}")
     return summary.exit_status
@@ -257,6 +259,33 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
     fan_out.set_defaults(func=_cmd_stage_fan_out)
 
 
+def _add_cluster_parser(sub, common: argparse.ArgumentParser) -> None:
+    from ddp_hpc.schedulers.cluster import verbs
+
+    cluster = sub.add_parser("cluster", help="a cluster profile from the scheduler (probe), checked against it "
+                                             "(check), or found for this machine (which)")
+    steps = cluster.add_subparsers(dest="cluster_step", metavar="STEP", parser_class=_Parser)
+    steps.required = True
+    probe = steps.add_parser("probe", parents=[common],
+                             help="ask the scheduler (and, inside a job, the node) and write a commented profile; "
+                                  "read-only, submits nothing")
+    probe.add_argument("--scheduler", choices=("slurm", "pbs"), help="default: the one that answers")
+    probe.add_argument("--out", metavar="FILE", help="the profile to write (default: stdout), e.g. "
+                                                     "configs/clusters/NAME.yaml")
+    probe.set_defaults(func=verbs.cmd_probe)
+    check = steps.add_parser("check", parents=[common],
+                             help="the profile against the cluster: one line per mismatch, exit 2 on any")
+    check.add_argument("profile", metavar="PROFILE", help="a profile name or YAML path")
+    check.add_argument("--walltime", "--time", dest="walltime", default="01:00:00",
+                       help="the walltime to check against the partition's limit (default: 01:00:00)")
+    check.add_argument("--nodes", type=int, default=1, help="the nodes to check against the partition's (default: 1)")
+    check.set_defaults(func=verbs.cmd_check)
+    which = steps.add_parser("which", parents=[common],
+                             help="the profile render/submit use here without --cluster, and why")
+    which.add_argument("--scheduler", choices=("slurm", "pbs", "local"), help="only profiles of this family")
+    which.set_defaults(func=verbs.cmd_which)
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.entry import launch
     from ddp_hpc.launch.spec import from_arguments
@@ -270,6 +299,15 @@ def _cmd_record_exit(args: argparse.Namespace) -> int:
     from ddp_hpc.launch.restart import record_exit
 
     record_exit(Path(args.run_folder), args.job_id, args.status)
+    return 0
+
+
+def _cmd_record_stop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddp_hpc.contract import PREEMPTED_MARKER, mark_stopped
+
+    mark_stopped(Path(args.run_folder) / PREEMPTED_MARKER)
     return 0
 
 
@@ -367,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
             job_parser.add_argument("-n", "--lines", type=int, default=40, help="lines per file (default: 40)")
             job_parser.add_argument("--poll", type=float, default=2.0, help="seconds between checks with -f")
         job_parser.set_defaults(func=func)
+
+    _add_cluster_parser(sub, common)
 
     port = sub.add_parser("port", parents=[common],
                           help="print the rendezvous port derived from a job id ($PBS_JOBID, $SLURM_JOB_ID)")
@@ -547,6 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("job_id")
     record.add_argument("status", type=_exit_status)
     record.set_defaults(func=_cmd_record_exit)
+    # Internal too: the rank wrapper under mpiexec says rank 0 stopped (exit 75) through the
+    # marker's one writer, which StopAgreement's rank 0 calls.
+    stopped = sub.add_parser("record-stop", parents=[common])
+    stopped.add_argument("run_folder")
+    stopped.set_defaults(func=_cmd_record_stop)
     return parser
 
 
@@ -591,7 +636,11 @@ def _run(args: argparse.Namespace) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return ExitStatus.INTERRUPTED
-    except Exception:
+    except Exception as exc:
+        status = getattr(type(exc), "one_line_status", None)
+        if isinstance(status, int) and not args.debug:  # in-job recovery given up: the fall-back, not a bug
+            write_line(sys.stderr, f"ddp-hpc: {_with_rank(args, str(exc))}")
+            return status
         if not getattr(args, "exit_without_teardown", False):
             raise
         traceback.print_exc()  # a rank's bug: its traceback, then end the job (main)
@@ -608,6 +657,8 @@ def _with_rank(args: argparse.Namespace, message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     configure_logging(None, verbose=args.verbose)
+    if args.debug:  # what this process starts (a launch's ranks) shows its tracebacks too
+        os.environ[DEBUG_VAR] = "1"
     code = _run(args)
     if getattr(args, "exit_without_teardown", False):
         # Commands that ran a process group end here, after it was destroyed and every

@@ -145,12 +145,26 @@ class TorchHost:
     def describe_build(self) -> str:
         import torch
 
-        cuda = torch.version.cuda or "no CUDA"
+        hip = rocm_version(torch)
+        cuda = torch.version.cuda or (f"ROCm {hip}: cuda is HIP, nccl is RCCL" if hip else "no CUDA")
         failures = "".join(f"; {failure}" for failure in self.import_failures.values())
         return f"torch {torch.__version__} ({cuda}{failures})"
 
     def torch_version(self) -> str:
         return installed()
+
+
+def rocm_version(torch_module: object) -> str | None:
+    """The ROCm (HIP) version of a ROCm build of torch (``torch.version.hip``), else None. On
+    such a build the ``cuda`` device is an AMD GPU through HIP and ``nccl`` is RCCL."""
+    return getattr(getattr(torch_module, "version", None), "hip", None) or None
+
+
+def backend_label(backend: str) -> str:
+    """The backend as ``env`` and ``doctor`` print it: ``nccl (RCCL, ROCm 6.2)`` on torch's
+    ROCm build, which names RCCL ``nccl``. Asks only a torch already imported."""
+    hip = rocm_version(sys.modules.get("torch")) if backend == "nccl" else None
+    return f"nccl (RCCL, ROCm {hip})" if hip else backend
 
 
 def import_failure(module: str) -> str | None:
@@ -184,6 +198,9 @@ def _failure_line(module: str, printed: str, exc: BaseException) -> str:
 #: /proc/driver/nvidia/gpus), Jetson's nvhost/nvgpu, a DRM render node (Intel, AMD; in /dev
 #: and /sys), ROCm's kfd, WSL2's dxg. Without any of them torch sees no GPU.
 NVIDIA_TRACES = ("dev/nvidia[0-9]*", "proc/driver/nvidia/gpus/*", "dev/nvhost-ctrl-gpu", "dev/nvgpu", "dev/dxg")
+#: What a GPU torch's ``cuda`` device can run on leaves: NVIDIA's, or AMD's kfd (ROCm's kernel
+#: driver), where torch's ROCm build drives it through HIP and its ``nccl`` backend is RCCL.
+CUDA_TRACES = (*NVIDIA_TRACES, "dev/kfd")
 GPU_TRACES = (*NVIDIA_TRACES, "dev/dri/renderD*", "sys/class/drm/renderD*", "dev/kfd", "sys/class/kfd")
 
 

@@ -5,6 +5,8 @@ Torch-free, so the launch side (rendered scripts) and the ranks share it:
   and how many seconds ahead (SLURM's ``--signal=[B:]SIG@SECONDS``).
 - ``job_deadline(environ)``: the job's end time from the variables a rendered script
   exports, so that the ranks can stop ahead of it with no signal at all (PBS sends none).
+
+The rank's handler of these signals is ``stop_handler.py``'s, the only one.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import argparse
 import math
 import signal
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ddp_hpc.contract import DEADLINE_VAR, START_TIME_VAR, WALLTIME_VAR
 from ddp_hpc.environment.base import JOB_END_TIME_VARIABLES
@@ -133,42 +135,9 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
     return None
 
 
-@dataclass
-class StopSignalsOutsideTraining:
-    """Stop signals that arrive while no trainer can act on them: during start-up (imports,
-    the rendezvous, loading a checkpoint) and after training has ended (teardown).
+def __getattr__(name: str) -> object:
+    if name == "record_stop_signals":  # its old home; the handler is ddp_hpc.stop_handler's
+        from ddp_hpc.stop_handler import record_stop_signals
 
-    A scheduler may send its stop signal at any moment of a short job, and a signal's default
-    action kills the rank: a job signalled during start-up would die instead of stopping at
-    its first agreement step, and one signalled during teardown would report a failure after
-    it finished. ``record`` is the handler a process owner (the CLI) installs for these
-    signals before anything else; ``train`` asks the trainer to stop at once for a signal
-    recorded before it started, and puts the handler back when it ends.
-    """
-
-    received: list[int] = field(default_factory=list)
-
-    def record(self, signum: int, frame: object) -> None:
-        self.received.append(signum)
-
-    @staticmethod
-    def signals(stop_signal: StopSignal) -> tuple[signal.Signals, ...]:
-        """The stop signals but SIGTERM: a launcher that ends its ranks (torchrun after another
-        rank failed, srun at the time limit) sends it and expects them gone, whatever they are
-        doing."""
-        return tuple(s for s in stop_signals(stop_signal) if s != signal.SIGTERM)
-
-    def install(self, signals: Iterable[int]) -> None:
-        for signum in signals:
-            signal.signal(signum, self.record)
-
-
-def record_stop_signals(signals: Iterable[int] = (signal.SIGUSR2,)) -> StopSignalsOutsideTraining:
-    """For a loop of one's own: call it first thing in the script (``import ddp_hpc`` is
-    cheap), before the heavy imports, the rendezvous and the model build. A stop signal
-    arriving before ``StopAgreement.handle_signals`` is then recorded instead of killing the
-    rank, and ``handle_signals`` turns it into a stop at the first agreed step. SIGTERM is
-    left out by default for the reason ``StopSignalsOutsideTraining.signals`` gives."""
-    recorder = StopSignalsOutsideTraining()
-    recorder.install(signals)
-    return recorder
+        return record_stop_signals
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

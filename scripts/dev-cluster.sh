@@ -11,13 +11,20 @@
 #
 # Nodes n1 and n2 are two slurmd processes on this host (Debian's slurmd is built with
 # multiple-slurmd support), so `srun -N2` really starts tasks through two node daemons.
+# Two partitions, for `ddp-hpc cluster probe`: debug (the default: n1, n2, CPU only) and gpu
+# (n3, n4, two more slurmd processes), whose nodes declare 4 A100s each as GRES that no GPU
+# backs: Slurm 22.05 drops a GPU without a File, so each is a link to /dev/null
+# ($RUN_DIR/fake-gpus/gpuN, outside /dev so that nothing takes it for an NVIDIA device).
+# `up` on a cluster already running an older config restarts slurmctld and the slurmds. What
+# they run is known only for a slurmctld this script started: $RUN_DIR/config.sha256 holds its
+# pid and the config's hash; any other slurmctld (an older script's) is restarted once.
 # There is no systemd here: munged, mariadbd, slurmdbd, slurmctld and slurmd are started
 # by hand. Accounting (slurmdbd + MariaDB) is on because submitit polls `sacct`.
 # Needs root: it writes /etc/slurm and /etc/hosts.
 set -euo pipefail
 
 CLUSTER=ddphpc
-NODES=(n1 n2)
+NODES=(n1 n2 n3 n4)
 CPUS_PER_NODE=${DDP_HPC_DEV_CPUS_PER_NODE:-4}
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server slurm-wlm-torque)
 CONF_DIR=/etc/slurm
@@ -56,6 +63,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+GresTypes=gpu
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -79,7 +87,17 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobCompType=jobcomp/none
 NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=17001-17002 CPUs=$CPUS_PER_NODE State=UNKNOWN
+NodeName=n[3-4] NodeHostname=$host NodeAddr=127.0.0.1 Port=17003-17004 CPUs=$CPUS_PER_NODE Gres=gpu:a100:4 State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=gpu Nodes=n[3-4] MaxTime=02:00:00 State=UP OverSubscribe=NO
+EOF
+
+  mkdir -p "$RUN_DIR/fake-gpus"
+  for i in 0 1 2 3; do ln -sfn /dev/null "$RUN_DIR/fake-gpus/gpu$i"; done
+  cat >"$CONF_DIR/gres.conf" <<EOF
+# Written by ddp_hpc scripts/dev-cluster.sh: GPUs declared, /dev/null behind them.
+AutoDetect=off
+NodeName=n[3-4] Name=gpu Type=a100 File=$RUN_DIR/fake-gpus/gpu[0-3]
 EOF
 
   cat >"$CONF_DIR/slurmdbd.conf" <<EOF
@@ -129,6 +147,26 @@ FLUSH PRIVILEGES;
 EOF
 }
 
+config_hash() { cat "$CONF_DIR/slurm.conf" "$CONF_DIR/gres.conf" 2>/dev/null | sha256sum | cut -d' ' -f1; }
+running_stamp() { echo "$(cat "$RUN_DIR/slurmctld.pid" 2>/dev/null) $(config_hash)"; }
+
+# A cluster started with another config (older partitions or nodes) is stopped here and
+# started again by start_slurm: `scontrol reconfigure` starts no node daemons.
+restart_if_changed() {
+  local have=""
+  [ -s "$RUN_DIR/config.sha256" ] && have=$(cat "$RUN_DIR/config.sha256")
+  if [ "$(running_stamp)" != "$have" ] && scontrol ping >/dev/null 2>&1; then
+    log "config changed: restarting slurmctld and the slurmds"
+    local ctld=""; [ -s "$RUN_DIR/slurmctld.pid" ] && ctld=$(cat "$RUN_DIR/slurmctld.pid")
+    [ -n "$ctld" ] && kill "$ctld" 2>/dev/null || true
+    for n in "${NODES[@]}"; do pkill -f "slurmd -N $n\$" || true; done
+    for _ in $(seq 1 150); do
+      pgrep -f "slurmd -N n[0-9]+\$" >/dev/null || { [ -n "$ctld" ] && kill -0 "$ctld" 2>/dev/null; } || break
+      sleep 0.2
+    done
+  fi
+}
+
 start_slurm() {
   running slurmdbd || /usr/sbin/slurmdbd
   wait_for 30 slurmdbd sacctmgr -n list cluster
@@ -159,7 +197,9 @@ up() {
   write_config
   start_munge
   start_mariadb
+  restart_if_changed
   start_slurm
+  running_stamp >"$RUN_DIR/config.sha256"  # this slurmctld runs this config
   log "up: $(sinfo -h -o '%P %D nodes %t' | tr '\n' ' ')"
 }
 

@@ -148,3 +148,25 @@ def test_the_state_travels_from_the_lowest_step_among_members_whose_optimizer_st
     assert transfer_source([(5, True), (6, False), (-1, False)], 0) == (6, 1)
     with pytest.raises(RecoveryError, match="between optimizer.step\\(\\) and step_done"):
         transfer_source([(5, True), (-1, False), (5, True)], 2)
+
+
+def test_the_buffers_each_step_starts_from_are_kept_from_its_first_training_forward():
+    """Under DDP's broadcast_buffers the first forward of a step starts from rank 0's
+    buffers of the step before: what a replacement of rank 0 needs. An evaluation forward
+    (not training) takes nothing."""
+    from ddp_hpc.engine.recovery.broken_step import StepStart
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    start, done = StepStart(), [0]
+    handle = start.watch(model, lambda: done[0])
+    at_start = model[1].running_mean.clone()
+    model(torch.randn(5, 4))
+    model(torch.randn(5, 4))  # the second micro-batch of the step: not its start
+    assert torch.equal(start.received(1)["1.running_mean"], at_start)
+    assert start.received(2) is None
+    done[0] = 1
+    model.eval()
+    model(torch.randn(5, 4))
+    assert start.received(2) is None
+    handle.remove()

@@ -171,8 +171,9 @@ def test_scheduler_commands_and_a_config_that_does_not_load_never_import_torch(t
     (poison / "__init__.py").write_text("raise ImportError('torch was imported')\n")
     env = {"PYTHONPATH": str(tmp_path / "poison")}
     digits = str(REPO / "configs" / "digits.yaml")
-    for args in (["render", "slurm", digits], ["render", "pbs", digits, "--cluster", "aurora"],
-                 ["submit", "slurm", "--sbatch", "--dry-run", digits],
+    for args in (["render", "slurm", digits, "--cluster", "slurm-cpu"],
+                 ["render", "pbs", digits, "--cluster", "aurora"],
+                 ["submit", "slurm", "--cluster", "slurm-cpu", "--sbatch", "--dry-run", digits],
                  ["submit", "pbs", "--cluster", "pbs-generic", "--dry-run", "--", "python", "train.py"]):
         result = run([*ddp_hpc_command(), *args], env=env, cwd=tmp_path)
         assert result.returncode == 0 and "#!/bin/bash" in result.stdout, (args, result.stderr[-2000:])
@@ -354,3 +355,56 @@ def test_open_mpi_over_a_hostfile_passes_the_users_device_and_backend_to_every_h
     assert "-x DDP_HPC_DEVICE -x DDP_HPC_BACKEND -x DDP_HPC_RECOVERY_STORE" in dry_run(
         "--recover", "1", DDP_HPC_DEVICE="cpu", DDP_HPC_BACKEND="gloo")
     assert "DDP_HPC_BACKEND" not in dry_run() and "DDP_HPC_DEVICE" not in dry_run()
+
+
+def test_train_reads_its_config_once_and_names_the_run_after_it(tmp_path, monkeypatch):
+    """``ddp-hpc train CONFIG``: the YAML is read once (the CLI's load, handed on to
+    ``train()`` with the path that names the run), not once more inside ``train()``."""
+    import logging
+    import signal
+
+    from ddp_hpc import cli, config
+    from ddp_hpc.stop_handler import rank_stop_handler
+
+    reads = []
+    real_read = config.read_yaml
+    monkeypatch.setattr(config, "read_yaml", lambda path: reads.append(path) or real_read(path))
+    for name in ("DDP_HPC_RUN_FOLDER", "DDP_HPC_DEADLINE", "RANK", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    logger = logging.getLogger("ddp_hpc")
+    saved = (list(logger.handlers), logger.level, logger.propagate, signal.getsignal(signal.SIGUSR2))
+    args = cli.parse(["train", str(REPO / "configs" / "synthetic.yaml"), "job.params.samples=128",
+                      "job.params.val_samples=32", "job.params.input_dim=8", "job.params.hidden=8",
+                      "job.params.depth=1", "training.epochs=1", "logging.progress=never", "logging.plot=false",
+                      f"logging.run_dir={tmp_path}"])
+    try:
+        assert args.func(args) == 0
+    finally:
+        rank_stop_handler().give_back()  # what the CLI's record_stop_signals took
+        signal.signal(signal.SIGUSR2, saved[3])
+        for handler in [h for h in logger.handlers if h not in saved[0]]:
+            logger.removeHandler(handler)
+            handler.close()
+        logger.setLevel(saved[1])
+        logger.propagate = saved[2]
+    assert reads == [str(REPO / "configs" / "synthetic.yaml")]
+    assert (tmp_path / "synthetic" / "summary.json").exists()
+
+
+def test_in_job_recovery_given_up_under_a_ddp_hpc_verb_is_one_line_and_status_1(capsys):
+    """``ddp-hpc train`` under ``launch --recover`` whose launch gave up: the rank's
+    ``RecoveryError`` is the fall-back working, said in one line with status 1 (a failure: the
+    launch restarts in place), its traceback only with ``--debug`` (issue 44)."""
+    import argparse
+
+    from ddp_hpc import cli
+    from ddp_hpc.engine.recovery.errors import RecoveryError
+
+    def given_up(args):
+        raise RecoveryError("rank 1: the launch gave up in-job recovery after losing rank 2 (exit 137 (SIGKILL))")
+
+    assert cli._run(argparse.Namespace(func=given_up, debug=False)) == 1
+    assert capsys.readouterr().err == (
+        "ddp-hpc: rank 1: the launch gave up in-job recovery after losing rank 2 (exit 137 (SIGKILL))\n")
+    with pytest.raises(RecoveryError):
+        cli._run(argparse.Namespace(func=given_up, debug=True))

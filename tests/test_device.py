@@ -4,6 +4,7 @@ runs the GPU paths for real where there is a CUDA device)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -295,3 +296,57 @@ def test_a_broken_ipex_leaves_env_doctor_and_train_on_cpu_unaffected(tmp_path):
     refused = run([*cli, "env", "--device", "xpu"], env=env)
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.count("\n") == 1 and "AttributeError: module 'os' has no attribute 'exit'" in refused.stderr
+
+
+def _rocm_torch(monkeypatch, devices: int = 8):
+    """A stand-in for torch's ROCm build: ``torch.version.hip`` set, no ``version.cuda``, its
+    ``cuda`` device an AMD GPU and ``nccl`` available (RCCL). Nothing here ran on AMD hardware."""
+    import types
+
+    fake = types.ModuleType("torch")
+    fake.__version__ = "2.5.1+rocm6.2"
+    fake.version = types.SimpleNamespace(hip="6.2.41133", cuda=None)
+    fake.cuda = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: devices)
+    fake.device = lambda kind, index=None: f"{kind}:{index}" if index is not None else kind
+    distributed = types.ModuleType("torch.distributed")
+    distributed.is_available = lambda: True
+    distributed.is_backend_available = lambda name: name in ("gloo", "nccl")
+    fake.distributed = distributed
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setitem(sys.modules, "torch.distributed", distributed)
+    return fake
+
+
+def test_a_rocm_build_is_cuda_over_rccl(monkeypatch, capsys, tmp_path):
+    from ddp_hpc import cli
+    from ddp_hpc.device import backend_label
+    from ddp_hpc.engine.recovery.backends import host_refusal
+
+    _rocm_torch(monkeypatch)
+    host = TorchHost()
+    assert host.device_count("cuda") == 8
+    assert host.describe_build() == "torch 2.5.1+rocm6.2 (ROCm 6.2.41133: cuda is HIP, nccl is RCCL)"
+    assert select_device("auto", "auto", local_rank=5, local_world_size=8, host=host, env={}) == \
+        DeviceChoice("cuda", "nccl", 5)
+    assert (backend_label("nccl"), backend_label("gloo")) == ("nccl (RCCL, ROCm 6.2.41133)", "gloo")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["env", "--device", "cuda"]) == 0
+    assert "device=cuda:0 backend=nccl (RCCL, ROCm 6.2.41133) " in capsys.readouterr().out
+    assert cli.main(["env", "--device", "cuda", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["backend"], report["backend_library"]) == ("nccl", "nccl (RCCL, ROCm 6.2.41133)")
+    # --recover's host check: an AMD host (ROCm's /dev/kfd) runs nccl as RCCL.
+    assert host_refusal("nccl", tmp_path) is not None
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "kfd").touch()
+    assert host_refusal("nccl", tmp_path) is None
+
+
+def test_a_cuda_build_keeps_its_backend_name(monkeypatch):
+    from ddp_hpc.device import backend_label
+
+    fake = _rocm_torch(monkeypatch)
+    fake.version = type(fake.version)(hip=None, cuda="12.4")
+    assert backend_label("nccl") == "nccl"
+    assert TorchHost().describe_build() == "torch 2.5.1+rocm6.2 (12.4)"

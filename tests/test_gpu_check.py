@@ -39,6 +39,17 @@ def test_known_cards_get_their_datasheet_peaks(name, card, bf16):
     assert peaks.name == card and peaks.bf16 == bf16 and peaks.fp32 < peaks.tf32 < peaks.bf16
 
 
+@pytest.mark.parametrize(("name", "card", "tf32", "bf16"), [
+    ("AMD Instinct MI250X", "MI250X (one GCD)", 47.85, 191.5),  # no TF32: its FP32 matrix figure
+    ("AMD Instinct MI250X / MI250", "MI250X (one GCD)", 47.85, 191.5),
+    ("AMD Instinct MI300X", "MI300X", 653.7, 1307.4),
+])
+def test_amd_cards_as_torchs_rocm_build_names_them(name, card, tf32, bf16):
+    peaks = card_peaks(name)
+    assert (peaks.name, peaks.tf32, peaks.bf16) == (card, tf32, bf16) and peaks.fp32 <= peaks.tf32 < peaks.bf16
+    assert card_peaks("AMD Instinct MI210") is None
+
+
 @pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "NVIDIA H100 NVL", "cpu", "NVIDIA H200 NVL"])
 def test_an_unknown_card_gets_no_mfu_and_says_so(name):
     figures = mfu(1000.0, 6_000_000, name, "bf16")

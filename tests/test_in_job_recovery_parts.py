@@ -102,7 +102,7 @@ def test_nccl_recovery_refuses_what_would_end_its_ranks_and_a_host_without_nvidi
     why = rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
     assert why.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets NCCL's watchdog end this rank") and "\n" not in why
 
-    assert host_refusal("nccl", tmp_path).startswith("nccl needs NVIDIA GPUs and this host shows none")
+    assert host_refusal("nccl", tmp_path).startswith("nccl needs NVIDIA or AMD GPUs and this host shows none")
     assert host_refusal("gloo", tmp_path) is None
     (tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
     assert host_refusal("nccl", tmp_path) is None  # the driver lists it before /dev/nvidia0 exists

@@ -195,3 +195,14 @@ def test_the_old_name_of_a_submitit_resubmission_still_answers_and_unpickles():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         assert pickle.loads(under_old_name) == plan
+
+
+@pytest.mark.parametrize("reason", ["srun: error: n2: task 3: Exited with exit code 2", "rank 3 exited with status 2"])
+def test_a_first_failed_rank_that_exited_2_is_the_users_mistake_whatever_the_launcher_says(reason):
+    """srun (its tasks' highest status) or mpiexec over a hostfile may report the 137 of a
+    rank ended after another refused the user's mistake: the first failed rank's evidence
+    says 2, the attempt ends with 2 (never restarted), and no host is left out for it."""
+    failed = FailedRank("n2", reason, 3)
+    assert attempt_outcome(0, 137, failed=failed, spare=True) == Outcome(0, Ended.FAILED, ExitStatus.USAGE, failed)
+    assert attempt_outcome(0, 2, failed=N2, spare=True) == Outcome(0, Ended.FAILED, ExitStatus.USAGE, N2)
+    assert attempt_outcome(0, 137, failed=N2, spare=True).status == 137

@@ -280,7 +280,8 @@ def test_slurm_script_torchrun_per_node(tmp_path):
 
 
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
-                                               ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm")])
+                                               ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm"), ("perlmutter", "slurm"),
+                                               ("frontier", "slurm"), ("lumi-g", "slurm"), ("leonardo", "slurm")])
 def test_rendered_scripts_are_valid_bash(cluster, scheduler):
     req = request(cluster, overrides=["training.epochs=2"], setup=("echo set up",), env={"A_B": "x y"})
     torchrun = dataclasses.replace(req, torchrun_per_node=True)
@@ -815,6 +816,30 @@ def test_the_rank_wrapper_passes_a_stop_signal_on_and_reports_the_rank_s_own_sta
     failures = list(tmp_path.glob(f"{RANK_FAILURES_PREFIX}*"))
     assert [p.read_text() for p in failures] == ([f"1 {rank_exit}\n"] if rank_exit not in (0, 75) else [])
     assert not (tmp_path / "preempted").exists()  # rank 1's: only rank 0 says the ranks stopped
+
+
+def test_the_rank_wrapper_leaves_the_preempted_marker_through_its_one_writer(tmp_path):
+    """Rank 0's 75 under mpiexec: the wrapper calls ``ddp-hpc record-stop`` (the marker's one
+    writer, StopAgreement's), seen here through a ``ddp-hpc`` on PATH that notes its arguments
+    and runs the real one; and ``record-stop`` itself leaves the marker."""
+    from conftest import ddp_hpc_command
+    from ddp_hpc.launch.script import recording_rank_failures
+
+    calls, folder = tmp_path / "calls", tmp_path / "run"
+    shim = tmp_path / "bin" / "ddp-hpc"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$@" >>{calls}\nexec {" ".join(ddp_hpc_command())} "$@"\n')
+    shim.chmod(0o755)
+    result = subprocess.run(recording_rank_failures(["sh", "-c", "exit 75"]), timeout=60, env={
+        "PATH": f"{shim.parent}:/usr/bin:/bin", "DDP_HPC_RUN_FOLDER": str(folder), "PMI_RANK": "0"})
+    assert result.returncode == 75 and calls.read_text() == f"record-stop {folder}\n"
+    assert (folder / "preempted").exists()
+    elsewhere = tmp_path / "other"
+    assert subprocess.run([*ddp_hpc_command(), "record-stop", str(elsewhere)], timeout=60).returncode == 0
+    assert [p.name for p in elsewhere.iterdir()] == ["preempted"]
+    from ddp_hpc import cli
+
+    assert "record-stop" not in cli.build_parser().format_help()  # internal, like record-exit
 
 
 def test_the_rank_wrapper_says_rank_0_stopped_and_hands_the_rank_stdin_and_an_interrupt(tmp_path):

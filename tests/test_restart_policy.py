@@ -24,6 +24,8 @@ from ddp_hpc.launch.supervisor import Supervisor
     (137, 2, False, Decision(restart=False, status=137)),  # no restart left: the failure's status
     (143, 0, True, Decision(restart=False, status=143, requeue=True)),  # a stop signal came: no restart
     (0, 0, True, Decision(restart=False, status=0)),  # finished as the signal came: nothing to requeue
+    (2, 0, False, Decision(restart=False, status=2)),  # the user's mistake: a restart meets it again
+    (2, 0, True, Decision(restart=False, status=2)),  # nor is it requeued after a stop
 ])
 def test_the_policy_table(status, attempt, stop, expected):
     assert RestartPolicy(max_restarts=2).decide(status, attempt, stop) == expected
@@ -59,6 +61,18 @@ def test_a_failed_rank_ends_the_others_and_the_attempt_is_restarted(tmp_path):
 def test_the_last_failure_is_handed_back_when_no_restart_is_left():
     ranks = sh("exit 0", "exit 3")
     assert Supervisor(ranks.start, RestartPolicy(1)).run() == 3
+
+
+def test_a_rank_that_exits_2_ends_the_launch_with_2_at_once_and_is_not_restarted(tmp_path, caplog):
+    """Rank 1 refuses the user's mistake (exit 2) in the first attempt: rank 0 is ended, and
+    with restarts left the launch ends with 2, started once, saying why."""
+    starts = tmp_path / "starts"
+    ranks = sh(f"echo >>{starts}; exec sleep 60", f"until [ -s {starts} ]; do sleep 0.05; done; exit 2")
+    started = time.monotonic()
+    assert Supervisor(ranks.start, RestartPolicy(2), end_grace_s=5).run() == ExitStatus.USAGE
+    assert time.monotonic() - started < 20
+    assert starts.read_text() == "\n"
+    assert "not restarted" in caplog.text
 
 
 def test_a_stop_signal_reaches_every_rank_and_nothing_is_restarted(tmp_path):

@@ -173,7 +173,6 @@ def test_submitits_checkpoint_hook_returns_as_soon_as_the_command_has_stopped(tm
     from ddp_hpc.schedulers.slurm import in_job
 
     monkeypatch.setattr(in_job, "COMMAND_STOP_WAIT_S", 20)
-    monkeypatch.setattr(in_job, "requeue_from_rank_zero", lambda: None)
     for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
     ready = tmp_path / "ready"
@@ -208,17 +207,19 @@ def test_submitits_checkpoint_hook_returns_as_soon_as_the_command_has_stopped(tm
 
 def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(tmp_path, monkeypatch):
     """Exit 75 is the command's own checkpointed stop (StopAgreement at the job's deadline):
-    the task requeues the job and neither submits it again nor leaves its node out, even with
-    restarts left."""
+    the task requeues the job (rank 0, through a launch's one end, ``LaunchEnd``) and neither
+    submits it again nor leaves its node out, even with restarts left."""
+    from ddp_hpc.launch import restart
     from ddp_hpc.specs.request import CommandPayload
     from ddp_hpc.schedulers.slurm import in_job
 
     requeued, restarted = [], []
-    monkeypatch.setattr(in_job, "requeue_from_rank_zero", lambda: requeued.append(True))
+    monkeypatch.setattr(restart, "requeue_job", lambda argv, job_id: requeued.append(tuple(argv)))
     monkeypatch.setattr(in_job.SubmititCommandTask, "_restart_without_this_node",
                         lambda self, *args: restarted.append(args))
     for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
     plan = in_job.Resubmission(parameters={}, folder=str(tmp_path / "submitit"), max_restarts=2)
     for code, expect_requeue, expect_restart in ((75, True, False), (3, False, True)):
         requeued.clear(), restarted.clear()
@@ -226,5 +227,7 @@ def test_a_submitit_command_that_stops_itself_with_75_is_requeued_not_restarted(
                                           str(tmp_path / "run"), restart=plan)
         with pytest.raises(RuntimeError, match=f"exited with status {code}"):
             task()
-        assert (bool(requeued), bool(restarted)) == (expect_requeue, expect_restart), code
+        assert (requeued, bool(restarted)) == ([("scontrol", "requeue", "7")] if expect_requeue else [],
+                                               expect_restart), code
     assert not (tmp_path / "run" / "left-out-hosts.jsonl").exists()
+    assert (tmp_path / "run" / "exit-7").read_text() == "3\n"  # the failure's, not the stop's

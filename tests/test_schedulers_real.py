@@ -99,10 +99,10 @@ def test_missing_qsub_names_the_rendered_script(tmp_path):
     (["render", "pbs", DIGITS, "--cluster", "nosuch"], "unknown cluster profile 'nosuch'"),
     (["render", "pbs", DIGITS, "--cluster", "aurora", "--ranks-per-node", "13"], "13 ranks per node"),
     (["render", "slurm", DIGITS, "--cluster", "aurora"], "'aurora' is a pbs cluster"),
-    (["render", "pbs", DIGITS, "--walltime", "soon"], "--walltime 'soon'"),
-    (["render", "pbs", DIGITS, "--nodes", "0"], "--nodes 0 must be >= 1"),
-    (["render", "pbs", DIGITS, "--env", "1BAD=x"], "--env '1BAD=x' is not NAME=VALUE"),
-    (["render", "pbs", DIGITS, "training.lr=-1"], "training.lr must be > 0"),
+    (["render", "pbs", DIGITS, "--cluster", "pbs-generic", "--walltime", "soon"], "--walltime 'soon'"),
+    (["render", "pbs", DIGITS, "--cluster", "pbs-generic", "--nodes", "0"], "--nodes 0 must be >= 1"),
+    (["render", "pbs", DIGITS, "--cluster", "pbs-generic", "--env", "1BAD=x"], "--env '1BAD=x' is not NAME=VALUE"),
+    (["render", "pbs", DIGITS, "--cluster", "pbs-generic", "training.lr=-1"], "training.lr must be > 0"),
     (["port"], "no job id"),
 ])
 def test_bad_scheduler_input_exits_2(args, fragment):

@@ -150,3 +150,19 @@ def test_mpich_ranks_that_never_destroy_the_group_end_with_0_and_a_raising_rank_
     assert failed.returncode != 0
     assert "RuntimeError: rank 1 fails on purpose at step 2" in failed.stderr
     assert "trained" not in failed.stdout
+
+
+def test_in_job_recovery_given_up_is_one_line_and_status_1_and_its_traceback_only_when_debugging(tmp_path):
+    """A ``RecoveryError`` that escapes the user's script (the launch gave up in-job recovery:
+    the fall-back to a restart in place working) is reported in one line, status 1, no
+    traceback (issue 44: 15-20 lines on every survivor); ``DDP_HPC_DEBUG=1`` shows it."""
+    (tmp_path / "given_up.py").write_text(
+        "from ddp_hpc.engine.recovery.errors import RecoveryError\n\n"
+        "def train():\n    raise RecoveryError('rank 2: the launch gave up in-job recovery after losing rank 1')\n\n"
+        "train()\n")
+    typed = [sys.executable, "given_up.py"]
+    through = run(runner_argv(typed), cwd=tmp_path)
+    assert through.returncode == 1
+    assert through.stderr == "rank 2: the launch gave up in-job recovery after losing rank 1\n"
+    debugging = run(runner_argv(typed), cwd=tmp_path, env={"DDP_HPC_DEBUG": "1"})
+    assert debugging.returncode == 1 and "Traceback" in debugging.stderr and "train()" in debugging.stderr

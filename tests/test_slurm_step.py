@@ -166,6 +166,17 @@ def test_without_a_spare_node_the_restart_runs_on_the_same_nodes(tmp_path, bin_d
     assert not (tmp_path / "run" / "left-out-hosts.jsonl").exists()
 
 
+def test_a_task_that_refused_the_users_mistake_ends_the_launch_with_2_though_srun_says_137(tmp_path, bin_dir):
+    """Task 1 exited 2 (a one-line refusal) and --kill-on-bad-exit killed task 0: srun
+    reports the highest status, 137, and its first failed task's line says 2: the launch
+    ends with 2, no restart."""
+    srun = steps(tmp_path, bin_dir, "echo 'srun: error: n1: task 1: Exited with exit code 2' >&2; "
+                                    "echo 'srun: error: n1: task 0: Killed' >&2; exit 137;; exit 0")
+    decision = Supervisor(srun.start, RestartPolicy(2), read_status=srun.read_status).run_to_decision()
+    assert decision == Decision(restart=False, status=ExitStatus.USAGE)
+    assert len(calls(tmp_path)) == 1
+
+
 def test_ranks_that_stopped_under_kill_on_bad_exit_are_a_stop_not_a_failure(tmp_path, bin_dir):
     """Rank 0 wrote the preempted marker and exited 75; srun killed the others and says 143:
     the attempt is a stop (75): no restart, a requeue."""

@@ -14,6 +14,12 @@ datasheets, in TFLOP/s. The datasheets list tensor-core TF32/BF16 "with sparsity
 figure is half of that. Which peak a run is held against: ``fp32`` is float32 matmuls at
 torch's ``highest`` (CUDA cores), ``tf32`` float32 matmuls at ``high`` (TF32 tensor cores),
 ``bf16`` autocast to bfloat16. A card not in the table gets no MFU (said so), never a guess.
+
+AMD's, from AMD's Instinct datasheets, for torch's ROCm build (whose ``get_device_name()``
+says ``AMD Instinct ...``): rocBLAS runs float32 matmuls on the matrix cores, so ``fp32`` is
+the FP32 matrix figure. An MI250X is two GCDs and torch sees each as one device (Frontier and
+LUMI-G: 8 per node): its figures here are half the module's. The MI250X has no TF32: its
+``tf32`` is its FP32 matrix figure. Neither was run here: no AMD GPU was at hand.
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ PEAKS: tuple[tuple[str, CardPeaks], ...] = (
         "A100", fp32=19.5, tf32=156.0, bf16=312.0,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe): FP32 19.5 TFLOPS, TF32 156 and BF16 "
                "312 TFLOPS dense")),
+    (r"AMD Instinct MI250X.*", CardPeaks(
+        "MI250X (one GCD)", fp32=47.85, tf32=47.85, bf16=191.5,
+        source="AMD Instinct MI250X datasheet: FP32 matrix 95.7 and BF16 383 TFLOPS per module of two GCDs, "
+               "halved for the one GCD torch sees; no TF32 (float32 matmuls run as FP32 matrix)")),
+    (r"AMD Instinct MI300X.*", CardPeaks(
+        "MI300X", fp32=163.4, tf32=653.7, bf16=1307.4,
+        source="AMD Instinct MI300X datasheet: FP32 matrix 163.4, TF32 653.7 and BF16 1307.4 TFLOPS dense")),
 )
 
 #: The precisions the device figures run, and the matmul setting each runs float32 matmuls at.

@@ -24,6 +24,7 @@ from ddp_hpc.contract.variables import (  # noqa: F401
     RECOVERY_SPARE_VAR,
     RECOVERY_SHRINK_VAR,
     RUN_FOLDER_VAR,
+    DEBUG_VAR,
     SNAPSHOT_DIR_VAR,
     SNAPSHOT_EVERY_VAR,
     DEADLINE_VAR,
@@ -70,6 +71,7 @@ from ddp_hpc.contract.run_files import (  # noqa: F401
     RANK_FAILURES_PREFIX,
     TEMPORARY_GLOB,
     exit_file_name,
+    mark_stopped,
 )
 from ddp_hpc.contract.atomic import (  # noqa: F401
     fsync_directory,

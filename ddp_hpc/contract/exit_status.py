@@ -12,7 +12,8 @@ class ExitStatus(enum.IntEnum):
     OK = 0
     #: A failure (a bug, a failed job): the traceback or the log says why.
     FAILED = 1
-    #: The user's mistake (bad input, a missing tool): one line, no traceback.
+    #: The user's mistake (bad input, a missing tool): one line, no traceback. Never
+    #: restarted (a restart meets the same mistake) nor spent as an in-job recovery.
     USAGE = 2
     #: The watchdog ended a rank that made no progress for too long (``engine/watchdog.py``:
     #: stuck in its own code, or in a collective waiting for a rank that is gone or frozen),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ddp_hpc.contract.atomic import atomic_write
+
 
 #: The resolved config, as training ran it.
 CONFIG_FILE = "config.yaml"
@@ -50,6 +52,7 @@ CURVES_FILE = "curves.png"
 RANK_LOG_DIR = "logs"
 #: Written by rank 0 (``StopAgreement``) when the ranks stopped after a checkpoint: a batch
 #: script whose ranks' REQUEUE reached it as SIGTERM (``srun --kill-on-bad-exit``) reads it.
+#: ``mark_stopped`` is its one writer.
 PREEMPTED_MARKER = "preempted"
 #: The newest submission of the run, and every one of them (one JSON line each).
 SUBMISSION_FILE = "submission.json"
@@ -72,3 +75,11 @@ TEMPORARY_GLOB = ".*.tmp-*"
 def exit_file_name(job_id: str) -> str:
     """``exit-<job id>`` (``exit-123_4`` for an array element)."""
     return f"{EXIT_FILE_PREFIX}{job_id}"
+
+
+def mark_stopped(marker: Path) -> None:
+    """Leave the ``preempted`` marker (``RUN/preempted``, or the path a ``StopAgreement`` was
+    given): the ranks stopped after a checkpoint. The one writer: rank 0's ``StopAgreement``,
+    and the rank wrapper under mpiexec through ``ddp-hpc record-stop`` (``launch/script.py``)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(marker, b"", durable=False)

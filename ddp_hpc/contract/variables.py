@@ -58,5 +58,8 @@ MPIEXEC_VAR = "DDP_HPC_MPIEXEC"
 CLUSTERS_DIR_VAR = "DDP_HPC_CLUSTERS_DIR"
 #: ``ddp-hpc bench``: when the runner started a worker (``time.time()``), for start-up figures.
 BENCH_STARTED_AT_VAR = "DDP_HPC_BENCH_T0"
+#: Set to 1 (``ddp-hpc --debug`` sets it for what it starts): an error a rank reports in one
+#: line (in-job recovery given up, ``RecoveryError``) keeps its traceback.
+DEBUG_VAR = "DDP_HPC_DEBUG"
 #: ``train``/``doctor``: the ranks whose INFO lines reach the console (``--console-ranks``).
 CONSOLE_RANKS_VAR = "DDP_HPC_CONSOLE_RANKS"

@@ -19,9 +19,12 @@ checkpoint carries too. Every rank's RNG streams are saved and restored, so a re
 continues bit-identically. Where the files go and how they are written is the *format*:
 ``SingleFileFormat`` (one ``torch.save`` file that rank 0 writes, atomically, optionally
 in the background, the newest ``keep_last`` kept; each rank's RNG in a small file of its
-own) or ``format="dcp"``: ``ShardedFormat``, a folder that every rank writes its part of,
-in parallel (torch.distributed.checkpoint; needed for FSDP2 models). Others plug in
-through ``CheckpointFormat``.
+own; a sharded (FSDP2) model and its optimizer gathered whole into it, ``engine/sharding.py``)
+or ``format="dcp"``: ``ShardedFormat``, a folder that every rank writes its part of,
+in parallel (torch.distributed.checkpoint; the one for FSDP2 models too large to gather on
+one rank). Others plug in through ``CheckpointFormat``. A sharded model whose root is not
+sharded, or whose optimizer steps other tensors than its parameters, is refused in one line
+(``RefusedOnRank``) when the Checkpointer is made.
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddp_hpc.contract import CHECKPOINTS_DIR, checkpoint_format_of
 from ddp_hpc.engine import checkpoint_files as files
+from ddp_hpc.engine import sharding
 from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, WriteRecord
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.engine.rng import capture_rng, restore_rng
 from ddp_hpc.engine.sampler import ResumableSampler
+from ddp_hpc.errors import RefusedOnRank
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +124,10 @@ class SingleFileFormat:
              shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
         path = files.step_path(directory, step)
         files.save_rank_part(directory, step, group.rank, per_rank)
-        # ZeRO's optimizer state is gathered to rank 0 by a collective every rank joins.
+        # ZeRO's optimizer state, and a sharded (FSDP2) model's and its optimizer's whole state,
+        # are gathered to rank 0 by collectives every rank joins, in the objects' order.
         gathered = {name: _consolidated(obj, group) for name, obj in objects.items() if _sharded_optimizer(obj)}
+        gathered.update(_gathered_shards(objects))
         group.barrier()  # every rank's part is on disk before the file that makes it count
         if not group.is_rank_zero:
             return path
@@ -279,8 +287,17 @@ def _load_objects(objects: Mapping[str, Any], saved: Mapping[str, Any], path: Pa
     if missing:
         raise files.CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: it was "
                                     "written for other objects")
+    whole = _sharded_owners(objects)
+    for name, value in saved.items():  # one rank's slices would load into every rank: none is taken
+        if name in objects and sharding.holds_shards(value):
+            raise files.CheckpointError(f"checkpoint {path} holds one rank's shards of {name!r}, not its whole "
+                                        "state (a sharded model saved in one file by an older version): restore "
+                                        "a format='dcp' checkpoint, or start afresh")
     for name, obj in objects.items():
-        _load_into(obj, saved[name], path)
+        if name in whole and saved[name] is not None:
+            _load_whole(obj, whole[name], saved[name], path)
+        else:
+            _load_into(obj, saved[name], path)
 
 
 def _load_into(obj: Any, value: Any, path: Path) -> None:
@@ -292,6 +309,56 @@ def _load_into(obj: Any, value: Any, path: Path) -> None:
         target.load_state_dict(files.adapt_state_dict(value, target, str(path)))
     else:
         obj.load_state_dict(value)
+
+
+def _sharded_owners(objects: Mapping[str, Any]) -> dict[str, nn.Module]:
+    """The objects whose state the single-file format gathers whole: each sharded (FSDP2)
+    model, and each optimizer stepping one, with the sharded model it belongs to."""
+    modules = {name: _unwrapped(obj) for name, obj in objects.items() if sharding.is_sharded(_unwrapped(obj))}
+    owners: dict[str, nn.Module] = dict(modules)
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer) and modules:
+            stepped = {id(p) for group in obj.param_groups for p in group["params"]}
+            owner = next((m for m in modules.values() if stepped <= {id(p) for p in m.parameters()}), None)
+            if owner is not None:
+                owners[name] = owner
+    return owners
+
+
+def _gathered_shards(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole state of each sharded model and its optimizer, on rank 0 (None elsewhere)."""
+    out: dict[str, Any] = {}
+    for name, owner in _sharded_owners(objects).items():
+        obj = objects[name]
+        out[name] = (sharding.whole_optimizer_state(owner, obj) if isinstance(obj, torch.optim.Optimizer)
+                     else sharding.whole_model_state(owner))
+    return out
+
+
+def _load_whole(obj: Any, owner: nn.Module, value: Any, path: Path) -> None:
+    """Each rank takes its own slice of a whole state that every rank read."""
+    if isinstance(obj, torch.optim.Optimizer):
+        sharding.load_whole_optimizer(owner, obj, value)
+    else:
+        sharding.load_whole_model(owner, files.adapt_state_dict(value, owner, str(path)))
+
+
+def sharded_refusal(objects: Mapping[str, Any]) -> str | None:
+    """Why ``objects`` holding a sharded (FSDP2) model would train or save wrongly (one
+    line), or None: the root not sharded, or an optimizer that steps other tensors than
+    the model's parameters (built before ``fully_shard``, or its model not among them)."""
+    modules = [_unwrapped(obj) for obj in objects.values() if isinstance(_unwrapped(obj), nn.Module)]
+    for module in modules:
+        if (why := sharding.model_refusal(module)) is not None:
+            return why
+    for name, obj in objects.items():
+        if (why := sharding.optimizer_refusal(modules, obj, f"optimizer {name!r}")) is not None:
+            return why
+        if (isinstance(obj, torch.optim.Optimizer) and not any(sharding.is_sharded(m) for m in modules)
+                and sharding.holds_shards([p for group in obj.param_groups for p in group["params"]])):
+            return (f"optimizer {name!r} steps a sharded (FSDP2) model that is not among the objects: give the "
+                    "model too (a checkpoint holds the two together)")
+    return None
 
 
 def make_format(name: str, *, background: bool) -> CheckpointFormat:
@@ -342,6 +409,13 @@ class Checkpointer:
         self.format: CheckpointFormat = (make_format(format, background=background) if isinstance(format, str)
                                          else format)
         self.group: Collectives = group or ProcessGroupView.current()
+        if (why := sharded_refusal(self.objects)) is not None:
+            # The same on every rank, which exits 2. Its group ends first: left to the
+            # interpreter's exit, a live gloo group's threads can abort the process (SIGABRT),
+            # which reads as a lost rank.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise RefusedOnRank(f"Checkpointer: {why}", self.group.rank)
         self.on_written = on_written
         #: Called on every rank before a save begins (a loop's watchdog beat, say).
         self.on_saving = on_saving
@@ -483,8 +557,9 @@ class Checkpointer:
         ``names``: the objects worth it (default: all). ZeRO's sharded optimizer state,
         which needs a collective to gather, is left out."""
         chosen = self.objects if names is None else {name: self.objects.get(name) for name in names}
+        gathered = _sharded_owners(self.objects)
         states = {name: _state_of(obj) for name, obj in chosen.items()
-                  if obj is not None and not _sharded_optimizer(obj)}
+                  if obj is not None and not _sharded_optimizer(obj) and name not in gathered}
         self.format.prestage(self.group, states)
 
     def wait(self, *, together: bool = True) -> None:

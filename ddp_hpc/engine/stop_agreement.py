@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Literal
 
 from ddp_hpc.engine.checkpointer import Checkpointer
-from ddp_hpc.contract import DEADLINE_VAR, PREEMPTED_MARKER, RUN_FOLDER_VAR, ExitStatus, atomic_write
+from ddp_hpc.contract import DEADLINE_VAR, PREEMPTED_MARKER, RUN_FOLDER_VAR, ExitStatus, mark_stopped
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now, time_needed
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
-from ddp_hpc.stop import ALWAYS_STOP, StopSignalsOutsideTraining, job_deadline
+from ddp_hpc.stop import ALWAYS_STOP, job_deadline
+from ddp_hpc.stop_handler import Listening, rank_stop_handler
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class StopAgreement:
         #: The step the ranks agreed to stop at (None: not stopped).
         self.stopped_at: int | None = None
         self._steps = 0
-        self._previous_handlers: dict[int, object] = {}
+        self._listening: Listening | None = None
         self._last_save_s = 0.0
         self._by_deadline = False
         if self.policy is not None and self.group.is_rank_zero:
@@ -107,26 +108,22 @@ class StopAgreement:
         self.requested = True
 
     def handle_signals(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
-        """Install handlers that call ``request`` for ``signals`` (your choice to make:
-        the library never installs one by itself). ``restore_signals`` puts the old ones back.
-        A signal that ``ddp_hpc.record_stop_signals()`` recorded since the script began is
-        requested now."""
-        def handler(signum: int, frame: object) -> None:
+        """Have the rank's stop-signal handler (``ddp_hpc.stop_handler``) call ``request``
+        for ``signals`` (your choice to make: the library never installs one by itself).
+        ``restore_signals`` puts the old ones back. A signal that
+        ``ddp_hpc.record_stop_signals()`` recorded since the script began is requested now."""
+        def on_stop(signum: int, early: bool) -> None:
             self.requested = True
-
-        for signum in signals:
-            previous = signal.signal(signum, handler)
-            self._previous_handlers.setdefault(int(signum), previous)
-            recorder = getattr(previous, "__self__", None)  # ddp_hpc.record_stop_signals()'s, if it ran
-            if isinstance(recorder, StopSignalsOutsideTraining) and int(signum) in recorder.received:
+            if early:
                 log.warning("%s received before the loop could act on it: stopping at the first agreed step",
                             signal.Signals(signum).name)
-                self.requested = True
+
+        self._listening = rank_stop_handler().listen(on_stop, signals)
 
     def restore_signals(self) -> None:
-        for signum, previous in self._previous_handlers.items():
-            signal.signal(signum, previous)
-        self._previous_handlers.clear()
+        if self._listening is not None:
+            rank_stop_handler().stop_listening(self._listening)
+            self._listening = None
 
     def _step(self) -> int:
         return self.checkpointer.step if self.checkpointer is not None else self._steps
@@ -200,8 +197,7 @@ class StopAgreement:
         if self.checkpointer is not None:
             self.checkpointer.save_step(wait=True)  # no rank exits before the checkpoint is whole on disk
         if self.group.is_rank_zero and self.marker is not None:
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.marker, b"", durable=False)
+            mark_stopped(self.marker)
         if self.group.is_rank_zero and not quiet:
             log.warning("stopped %s at step %d%s: rerun or requeue to resume", self.reason, self._step(),
                         " with a checkpoint" if self.checkpointer is not None else "")

@@ -78,9 +78,23 @@ def attempt_outcome(attempt: int, status: int, *, preempted: bool = False, faile
         return Outcome(attempt, Ended.STOPPED, ExitStatus.REQUEUE)
     if status == ExitStatus.OK:
         return Outcome(attempt, Ended.FINISHED, ExitStatus.OK)
+    if status == ExitStatus.USAGE or refused_on_rank(failed):  # no host is at fault: none is left out
+        return Outcome(attempt, Ended.FAILED, ExitStatus.USAGE, failed)
     left_out = (LeftOutHost(failed.host, attempt, failed.reason)
                 if spare and failed is not None and failed.host else None)
     return Outcome(attempt, Ended.FAILED, status, failed, left_out)
+
+
+#: The endings of a failed rank's evidence that say it exited 2 (it refused the user's mistake
+#: in one line): srun's ``task N: Exited with exit code 2``, the rank wrapper's and a task's own
+#: ``rank N exited with status 2``.
+USAGE_REASONS = (f"Exited with exit code {ExitStatus.USAGE:d}", f"exited with status {ExitStatus.USAGE:d}")
+
+
+def refused_on_rank(failed: FailedRank | None) -> bool:
+    """The first failed rank exited 2, whatever status its launcher reports for the attempt
+    (srun reports its tasks' highest: the 137 of a task ``--kill-on-bad-exit`` ended; mpiexec may too)."""
+    return failed is not None and failed.reason.endswith(USAGE_REASONS)
 
 
 @runtime_checkable

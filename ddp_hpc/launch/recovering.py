@@ -40,11 +40,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ddp_hpc.contract import (RECOVERY_GENERATION_VAR, RECOVERY_SHRINK_VAR, RECOVERY_SPARE_VAR, RECOVERY_STORE_VAR,
                               RECOVERY_WAIT_VAR, ExitStatus)
 from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR
+from ddp_hpc.engine.recovery.layout import Buddies, describe_lost_together, steps_held
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import start_all
 from ddp_hpc.launch.local import LocalRanks
@@ -112,6 +114,10 @@ class Recoverer:
         #: slot -> rank in the current group; index in the supervisor's children == slot.
         self.members: dict[int, int] = {}
         self._causes: dict[int, str] = {}
+        #: Children whose process is a replacement (or the warm spare) put in place after a loss.
+        self._replacements: set[int] = set()
+        #: Slots lost since the last group that completed a step (lost together, for the buddy check).
+        self._lost: set[int] = set()
         self._beats: dict[int, tuple[int, float]] = {}
         self._next_watch = 0.0
         self._spare: subprocess.Popen | None = None
@@ -136,6 +142,8 @@ class Recoverer:
         self.generation, self.used = 0, 0
         self.members = {slot: slot for slot in range(self.ranks.world_size)}
         self._causes.clear()
+        self._replacements.clear()
+        self._lost.clear()
         self._beats.clear()
         self._starting.clear()
         self._held.clear()
@@ -196,6 +204,15 @@ class Recoverer:
             log.error("rank %d exited %d (the mistake it reported in one line, the same on every rank): no in-job "
                       "recovery is spent on it", slot, status)
             return self._give_up(slot, cause)
+        given_up = self._store.given_up()
+        if given_up is not None:  # the ranks found they cannot recover: this exit is one of theirs
+            log.error("%s: restarting in place from the newest checkpoint, no in-job recovery spent on rank %d's exit "
+                      "(%s)", given_up, slot, cause)
+            return self._give_up(slot, given_up)
+        gone = self._shards_gone(index, children)
+        if gone is not None:
+            log.error("%s: restarting in place from the newest checkpoint", gone)
+            return self._give_up(slot, gone)
         if self.used >= self.limits.max_recoveries:
             log.error("rank %d lost (%s) and no in-job recovery is left (--recover %d): restarting in place",
                       slot, cause, self.limits.max_recoveries)
@@ -214,7 +231,11 @@ class Recoverer:
         if self.limits.shrink:
             self.members = {s: rank for rank, s in enumerate(survivors)}
         plan = Plan(generation=self.generation, world_size=len(self.members), ranks=dict(self.members), lost=slot,
-                    host=socket.gethostname(), cause=cause, detected_at=time.time(), replaced=not self.limits.shrink)
+                    host=socket.gethostname(), cause=cause, detected_at=time.time(), replaced=not self.limits.shrink,
+                    replacement=index in self._replacements)
+        self._lost.add(slot)
+        if not self.limits.shrink:
+            self._replacements.add(index)
         self._store.forget(slot)
         self._store.publish(plan)
         self._beats.pop(index, None)
@@ -234,6 +255,27 @@ class Recoverer:
             log.warning("%srank %d lost (%s): replacement started (pid %d), the others stay up (recovery %d of %d)",
                         self._where(), slot, cause, children[index].pid, self.used, self.limits.max_recoveries)
         return True
+
+    def _shards_gone(self, index: int, children: Sequence[subprocess.Popen]) -> str | None:
+        """Why a sharded model's lost shards cannot come back (one line), or None: a rank and
+        every buddy holding its copies lost together (the ones lost since the last group
+        that completed a step, and any child ended meanwhile), and no copy of its shards in
+        this node's memory. Asked only where every rank runs on this node (else the copies
+        on other nodes are not seen here: the ranks' roll-back finds out)."""
+        if self.ranks.num_nodes != 1:
+            return None
+        layout = self._store.snapshot_layout()
+        if layout is None:  # not a sharded model
+            return None
+        if self.generation and self._store.recovered(self.generation):
+            self._lost.clear()
+        ended = {self._slot(i) for i, child in enumerate(children)
+                 if i != index and child.poll() is not None and child.returncode not in (0, ExitStatus.REQUEUE)}
+        buddies = Buddies(world_size=layout["world_size"], distance=layout["distance"], replicas=layout["replicas"])
+        together = buddies.gone_together(self._lost | ended | {self._slot(index)})
+        folder = Path(layout["folder"]) / socket.gethostname()
+        gone = [(slot, holders) for slot, holders in together if not steps_held(folder, slot)]
+        return describe_lost_together(gone) if gone else None
 
     def _give_up(self, slot: int, cause: str) -> bool:
         """The last plan: none. Every survivor waiting for a plan, or in a collective that

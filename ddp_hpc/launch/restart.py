@@ -8,6 +8,8 @@ in that launch) and a submitit command job. docs/reliability.md has the table.
 - ``ExitStatus.REQUEUE`` (75) is a stop on request (a signal, the job's deadline): the ranks
   checkpointed. Never restarted in place: handed back as 75 to whatever started the launch,
   which requeues it (a batch script) or runs it again later (a user).
+- ``ExitStatus.USAGE`` (2) is the user's mistake, refused in one line (a bad input, a
+  ``RefusedOnRank``): never restarted, for a restart meets the same mistake; handed back as 2.
 - Anything else is a failure: restarted up to ``max_restarts`` times, resuming from the
   newest checkpoint; the last failure's status is handed back.
 - Once a stop was requested (a stop signal reached the launch), nothing is restarted, and a
@@ -43,6 +45,11 @@ class RestartPolicy:
 
     def decide(self, status: int, attempt: int, stop_requested: bool = False) -> Decision:
         """What follows attempt ``attempt`` (0 first) that ended with ``status``."""
+        if status == ExitStatus.USAGE:
+            if attempt < self.max_restarts and not stop_requested:
+                log.error("the ranks exited %d (the user's mistake, said in one line above): not restarted, a "
+                          "restart would meet the same mistake", status)
+            return Decision(restart=False, status=status)
         if status in AGREED_EXIT_STATUSES or stop_requested or attempt >= self.max_restarts:
             requeue = status == ExitStatus.REQUEUE or (stop_requested and status != ExitStatus.OK)
             return Decision(restart=False, status=status, requeue=requeue)

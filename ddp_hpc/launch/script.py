@@ -166,6 +166,8 @@ def preflight_lines(command: str, job_key: str) -> list[str]:
 #: What records a job's exit status from its script (``restart.record_exit``, the one writer),
 #: where the job ends before its launch starts.
 RECORD_EXIT_ARGV = ("ddp-hpc", "record-exit")
+#: What leaves the preempted marker from the rank wrapper (``contract.mark_stopped``, the one writer).
+RECORD_STOP_ARGV = ("ddp-hpc", "record-stop")
 
 
 def _failed_before_launch(job_key: str) -> list[str]:
@@ -188,8 +190,9 @@ def deadline_line(request: SubmitRequest) -> str:
 #: Wraps a rank's command under mpiexec: records ``RANK STATUS`` when it fails (SIGKILL
 #: included: the wrapper outlives it), in the order the ranks fail, and passes the stop
 #: signals on. The first line names the rank that failed first: the launcher kills the
-#: others only after this wrapper has exited. Rank 0 stopping (75) touches the preempted
-#: marker (``attempts.MarkedAttempts`` reads it), as ``StopAgreement``'s rank 0 writes it: MPICH's
+#: others only after this wrapper has exited. Rank 0 stopping (75) leaves the preempted
+#: marker (``attempts.MarkedAttempts`` reads it) through its one writer, ``StopAgreement``'s
+#: (``ddp-hpc record-stop``; ``touch`` only where ddp-hpc cannot start on the host): MPICH's
 #: Hydra, having passed a stop on, reports the ranks' 75 as 0 about one time in six,
 #: whatever the ranks run. Nothing is recorded without a run folder. The traps are set before
 #: the rank starts: a signal before it has started is held (``pending``) and passed on once
@@ -215,7 +218,8 @@ RANK_FAILURE_WRAPPER = (
     '[ "$again" = 127 ] && break; status=$again; done; '
     f'if [ -z "${RUN_FOLDER_VAR}" ] || [ "$status" = 0 ]; then :; '
     f'elif [ "$status" = {ExitStatus.REQUEUE:d} ]; then '
-    f'[ "$rank" != 0 ] || touch "${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"; '
+    f'[ "$rank" != 0 ] || {{ command -v {RECORD_STOP_ARGV[0]} >/dev/null && {render_argv(RECORD_STOP_ARGV)} '
+    f'"${RUN_FOLDER_VAR}"; }} || touch "${RUN_FOLDER_VAR}/{PREEMPTED_MARKER}"; '
     'else printf \'%s %s\\n\' "$rank" "$status" '
     f'>>"${RUN_FOLDER_VAR}/{RANK_FAILURES_PREFIX}${{{RESTART_COUNT_VAR}:-0}}"; fi; '
     'exit "$status"')

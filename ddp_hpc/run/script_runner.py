@@ -22,7 +22,11 @@ imports ddp_hpc.
 
 A script that ends with an uncaught exception (KeyboardInterrupt included) is left to the
 interpreter after its traceback, as without this runner: a failing rank's peers may still
-be inside a collective with it, and ending the group could wait for them.
+be inside a collective with it, and ending the group could wait for them. An exception
+whose class says it is reported in one line (``one_line_status``: in-job recovery's
+``RecoveryError``, the fall-back to a restart in place working, not a crash) prints that
+line instead of its traceback and exits with that status, unless the variable its class
+names (``one_line_unless``) is set to anything but 0.
 
 Keep this file importable by any Python 3.8+ and free of imports outside the standard
 library at module level.
@@ -156,6 +160,17 @@ def _report_uncaught(exc: BaseException) -> None:
         sys.__excepthook__(type(exc), exc, tb)
 
 
+def _one_line_status(exc: BaseException):
+    """The exit status of an exception reported in one line (see the module's docstring), or None."""
+    status = getattr(type(exc), "one_line_status", None)
+    unless = getattr(type(exc), "one_line_unless", None)
+    if not isinstance(status, int) or isinstance(status, bool):
+        return None
+    if isinstance(unless, str) and os.environ.get(unless, "").strip() not in ("", "0"):
+        return None
+    return status
+
+
 def _finish_as_python_would() -> None:
     """Join non-daemon threads, then run the atexit functions: the interpreter's first
     steps at exit, done here so that the process group outlives them."""
@@ -212,6 +227,11 @@ def main(argv: list[str]) -> None:
         sys.excepthook = _already_reported
         raise
     except BaseException as exc:  # noqa: BLE001  (an uncaught exception: traceback, status 1)
+        status = _one_line_status(exc)
+        if status is not None:
+            sys.stderr.write(f"{exc}\n")
+            _flush_std_streams()
+            raise SystemExit(status) from None
         _report_uncaught(exc)
         raise SystemExit(1) from None
     if os.getpid() != runner_pid:

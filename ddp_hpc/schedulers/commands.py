@@ -8,6 +8,7 @@ here.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ from ddp_hpc.contract import SUBMISSION_FILE, SUBMISSIONS_LOG, SWEEP_INDEX_VAR, 
 from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers import base, registry, runner
 from ddp_hpc.launch.left_out import left_out_line
-from ddp_hpc.specs.profiles import load_profile
+from ddp_hpc.specs.profiles import ClusterProfile, load_profile
 from ddp_hpc.specs.request import (
     CommandPayload,
     SubmitRequest,
@@ -42,7 +43,8 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("config", nargs="?", help="training config (YAML); or give a command after '--'")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the job")
     default = registry.default_profile(family)
-    parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: {default})")
+    parser.add_argument("--cluster", default=default, help=f"cluster profile name or YAML path (default: "
+                        f"{default or 'the profile whose match fits this machine: ddp-hpc cluster which'})")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--ranks-per-node", "--tasks-per-node", dest="ranks_per_node", type=int,
                         help="ranks per node (default: the profile's)")
@@ -106,13 +108,23 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
     declared = {opt.request_field: getattr(args, opt.dest) for group in ("job", "backend")
                 for opt in registry.run_opts(args.scheduler, group) if opt.request_field}
     return SubmitRequest(
-        payload=payload, profile=load_profile(args.cluster), nodes=args.nodes, walltime=args.walltime,
+        payload=payload, profile=_profile(args), nodes=args.nodes, walltime=args.walltime,
         ranks_per_node=args.ranks_per_node, account=args.account, queue=args.queue, job_name=args.job_name,
         setup=tuple(args.setup), env=parse_env_assignments(args.env),
         python_env=None if args.no_venv else current_python_env(),
         max_restarts=max_restarts, sweep=Sweep.parse(args.sweep, args.sweep_limit), chain=args.chain,
         stop_signal=args.signal or StopSignal.default(), preflight=args.preflight, stage_env=args.stage_env,
         stage_dir=args.stage_dir, **declared)
+
+
+def _profile(args: argparse.Namespace) -> ClusterProfile:
+    if args.cluster:
+        return load_profile(args.cluster)
+    from ddp_hpc.schedulers.cluster.which import profile_for
+
+    profile, why = profile_for(args.scheduler)
+    logging.getLogger(__name__).debug("cluster profile %s (%s): %s", profile.name, profile.path, why)
+    return profile
 
 
 def _scheduler(args: argparse.Namespace) -> str:

@@ -1,7 +1,10 @@
 """The registry of scheduler backends: each family (a profile's ``scheduler``) and its
 backends, the default first, and the cluster profile ``render``/``submit FAMILY`` use without
 ``--cluster``. Adding a family is one line in ``REGISTRY``; the CLI asks ``run_opts`` and
-``backend_for`` for the options each backend declares (``Scheduler.run_opts``)."""
+``backend_for`` for the options each backend declares (``Scheduler.run_opts``).
+
+A family without a default profile (``slurm``, ``pbs``) takes the profile whose ``match`` fits
+this machine (``cluster/which.py``): a generic one would render a script for another cluster."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ from ddp_hpc.schedulers.pbs import PbsScheduler
 from ddp_hpc.schedulers.slurm import SbatchScheduler, SubmititScheduler
 
 #: A profile's scheduler family -> (its backends, the default first; the cluster profile
-#: ``render``/``submit FAMILY`` use without ``--cluster``). One line per family.
-REGISTRY: dict[str, tuple[tuple[type[Scheduler], ...], str]] = {
-    "pbs": ((PbsScheduler,), "pbs-generic"),
-    "slurm": ((SubmititScheduler, SbatchScheduler), "slurm-cpu"),
+#: ``render``/``submit FAMILY`` use without ``--cluster``, None: the one that matches this
+#: machine). One line per family.
+REGISTRY: dict[str, tuple[tuple[type[Scheduler], ...], str | None]] = {
+    "pbs": ((PbsScheduler,), None),
+    "slurm": ((SubmititScheduler, SbatchScheduler), None),
     "local": ((LocalScheduler,), "local"),
 }
 
@@ -33,8 +37,9 @@ def families() -> dict[str, tuple[str, ...]]:
     return {family: tuple(cls.name for cls in classes) for family, (classes, _) in REGISTRY.items()}
 
 
-def default_profile(family: str) -> str:
-    """The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``."""
+def default_profile(family: str) -> str | None:
+    """The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``; None: the
+    one whose ``match`` fits this machine."""
     return REGISTRY[family][1]
 
 

@@ -3,11 +3,14 @@
 A profile names the scheduler, the launcher flavour, ranks and devices per node, the
 device/backend, CPU binding, queue and file systems, setup lines and environment presets.
 Users add a cluster by writing one file (in ``./configs/clusters`` or
-``$DDP_HPC_CLUSTERS_DIR``); ``--cluster`` takes a name or a path.
+``$DDP_HPC_CLUSTERS_DIR``), or by ``ddp-hpc cluster probe``; ``--cluster`` takes a name or a
+path. Without ``--cluster``, the profile whose ``match`` fits this machine (the scheduler's
+cluster name, or a host name pattern) is used: ``find_profile``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from importlib import resources
@@ -20,6 +23,28 @@ from ddp_hpc.config_loader import ConfigError, build, positive
 from ddp_hpc.contract import CLUSTERS_DIR_VAR
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ProfileMatch:
+    """Which machines a profile is for, without ``--cluster``: either fits."""
+    #: The scheduler's name for its cluster (SLURM's ``ClusterName``, a PBS server's name).
+    cluster_name: str | None = None
+    #: A shell pattern for this host's name, e.g. ``login*.frontier.olcf.ornl.gov``.
+    hostname: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.cluster_name or self.hostname):
+            raise ConfigError("match: give cluster_name, hostname or both")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """This machine as a profile's ``match`` sees it."""
+    cluster_names: tuple[str, ...]  # what the schedulers here call their cluster
+    hostname: str
+    #: The family whose commands answered here (its profiles come first), None where none did.
+    scheduler: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +72,10 @@ class ClusterProfile:
     host_suffix: str = ""
     setup: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    match: ProfileMatch | None = None
     name: str = ""
+    #: Where it was read from (set by ``load_profile``).
+    path: str = ""
 
     def __post_init__(self) -> None:
         positive(self.ranks_per_node, "ranks_per_node")
@@ -60,6 +88,18 @@ class ClusterProfile:
                 raise ConfigError(f"env.{name}: expected a string (quote it in YAML), got {value!r}")
         for line in self.setup:
             check_single_line(line, "setup line")
+
+    def fits(self, machine: Machine) -> str | None:
+        """Why ``match`` fits ``machine`` (one phrase), or None."""
+        if self.match is None:
+            return None
+        if self.match.cluster_name and self.match.cluster_name in machine.cluster_names:
+            return f"the scheduler's cluster name is {self.match.cluster_name!r}"
+        host = machine.hostname
+        if self.match.hostname and (fnmatch.fnmatch(host, self.match.hostname)
+                                    or fnmatch.fnmatch(host.split(".")[0], self.match.hostname)):
+            return f"host {host!r} fits {self.match.hostname!r}"
+        return None
 
     @property
     def uses_gpus(self) -> bool:
@@ -90,6 +130,43 @@ def profile_dirs() -> list[Path]:
     return dirs
 
 
+def profile_paths() -> list[Path]:
+    """Every profile by name, the first directory's where two share a name (the user's
+    before the shipped ones)."""
+    found: dict[str, Path] = {}
+    for folder in profile_dirs():
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.yaml")):
+                found.setdefault(path.stem, path)
+    return list(found.values())
+
+
+def matching_profiles(machine: Machine, family: str | None = None) -> list[tuple[ClusterProfile, str]]:
+    """The profiles whose ``match`` fits this machine (of ``family`` where given), user's first,
+    each with why. A profile that does not load is skipped (``cluster check`` names it)."""
+    found = []
+    for path in profile_paths():
+        try:
+            profile = load_profile(str(path))
+        except ConfigError:
+            continue
+        reason = profile.fits(machine)
+        if reason and (family is None or profile.scheduler == family):
+            found.append((profile, reason))
+    return sorted(found, key=lambda pair: pair[0].scheduler != machine.scheduler)  # stable: user's first
+
+
+def find_profile(machine: Machine, family: str | None = None) -> tuple[ClusterProfile, str]:
+    """The profile ``render``/``submit`` use without ``--cluster``: the first that fits."""
+    found = matching_profiles(machine, family)
+    if not found:
+        names = ", ".join(repr(n) for n in machine.cluster_names) or "none answered"
+        raise ConfigError(f"no cluster profile{' for ' + family if family else ''} matches this machine (host "
+                          f"{machine.hostname!r}, cluster name {names}): run `ddp-hpc cluster probe --out "
+                          f"configs/clusters/NAME.yaml`, or give --cluster NAME")
+    return found[0]
+
+
 def available_profiles() -> list[str]:
     names = {p.stem for d in profile_dirs() if d.is_dir() for p in d.glob("*.yaml")}
     return sorted(names)
@@ -111,4 +188,4 @@ def load_profile(name_or_path: str) -> ClusterProfile:
         raise ConfigError(f"cluster profile {path}: {exc}") from None
     except TypeError as exc:  # a required key is missing
         raise ConfigError(f"cluster profile {path}: {str(exc).split('() ', 1)[-1]}") from None
-    return replace(profile, name=profile.name or path.stem)
+    return replace(profile, name=profile.name or path.stem, path=str(path))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_hpc.device import backend_label
 from ddp_hpc.startup.distributed import DistContext
 
 
@@ -35,7 +36,7 @@ class RankReport:
     def of(cls, ctx: DistContext) -> RankReport:
         env = ctx.env
         return cls(env.rank, env.world_size, env.node_rank, socket.gethostname(), env.local_rank,
-                   env.local_world_size, str(ctx.device.torch_device), ctx.device.backend,
+                   env.local_world_size, str(ctx.device.torch_device), backend_label(ctx.device.backend),
                    env.source, torch.__version__, os.getpid())
 
 

@@ -18,7 +18,8 @@ from ddp_hpc.startup.distributed import DistributedOptions, GroupStarter, proces
 from ddp_hpc.startup.group_start import GroupStart
 from ddp_hpc.errors import UserError
 from ddp_hpc.logs import ConsoleFilter, configure_logging, rank_log_path
-from ddp_hpc.stop import StopSignalsOutsideTraining, job_deadline, parse_stop_signal, stop_signals
+from ddp_hpc.stop import job_deadline, parse_stop_signal, stop_signals
+from ddp_hpc.stop_handler import Listening, rank_stop_handler
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.tracking.registry import check_installed
 from ddp_hpc.training.callbacks import Callback, TrainerView, create_callbacks
@@ -37,7 +38,9 @@ class TrainOptions:
 
     device: str | None = None
     backend: str | None = None
-    #: Checkpoint and stop on SIGUSR2/SIGTERM (installs signal handlers for the run's duration).
+    #: Checkpoint and stop on SIGUSR2/SIGTERM (the rank's stop-signal handler, ``stop_handler``,
+    #: takes them for the run's duration), and on one it recorded before the run
+    #: (``ddp_hpc.record_stop_signals()``, which the CLI calls before torch is imported).
     handle_signals: bool = False
     #: Send ddp_hpc's logs to stderr with the rank in the prefix once the rank is known.
     configure_logs: bool = False
@@ -47,25 +50,21 @@ class TrainOptions:
     #: With ``configure_logs``: the ranks whose INFO lines reach the console (every rank's
     #: lines also go to RUN/logs/rank-NNNNN.log).
     console: ConsoleFilter = ConsoleFilter()
-    #: With ``handle_signals``: the stop signals the process owner recorded before ``train``
-    #: started (a stop is requested at once for them); the recorder takes signals again
-    #: once training ends.
-    outside_training: StopSignalsOutsideTraining | None = None
 
 
-def _install_stop_handlers(trainer: Trainer, received: list[int]) -> dict:
+def _listen_for_stops(trainer: Trainer) -> Listening:
     """SIGUSR2 (SLURM's warning before the time limit), SIGTERM (preemption, scancel,
     PBS at walltime) and ``checkpoint.stop_signal`` ask the trainer to checkpoint and stop
-    at the next agreed step."""
+    at the next agreed step; so does one the rank's handler recorded before training."""
+    every = trainer.config.checkpoint.preemption_check_every_n_steps
 
-    def handler(signum: int, frame: object) -> None:
-        received.append(signum)
+    def on_stop(signum: int, early: bool) -> None:
         trainer.request_stop()
-        log.warning("received %s: will checkpoint and stop within %d steps", signal.Signals(signum).name,
-                    trainer.config.checkpoint.preemption_check_every_n_steps)
+        log.warning("received %s%s: will checkpoint and stop within %d steps", signal.Signals(signum).name,
+                    " during start-up" if early else "", every)
 
     configured = parse_stop_signal(trainer.config.checkpoint.stop_signal)
-    return {signum: signal.signal(signum, handler) for signum in stop_signals(configured)}
+    return rank_stop_handler().listen(on_stop, stop_signals(configured))
 
 
 def distributed_options(config: Config, device: str | None, backend: str | None) -> DistributedOptions:
@@ -102,17 +101,25 @@ class RankLine(Callback):
 
 
 def train(config: Config | str | Path | None = None, overrides: Sequence[str] = (), *,
-          job: Job | None = None, options: TrainOptions = TrainOptions()) -> RunSummary:
+          job: Job | None = None, options: TrainOptions = TrainOptions(),
+          config_path: str | Path | None = None) -> RunSummary:
     """Run one training job on this rank, under whatever launcher started the process.
 
     ``config`` is a ``Config``, a YAML path, or None for the defaults; ``overrides`` are
     ``key=value`` strings applied on top; ``job`` replaces the job the config names. Every
     rank returns the run's ``RunSummary`` (``status`` says whether it was preempted, and
-    ``exit_status`` what a process that owns the rank exits with).
+    ``exit_status`` what a process that owns the rank exits with). ``config_path``: the file
+    a ``Config`` was read from, naming the run as that path would (``ddp-hpc train`` reads
+    its config once and hands both on).
     """
     # Everything that can be wrong with the input is checked before any rank starts
     # a process group or writes a file.
-    config_path = None if config is None or isinstance(config, Config) else str(config)
+    if isinstance(config, Config):
+        config_path = str(config_path) if config_path is not None else None
+    elif config_path is not None:
+        raise TypeError("train: config_path names where a Config was read from; give the path as config instead")
+    else:
+        config_path = None if config is None else str(config)
     if isinstance(config, Config):
         config = config.with_overrides(list(overrides))
     else:
@@ -134,20 +141,13 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
             configure_logging(ctx.rank, verbose=options.verbose, console=options.console,
                               log_file=rank_log_path(run.path, ctx.rank))
             callbacks = [RankLine(), *callbacks]
-        received: list[int] = []
-        previous: dict = {}
+        listening: Listening | None = None
         trainer: Trainer | None = None
         started = time.time()
         try:
             trainer = Trainer(job, config, ctx, run, callbacks, deadline=deadline)
             if options.handle_signals:
-                previous = _install_stop_handlers(trainer, received)
-                early = options.outside_training.received if options.outside_training else []
-                if early:
-                    received.extend(early)
-                    trainer.request_stop()
-                    log.warning("received %s during start-up: will checkpoint and stop within %d steps",
-                                signal.Signals(early[0]).name, config.checkpoint.preemption_check_every_n_steps)
+                listening = _listen_for_stops(trainer)
             summary = trainer.fit()
         except UserError:
             raise  # one line from the CLI is enough for bad input
@@ -159,10 +159,11 @@ def train(config: Config | str | Path | None = None, overrides: Sequence[str] = 
                       str(exc).splitlines()[0] if str(exc) else "")
             raise
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            if listening is not None:
+                rank_stop_handler().stop_listening(listening)
         if summary.preempted:
             # The signal this rank received; None for the deadline or another rank's signal.
+            received = listening.received if listening is not None else []
             summary = replace(summary, stopped_by=signal.Signals(received[0]).name if received else None)
         if options.report and ctx.is_rank_zero and not summary.preempted:
             test = summary.test or {}

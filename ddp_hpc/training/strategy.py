@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_hpc.config import Config, FsdpConfig
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.startup.distributed import DistContext
+from ddp_hpc.engine.sharding import load_whole_optimizer, whole_model_state, whole_optimizer_state
 from ddp_hpc.errors import UserError
 from ddp_hpc.torch_support import fsdp2_refusal, installed
 
@@ -151,21 +152,10 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _full_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def model_state(model: nn.Module) -> dict[str, Any] | None:
     """The whole model's state dict. Sharded: a collective (every rank calls it), gathered
     to host memory on rank 0 only; other ranks get None."""
-    if not is_sharded(model):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    state = get_model_state_dict(model, options=_full_options())
-    return state or None
+    return whole_model_state(model) if is_sharded(model) else model.state_dict()
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any] | None:
@@ -174,43 +164,16 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if ctx.is_rank_zero else None
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state = get_optimizer_state_dict(model, optimizer, options=_full_options())
-    return _numbered(state) if state else None
+    return whole_optimizer_state(model, optimizer) if is_sharded(model) else optimizer.state_dict()
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a whole optimizer state (every rank holds it) into ``optimizer``; sharded, each
     rank keeps its slice."""
-    if not is_sharded(model):
+    if is_sharded(model):
+        load_whole_optimizer(model, optimizer, state)
+    else:
         optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, _named(state, model, optimizer),
-                             options=StateDictOptions(full_state_dict=True))
-
-
-# torch names a sharded optimizer's parameters by their module paths, ``optimizer.state_dict()``
-# numbers them in ``param_groups`` order; checkpoints keep the numbers, so that a checkpoint
-# resumes under either strategy.
-
-def _numbered(state: dict[str, Any]) -> dict[str, Any]:
-    number = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
-    return {"state": {number[name]: value for name, value in state["state"].items()},
-            "param_groups": [{**group, "params": [number[n] for n in group["params"]]}
-                             for group in state["param_groups"]]}
-
-
-def _named(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    name_of = {id(p): name for name, p in model.named_parameters()}
-    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    return {"state": {names[int(i)]: value for i, value in state["state"].items()},
-            "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
-                             for group in state["param_groups"]]}
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

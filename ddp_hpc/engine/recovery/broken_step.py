@@ -12,8 +12,10 @@ put back, so that the redone step starts where the uninterrupted run started it:
 - FSDP2's per-step state (``shards.reset_after_failure``): gathered parameters, pending
   collectives, training states;
 - buffers changed by the broken forward (BatchNorm's running statistics): put back as they
-  were at the last step's end (``StepStart``). A sharded model's come back with its
-  snapshot instead;
+  were at the last step's end (``StepStart``), each survivor its own. DDP broadcasts rank
+  0's buffers at the start of each forward, so a replacement of rank 0 takes the ones the
+  survivors received in the broken step's forward (``StepStart.received``), which are rank
+  0's of the last step's end. A sharded model's come back with its snapshot instead;
 - a gradient scaler's per-step stages (``fresh_scaler_stages``);
 - an optimizer step applied but not yet counted (``StepStart.applied``): a DDP member that
   applied it is not a source of the state (its parameters are a step ahead of its count).
@@ -24,7 +26,7 @@ The RNG streams need nothing here: every rank reseeds them from the step it cont
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,11 +36,16 @@ from torch import nn
 class StepStart:
     """What a DDP model's step changes before its optimizer step that no transfer puts
     back: its buffers (kept at each step's end, put back on a survivor before the state
-    travels), and whether this step's optimizer step was applied (``applied``: set by the
-    optimizer's post-hook, cleared when the step is counted)."""
+    travels), the buffers its first forward of each step started from (``received``: under
+    DDP's ``broadcast_buffers``, rank 0's of the step before), and whether this step's
+    optimizer step was applied (``applied``: set by the optimizer's post-hook, cleared when
+    the step is counted)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._received: dict[str, torch.Tensor] = {}
+        #: The step (completed steps + 1) whose first forward ``received`` was taken in.
+        self._received_in = -1
         self.applied = False
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -48,24 +55,47 @@ class StepStart:
 
         return optimizer.register_step_post_hook(mark)
 
+    def watch(self, model: nn.Module, steps_done: Callable[[], int]) -> Any:
+        """Keeps the buffers each step's first forward of ``model`` starts from (a forward
+        pre-hook of the module DDP wraps: it runs after DDP's broadcast of rank 0's
+        buffers); ``steps_done``: the steps completed. The handle's ``remove()`` ends that."""
+        def take(module: nn.Module, _args: Any) -> None:
+            step = steps_done() + 1
+            if module.training and step != self._received_in:  # an evaluation's forward broadcasts nothing
+                self._received, self._received_in = _copied(module, self._received), step
+        return model.register_forward_pre_hook(take)
+
+    def received(self, step: int) -> dict[str, torch.Tensor] | None:
+        """The buffers the first forward of step ``step`` started from, where it ran."""
+        return dict(self._received) if self._received_in == step else None
+
     def keep(self, model: nn.Module) -> None:
         """The model's buffers as they are now: a step's end (or the state just loaded)."""
-        kept = {}
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                copy = self._buffers.get(name)
-                if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype:
-                    copy = torch.empty_like(buffer)
-                kept[name] = copy.copy_(buffer)
-        self._buffers = kept
+        self._buffers = _copied(model, self._buffers)
 
     def put_back(self, model: nn.Module) -> None:
         """The buffers as kept last (what a broken forward changed is undone)."""
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                kept = self._buffers.get(name)
-                if kept is not None and kept.shape == buffer.shape:
-                    buffer.copy_(kept)
+        load_buffers(model, self._buffers)
+
+
+def _copied(model: nn.Module, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s buffers, in the tensors of ``into`` where they fit."""
+    kept = {}
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            copy = into.get(name)
+            if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype:
+                copy = torch.empty_like(buffer)
+            kept[name] = copy.copy_(buffer)
+    return kept
+
+
+def load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """``buffers`` (by name) into ``model``'s."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers and buffers[name].shape == buffer.shape:
+                buffer.copy_(buffers[name])
 
 
 def clear_broken_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, objects: Iterable[Any],

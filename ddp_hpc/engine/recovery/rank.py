@@ -51,6 +51,7 @@ rank as before and the launcher restarts in place.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import logging
@@ -82,13 +83,15 @@ from ddp_hpc.contract import (
 )
 from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR, NCCL_MONITORING_VAR
+from ddp_hpc.engine import sharding
 from ddp_hpc.engine.checkpointer import Checkpointer
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
-from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step
+from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step, load_buffers
 from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
 from ddp_hpc.engine.recovery.fence import StepFence, wait_for_stream
+from ddp_hpc.engine.recovery.layout import describe_lost_together, node_bytes
 from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_from_tensor, state_to_tensor
 from ddp_hpc.engine.recovery.record import (
     RecoveryEvent,
@@ -114,6 +117,7 @@ from ddp_hpc.engine.recovery.shards import (
     restored_dtensors,
     sharding_refusal,
     snapshot_root,
+    localized,
     state_bytes,
 )
 from ddp_hpc.engine.rng import seed_for_step
@@ -173,6 +177,10 @@ class InJobRecovery:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
         self.slot = int(env.get("RANK", "0"))
+        if (why := group_refusal()) is not None:
+            # Ended first: left to the interpreter's exit, a live gloo group can abort the process.
+            dist.destroy_process_group()
+            raise RefusedOnRank(why, self.slot)
         self.enabled = env.get(RECOVERY_STORE_VAR) is not None
         self.snapshot_every = _snapshot_every(snapshot_every, env, self.slot)
         self._snapshot_replicas = snapshot_replicas
@@ -267,6 +275,10 @@ class InJobRecovery:
         self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, heartbeat_s,
                                          self.wait_s)
         self._heartbeat.start()
+        # Stopped before the interpreter (or the script runner) ends the group: a beat thread
+        # inside a store call while the interpreter finalizes aborts the process (SIGABRT,
+        # seen after a one-line refusal raised by another part, which reads as a lost rank).
+        atexit.register(self._heartbeat.stop, self.wait_s)
         self._store.set(keys.ready_key(self.slot), "1")
 
     # ----- the user's loop --------------------------------------------------------------
@@ -306,7 +318,8 @@ class InJobRecovery:
         reason given in the class's ``__init__``.
         """
         sharded = is_sharded(model)
-        why = run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks)
+        why = (sharded_run_refusal(model, optimizer, wrap)
+               or run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks))
         if why is None and self._fence is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
             why = (f"ZeroRedundancyOptimizer cannot recover over {self.backend}: its parameter broadcasts after the "
                    "step could be cut short by an abort unseen; use a plain optimizer (or FSDP2) under --recover")
@@ -334,9 +347,10 @@ class InJobRecovery:
             if self._snapshots is not None and self._restarts > 0:
                 self._resume_from_memory()
         self._keeps_buffers = self.enabled and not sharded  # a sharded model's come back with its snapshot
+        hooks = [self._step_start.attach(optimizer)]
         if self._keeps_buffers:
             self._step_start.keep(model)
-        hooks = [self._step_start.attach(optimizer)]
+            hooks.append(self._step_start.watch(model, lambda: self.step))
         if self._fence is not None:
             hooks.append(self._fence.attach(optimizer))
         try:
@@ -627,11 +641,14 @@ class InJobRecovery:
         if checked:
             self._snapshots = Snapshots(self.snapshot_every, buddies, files, self._state)
             return
-        need = snapshot_bytes(self._state()) * (KEPT_STEPS * buddies.replicas + 1)
-        mine = {"host": socket.gethostname(), "need": need, "free": available_memory_bytes(files.root)}
+        mine = {"host": socket.gethostname(), "payload": snapshot_bytes(self._state()),
+                "free": available_memory_bytes(files.root)}
         everyone = gather_json(mine, self._check_group)
         hosts = [one["host"] for one in everyone]
-        why = buddies.refusal(hosts) or memory_refusal(everyone, buddies.replicas, files.root)
+        payloads = [one["payload"] for one in everyone]
+        held = node_bytes(hosts, payloads, buddies)
+        at_most = node_bytes(hosts, payloads, buddies, steps=KEPT_STEPS + 1)
+        why = buddies.refusal(hosts) or memory_refusal(everyone, at_most, buddies, files.root)
         if why is not None:
             self.close()
             raise RefusedOnRank(why, self.slot)
@@ -641,14 +658,31 @@ class InJobRecovery:
         self._snapshots = Snapshots(self.snapshot_every, buddies, files, self._state)
         self._attach_snapshots()
         if self.slot == 0:
-            log.info("snapshots of the sharded state every %d step(s) in %s, each also held %d rank(s) away: about "
-                     "%.1f MiB of node-local memory per rank", self.snapshot_every, files.root, buddies.distance,
-                     need / 2**20)
-            if self.run_dir is not None:
-                write_snapshot_plan(self.run_dir, SnapshotPlan(
-                    every=self.snapshot_every, replicas=buddies.replicas, distance=buddies.distance,
-                    kept_steps=KEPT_STEPS, folder=str(files.root),
-                    bytes_per_rank={str(rank): report["need"] for rank, report in enumerate(everyone)}))
+            assert self._store is not None
+            keys.publish_snapshots(self._store, world, buddies.distance, buddies.replicas, str(files.root))
+            self._say_snapshot_memory(hosts, payloads, held, buddies, files)
+
+    def _say_snapshot_memory(self, hosts: list[str], payloads: list[int], held: dict[str, int], buddies: Buddies,
+                             files: SnapshotFiles) -> None:
+        """rank 0's line on what the snapshots take of its node's memory, and the plan in the record."""
+        here = hosts[0]
+        ranks_here = hosts.count(here)
+        slots = buddies.slots_on_host(hosts, here)
+        in_files = KEPT_STEPS * sum(payloads[slot] for slot in slots)
+        log.info("snapshots of the sharded state every %d step(s) in %s, each also held %d rank(s) away: about %.1f "
+                 "MiB of node-local memory per rank (%.1f MiB of files: %d steps of the %d slots whose copies %s "
+                 "keeps; %.1f MiB of host buffers)", self.snapshot_every, files.root, buddies.distance,
+                 held[here] / ranks_here / 2**20, in_files / ranks_here / 2**20, KEPT_STEPS, len(slots), here,
+                 (held[here] - in_files) / ranks_here / 2**20)
+        if self.run_dir is not None:
+            write_snapshot_plan(self.run_dir, SnapshotPlan(
+                every=self.snapshot_every, replicas=buddies.replicas, distance=buddies.distance,
+                kept_steps=KEPT_STEPS, folder=str(files.root),
+                bytes_per_rank={str(rank): held[host] // hosts.count(host) for rank, host in enumerate(hosts)},
+                snapshot_bytes={str(rank): payload for rank, payload in enumerate(payloads)},
+                node_bytes=held,
+                file_bytes={one: KEPT_STEPS * sum(payloads[slot] for slot in buddies.slots_on_host(hosts, one))
+                            for one in dict.fromkeys(hosts)}))
 
     def _attach_snapshots(self) -> None:
         """The swaps of the group formed last meet under its generation's prefix."""
@@ -671,9 +705,29 @@ class InJobRecovery:
         self._attach_snapshots()
         rollback = self._load_newest_snapshot()
         if rollback is None:
-            raise RecoveryError(f"rank {self.slot}: no snapshot step is held for every shard (a rank and each of its "
-                                "buddies lost before the first swap ended); the launch restarts the job in place")
+            cause = self._no_rollback_cause()
+            if dist.get_rank() == 0 and self._store is not None:  # the launch gives up at the survivors' exits
+                keys.give_up(self._store, cause)
+            raise RecoveryError(f"rank {self.slot}: {cause}; the launch restarts the job in place from the newest "
+                                "checkpoint")
         return rollback
+
+    def _no_rollback_cause(self) -> str:
+        """Why no snapshot step is held for every shard (one clause, the same on every member):
+        a rank lost with every buddy that held its copies (their nodes' memory with them), or
+        a loss before any copy was kept."""
+        snapshots = self._snapshots
+        assert snapshots is not None
+        held = gather_json(sorted(int(slot) for slot in snapshots.files.holdings(self._kept_slots())),
+                           self._check_group)
+        kept = {slot for slots in held for slot in slots}
+        missing = [slot for slot in range(dist.get_world_size()) if slot not in kept]
+        if not kept:
+            return "no snapshot was kept yet (the loss came before the first one)"
+        if missing:
+            gone = snapshots.buddies.gone_together(missing) or [(missing[0], snapshots.buddies.holders(missing[0]))]
+            return describe_lost_together(gone)
+        return "the shards' copies are of different steps, none held for every shard"
 
     def _load_newest_snapshot(self) -> Rollback | None:
         """Load the newest snapshot step every shard has, whoever holds it; its rollback."""
@@ -745,8 +799,13 @@ class InJobRecovery:
             dist.all_gather(reports, mine)
             self._check_group()
             step, source = transfer_source([(int(report[0]), bool(report[1])) for report in reports], self.slot)
-            self._load(broadcast_state(self._state() if dist.get_rank() == source else None, source, device,
-                                       self._check_group), shrunk=not plan.replaced)
+            sent = None
+            if dist.get_rank() == source:
+                sent = self._state()
+                if self._keeps_buffers:  # rank 0's, of the last step's end, where a replacement of rank 0 needs them
+                    sent["received_buffers"] = self._step_start.received(step + 1)
+            self._load(broadcast_state(sent, source, device, self._check_group), shrunk=not plan.replaced,
+                       joining=joining)
         assert self.seed is not None
         seed_for_step(self.seed, step)
         self.step = step
@@ -790,7 +849,7 @@ class InJobRecovery:
             state["checkpointer"] = self._checkpointer.bookkeeping()
         return state
 
-    def _load(self, state: dict[str, Any], shrunk: bool) -> None:
+    def _load(self, state: dict[str, Any], shrunk: bool, joining: bool = False) -> None:
         self._repeated = 0
         # A snapshot's shards travel as plain tensors: made DTensors again as the live objects' are.
         sharded = [path[1:] for path in state.get("dtensors", ()) if path and path[0] == "objects"]
@@ -805,7 +864,24 @@ class InJobRecovery:
             self._checkpointer.continue_from(state["checkpointer"])
         self._step_start.applied = False
         if self._keeps_buffers and self._model is not None:
+            self._take_buffers(state, joining)
             self._step_start.keep(self._model)
+
+    def _take_buffers(self, state: dict[str, Any], joining: bool) -> None:
+        """A DDP model's buffers after a transfer: a survivor at the step the group goes on
+        from keeps its own (as at that step's end); a replacement of rank 0 takes rank 0's,
+        which the survivors received in the broken step's forward (DDP broadcasts rank 0's
+        buffers at each forward: the other ranks' are overwritten by them before use)."""
+        assert self._model is not None
+        if not joining and self.step == state["step"]:
+            self._step_start.put_back(self._model)
+        elif joining and dist.get_rank() == 0:
+            received = state.get("received_buffers")
+            if received is not None:
+                load_buffers(self._model, received)
+            elif any(True for _ in self._model.buffers()):
+                log.warning("rank %d: rank 0's buffers (BatchNorm's running statistics) were lost with it before the "
+                            "broken step's forward: they go on from the sending rank's", self.slot)
 
     def _base_seed(self) -> int:
         """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
@@ -830,23 +906,50 @@ class InJobRecovery:
         return base
 
     def _finish_recovery(self) -> None:
+        """The first step after a recovery is done: one record per rank lost since the group
+        before trained (two ranks lost at once, or a replacement that died before its group
+        trained, are plans this group's absorbed), each with its own cause and times."""
         pending, self._pending = self._pending, None
         assert pending is not None
         plan: keys.Plan = pending["plan"]
-        event = RecoveryEvent(generation=plan.generation, rank=plan.lost, host=plan.host, cause=plan.cause,
-                              replaced=plan.replaced, world_size=plan.world_size, step=self.step - 1,
-                              detected_at=plan.detected_at,
-                              group_s=round(pending["group_s"], 4), transfer_s=round(pending["transfer_s"], 4),
-                              recover_s=round(time.time() - plan.detected_at, 4), repeated_samples=self._repeated,
-                              **_rollback_fields(pending["rollback"]))
-        self.recoveries.append(event)
+        events = [self._recovery_event(lost, plan, pending) for lost in [*self._absorbed(plan), plan]]
+        self.recoveries.extend(events)
         if dist.get_rank() == 0:
             assert self._store is not None
             self._store.set(keys.recovered_key(plan.generation), "1")  # the launch may start the next spare
-            log.warning("recovered from the loss of rank %d (%s) in %.2f s: %d ranks, continuing after step %d",
-                        event.rank, event.cause, event.recover_s, event.world_size, event.step)
-            if self.run_dir is not None:
-                write_recovery(self.run_dir, event)
+            for event in events:
+                log.warning("recovered from the loss of rank %d (%s%s) in %.2f s: %d ranks, continuing after step %d",
+                            event.rank, "a replacement: " if event.replacement else "", event.cause,
+                            event.recover_s, event.world_size, event.step)
+                if self.run_dir is not None:
+                    write_recovery(self.run_dir, event)
+
+    def _absorbed(self, plan: keys.Plan) -> list[keys.Plan]:
+        """The plans before ``plan`` whose groups completed no step (each a lost rank this
+        recovery recovers from too), oldest first: back to the last group that did."""
+        assert self._store is not None
+        found = []
+        for generation in range(plan.generation - 1, 0, -1):
+            if self._store.check([keys.recovered_key(generation)]):
+                break
+            older = keys.read_plan(self._store, generation)
+            if older is None:  # drawn by another node supervisor, not published yet: none of ours
+                continue
+            if older.gave_up:
+                break
+            found.append(older)
+        return found[::-1]
+
+    def _recovery_event(self, lost: keys.Plan, plan: keys.Plan, pending: dict[str, Any]) -> RecoveryEvent:
+        """The record of ``lost``'s loss, recovered by ``plan``'s group: its times from its own detection."""
+        formed, transferred = plan.detected_at + pending["group_s"], plan.detected_at + pending["transfer_s"]
+        return RecoveryEvent(generation=lost.generation, rank=lost.lost, host=lost.host, cause=lost.cause,
+                             replaced=lost.replaced, world_size=lost.world_size, step=self.step - 1,
+                             detected_at=lost.detected_at, group_s=round(formed - lost.detected_at, 4),
+                             transfer_s=round(transferred - lost.detected_at, 4),
+                             recover_s=round(time.time() - lost.detected_at, 4), repeated_samples=self._repeated,
+                             replacement=lost.replacement, recovered_in=plan.generation, restart=self._restarts,
+                             **_rollback_fields(pending["rollback"]))
 
     def _on_beat(self, store: dist.Store) -> None:
         """After each heartbeat, on its thread: a rank was lost, so leave the old group even
@@ -873,31 +976,69 @@ def _snapshot_every(given: int | None, env: Mapping[str, str], slot: int) -> int
     return every
 
 
-def memory_refusal(reports: Sequence[Mapping[str, Any]], replicas: int, root: Path) -> str | None:
+def memory_refusal(reports: Sequence[Mapping[str, Any]], held: Mapping[str, int], buddies: Buddies,
+                   root: Path) -> str | None:
     """Why the snapshots of the ranks would not fit in their nodes' memory (one line), or
-    None. ``reports``: each rank's host, the bytes its snapshots need, the bytes free there."""
-    hosts = [report["host"] for report in reports]
-    for host in dict.fromkeys(hosts):
-        wanted = sum(report["need"] for report in reports if report["host"] == host)
+    None. ``reports``: each rank's host and the bytes free there; ``held``: what each host's
+    memory would hold at its most (``layout.node_bytes``)."""
+    for host in dict.fromkeys(report["host"] for report in reports):
+        wanted = held[host]
         free = min(report["free"] for report in reports if report["host"] == host)
         if wanted > free:
+            copies = "its ranks' shards" if buddies.replicas == 1 else "its ranks' shards and the copies they hold"
             return (f"the snapshots of the ranks on {host} need about {wanted / 2**30:.2f} GiB of node-local memory "
-                    f"({KEPT_STEPS} steps x {replicas} copies of each rank's shards, and its host buffers) and "
+                    f"({KEPT_STEPS} steps of {copies} and the one being written, and each rank's host buffers) and "
                     f"{free / 2**30:.2f} GiB is free under {root.parent}: give each rank more memory (fewer ranks "
                     f"per node, more nodes), or drop --recover")
     return None
 
 
+#: What a tensor's data takes beyond its bytes in a serialized snapshot (``torch.save``
+#: aligns each record; about half the alignment on average), and what each parameter's
+#: Adam state adds before the first step made it (two moments' records and key paths, and
+#: the step count). Fitted on torch 2.13: the estimate is within 1% of the snapshot
+#: serialized after the step (tests/test_sharded_recovery.py compares them).
+ALIGN_BYTES = 16
+ADAM_ENTRY_BYTES = 770
+
+
 def snapshot_bytes(state: Any) -> int:
-    """What a snapshot of ``state`` will hold: its tensors' bytes on this rank, with the
-    optimizer's state estimated as twice the parameters' (Adam's two moments) where no step
-    has made it yet."""
+    """What a snapshot of ``state`` will hold, serialized: everything but the tensors'
+    data serialized as it will be (each tensor emptied), plus the data's bytes, with the
+    optimizer's state estimated as Adam's (two moments as large as the parameters, a step
+    count) where no step has made it yet."""
     objects = state.get("objects", {})
-    total = state_bytes(state)
+    local, paths = localized(state)
+    hollow = state_to_tensor({**_emptied(local), "dtensors": paths}).numel()
+    total = hollow + state_bytes(state) + ALIGN_BYTES * tensor_count(state)
     optimizer = objects.get("optimizer")
     if optimizer is not None and not optimizer.get("state"):
-        total += 2 * state_bytes(objects.get("model", {}))
+        params = sum(len(group.get("params", ())) for group in optimizer.get("param_groups", ()))
+        total += 2 * state_bytes(objects.get("model", {})) + params * ADAM_ENTRY_BYTES
     return total
+
+
+def _emptied(tree: Any) -> Any:
+    """``tree`` with each tensor replaced by an empty one of its dtype."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty(0, dtype=tree.dtype)
+    if isinstance(tree, Mapping):
+        return {k: _emptied(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_emptied(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_emptied(v) for v in tree)
+    return tree
+
+
+def tensor_count(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return 1
+    if isinstance(tree, Mapping):
+        return sum(tensor_count(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_count(v) for v in tree)
+    return 0
 
 
 def _from_buddies(rollback: Rollback | None) -> tuple[int, ...]:
@@ -1021,6 +1162,30 @@ def run_refusal(model: nn.Module, checkpointer: Checkpointer | None, *, shrinks:
         return ("InJobRecovery.run: give the Checkpointer the model itself, not its DDP wrapper (each group gets "
                 "a wrapper of its own)")
     return None
+
+
+def sharded_run_refusal(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        wrap: Callable[[nn.Module], Any] | None) -> str | None:
+    """Why ``InJobRecovery.run`` cannot train a sharded (FSDP2) ``model`` (one line), or
+    None: the same mistake on every rank, found before anything is wrapped or trained."""
+    bare = model.module if isinstance(model, DistributedDataParallel) else model
+    if not is_sharded(bare):
+        return None
+    if bare is not model or wrap is not None:
+        return ("InJobRecovery.run: a sharded (FSDP2) model is its own wrapper: give run the model itself, with no "
+                "DDP around it and no wrap (DDP cannot take FSDP2's sharded parameters)")
+    return sharding.model_refusal(model) or sharding.optimizer_refusal([model], optimizer)
+
+
+def group_refusal() -> str | None:
+    """Why ``InJobRecovery`` cannot start this rank's group (one line), or None: a default
+    group started before it (``dist.init_process_group``, or ``fully_shard`` or
+    ``init_device_mesh``, which start one where none exists) is not one it can replace."""
+    if not dist.is_initialized():
+        return None
+    return ("InJobRecovery started after a process group already existed (dist.init_process_group, or fully_shard "
+            "/ init_device_mesh, which start one): construct InJobRecovery first, in place of "
+            "init_process_group, then build and shard the model")
 
 
 def is_sharded(model: nn.Module) -> bool:

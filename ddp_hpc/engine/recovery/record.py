@@ -1,11 +1,19 @@
-"""Each in-job recovery in the run record (``record/recovery-<generation>.json``): written by
-rank 0 of the new group, read by the goodput benchmark. Torch-free, so readers need no torch."""
+"""Each in-job recovery in the run record: one file per lost rank, written by rank 0 of the
+group that trained again after it, read by the goodput benchmark. Torch-free, so readers
+need no torch.
+
+The file is ``record/recovery-<generation>.json``: ``<generation>`` is the launch's plan of
+that loss, counted from 1 in each attempt (the Nth rank lost in it, whichever way: two ranks
+lost at once are two plans, 1 and 2, and two files; so is a replacement that dies before its
+group trained, with ``replacement`` true). After a restart in place (``$DDP_HPC_RESTART_COUNT``
+> 0) the attempt's files are ``recovery-<restart>-<generation>.json``, so that none of an
+earlier attempt is overwritten."""
 
 from __future__ import annotations
 
 import json
 import socket
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +53,13 @@ class RecoveryEvent:
     snapshot_step: int | None = None
     redone_steps: int = 0
     from_buddies: tuple[int, ...] = ()
+    #: The lost process was a replacement (or the warm spare) put in the slot after an earlier loss.
+    replacement: bool = False
+    #: The generation of the group that trained again after this loss: its own, or a later
+    #: one where more ranks were lost before any step was completed (two lost at once).
+    recovered_in: int | None = None
+    #: The restart in place the attempt was (``$DDP_HPC_RESTART_COUNT``; 0: the first attempt).
+    restart: int = 0
 
 
 def _write(run_dir: Path, name: str, event: Any) -> Path:
@@ -66,14 +81,21 @@ def _read(run_dir: Path, pattern: str, kind: type[E]) -> list[E]:
     return events
 
 
+def recovery_file(event: RecoveryEvent) -> str:
+    """The record's file name (see the module's docstring)."""
+    if event.restart:
+        return f"recovery-{event.restart}-{event.generation}.json"
+    return f"recovery-{event.generation}.json"
+
+
 def write_recovery(run_dir: Path, event: RecoveryEvent) -> Path:
-    """``record/recovery-<generation>.json`` in ``run_dir``, written atomically."""
-    return _write(run_dir, f"recovery-{event.generation}.json", event)
+    """``record/<recovery_file(event)>`` in ``run_dir``, written atomically."""
+    return _write(run_dir, recovery_file(event), event)
 
 
 def read_recoveries(run_dir: Path) -> list[RecoveryEvent]:
-    """Every recovery recorded in ``run_dir``, by generation."""
-    return sorted(_read(run_dir, FILE_GLOB, RecoveryEvent), key=lambda event: event.generation)
+    """Every recovery recorded in ``run_dir``, by attempt and generation."""
+    return sorted(_read(run_dir, FILE_GLOB, RecoveryEvent), key=lambda event: (event.restart, event.generation))
 
 
 RESUME_GLOB = "resume-*.json"
@@ -114,9 +136,17 @@ class SnapshotPlan:
     distance: int
     kept_steps: int
     folder: str
-    #: Node-local memory each rank's snapshots take (its own and the copies it holds, every
-    #: kept step, and its host buffers), by rank.
+    #: Node-local memory per rank: its host's ``node_bytes`` shared by its ranks, by rank.
     bytes_per_rank: dict[str, int]
+    #: One snapshot of each rank (its shards, optimizer state and the rest, serialized), by rank.
+    snapshot_bytes: dict[str, int] = field(default_factory=dict)
+    #: What each host's memory holds: ``file_bytes`` and each of its ranks' host buffers (one
+    #: snapshot each, in the rank's process), by host.
+    node_bytes: dict[str, int] = field(default_factory=dict)
+    #: The files under ``folder`` on each host: ``kept_steps`` of each slot whose copies it
+    #: keeps (its ranks' own and the ones they hold; a rank and its buddy on one host share
+    #: one file per slot and step), by host.
+    file_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def write_snapshot_plan(run_dir: Path, plan: SnapshotPlan) -> Path:

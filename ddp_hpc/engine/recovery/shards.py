@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -54,55 +53,11 @@ from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.group import ProcessGroupView
 from ddp_hpc.engine.host_copy import Copying, dtensor_class, snapshot_on_side_streams
 from ddp_hpc.engine.recovery.fence import wait_for_stream
+from ddp_hpc.engine.recovery.layout import DEFAULT_REPLICAS, KEPT_STEPS, Buddies, steps_held  # noqa: F401  (re-exported)
 from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_to_tensor
 from ddp_hpc.startup.group_start import GroupStart
 
 log = logging.getLogger(__name__)
-
-#: Copies of each snapshot kept is the rank's own plus ``replicas - 1`` on its buddies.
-DEFAULT_REPLICAS = 2
-#: Steps of each copy kept (see the module's docstring for why three).
-KEPT_STEPS = 3
-_STEP_FILE = re.compile(r"step(\d+)\.pt$")
-
-
-@dataclass(frozen=True)
-class Buddies:
-    """Who holds whose copies: the copies of ``slot`` are held by the ``replicas - 1`` slots
-    ``distance``, ``2 x distance``, ... after it (modulo the world)."""
-
-    world_size: int
-    distance: int
-    replicas: int = DEFAULT_REPLICAS
-
-    def holders(self, slot: int) -> list[int]:
-        return [(slot + j * self.distance) % self.world_size for j in range(1, self.replicas)]
-
-    def held_by(self, slot: int) -> list[int]:
-        """The slots whose copies ``slot`` holds."""
-        return [(slot - j * self.distance) % self.world_size for j in range(1, self.replicas)]
-
-    def refusal(self, hosts: Sequence[str] | None = None) -> str | None:
-        """Why these buddies cannot keep every shard through the loss of a rank (or of a
-        host, where ``hosts`` names each slot's), one line; or None."""
-        if self.replicas < 2:
-            return f"snapshot replicas must be at least 2 (the rank's own copy and a buddy's), not {self.replicas}"
-        if self.distance < 1:
-            return f"the buddy distance must be at least 1 rank, not {self.distance}"
-        for slot in range(self.world_size):
-            holders = self.holders(slot)
-            if slot in holders or len(set(holders)) < len(holders):
-                return (f"{self.replicas} copies of each snapshot, {self.distance} ranks apart, do not fit in "
-                        f"{self.world_size} ranks: slot {slot}'s copies would be held by "
-                        f"{sorted(set(holders) | {slot})}")
-            if hosts is not None and len(set(hosts)) > 1:
-                same = [holder for holder in holders if hosts[holder] == hosts[slot]]
-                if same:
-                    return (f"the buddy of rank {slot} (rank {same[0]}) is on its host {hosts[slot]}: a lost host "
-                            f"would lose both copies; make the buddy distance ({self.distance}) the number of "
-                            f"ranks per host (LOCAL_WORLD_SIZE), with the ranks of a host numbered together")
-        return None
-
 
 class SnapshotFiles:
     """The snapshots this node holds, one file per slot and step:
@@ -126,9 +81,7 @@ class SnapshotFiles:
         return torch.frombuffer(bytearray(self.path(slot, step).read_bytes()), dtype=torch.uint8)
 
     def steps(self, slot: int) -> list[int]:
-        folder = self.directory / f"slot{slot}"
-        found = (_STEP_FILE.search(path.name) for path in folder.glob("step*.pt")) if folder.is_dir() else ()
-        return sorted(int(match.group(1)) for match in found if match)
+        return steps_held(self.directory, slot)
 
     def holdings(self, slots: Iterable[int]) -> dict[int, list[int]]:
         return {slot: steps for slot in slots if (steps := self.steps(slot))}

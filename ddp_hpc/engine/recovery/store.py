@@ -28,6 +28,11 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
   never publish two plans of one generation.
 - ``stop``: the stop signal the outer launch asks every node supervisor to pass on to its
   ranks (a launcher such as MPICH's Hydra does not pass SIGUSR2 on to its tasks).
+- ``snapshots``: a sharded model's snapshot layout (buddies, folder), set by rank 0 before
+  the first step, so that the launch sees when a rank and its buddies are lost together.
+- ``give_up``: why the ranks cannot recover in the job (both copies of a shard gone), set
+  by rank 0 of a group whose roll-back found none: the launch gives up at the survivors'
+  exits instead of recovering them.
 
 A *slot* is a rank's place in the launch (its first ``RANK``); its rank in a group after a
 shrink may differ.
@@ -55,6 +60,8 @@ PREFIX = "ddp_hpc/recovery/"
 LATEST_KEY = PREFIX + "latest"
 GENERATIONS_KEY = PREFIX + "generations"
 STOP_KEY = PREFIX + "stop"
+SNAPSHOTS_KEY = PREFIX + "snapshots"
+GIVE_UP_KEY = PREFIX + "give_up"
 #: How long a node supervisor waits for the launch's store to answer.
 CONNECT_TIMEOUT_S = 60.0
 #: Each rank's heartbeat: the same layout as in the rendezvous store, by slot.
@@ -118,6 +125,8 @@ class Plan:
     #: The launch gives in-job recovery up (no recovery left, a rank's own mistake): every
     #: survivor ends at once, and the launch restarts in place or ends.
     gave_up: bool = False
+    #: The lost process was itself a replacement (or the warm spare) the launch put in the slot.
+    replacement: bool = False
 
     def to_json(self) -> str:
         """Every survivor reads it: where the ranks are the slots in order, numbered from 0
@@ -174,6 +183,24 @@ def heartbeat(address: str, slot: int, members: Callable[[], Sequence[int]], on_
                      settle_s=max(2.5 * interval_s, SETTLE_S), store_name="launch's store")
 
 
+def read_plan(store: dist.Store, generation: int) -> Plan | None:
+    """The plan of ``generation`` where it was published, without waiting."""
+    key = plan_key(generation)
+    return Plan.from_json(store.get(key)) if store.check([key]) else None
+
+
+def give_up(store: dist.Store, cause: str) -> None:
+    """The ranks cannot recover in the job (``cause``, one line): the launch gives up at the
+    next exit it sees (``LaunchStore.given_up``)."""
+    store.set(GIVE_UP_KEY, cause)
+
+
+def publish_snapshots(store: dist.Store, world_size: int, distance: int, replicas: int, folder: str) -> None:
+    """A sharded model's snapshot layout, for the launch (``LaunchStore.snapshot_layout``)."""
+    store.set(SNAPSHOTS_KEY, json.dumps({"world_size": world_size, "distance": distance, "replicas": replicas,
+                                         "folder": folder}))
+
+
 def wait_plan(store: dist.Store, generation: int, timeout_s: float) -> Plan:
     """The plan of ``generation``, waiting up to ``timeout_s`` for the launch to publish it
     (the store tells the waiting client when the key is set: nothing polls). Raises the
@@ -222,6 +249,14 @@ class LaunchStore:
 
     def stop_requested(self) -> int | None:
         return int(self.store.get(STOP_KEY)) if self.store.check([STOP_KEY]) else None
+
+    def given_up(self) -> str | None:
+        """Why the ranks said they cannot recover (``give_up``), or None."""
+        return self.store.get(GIVE_UP_KEY).decode() if self.store.check([GIVE_UP_KEY]) else None
+
+    def snapshot_layout(self) -> dict | None:
+        """A sharded model's snapshot layout (``publish_snapshots``), or None (DDP)."""
+        return json.loads(self.store.get(SNAPSHOTS_KEY)) if self.store.check([SNAPSHOTS_KEY]) else None
 
     def beats(self, slot: int) -> int:
         return int(self.store.add(alive_key(slot), 0))

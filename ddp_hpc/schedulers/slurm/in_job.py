@@ -19,10 +19,11 @@ from typing import Any, NoReturn
 
 from ddp_hpc.contract import RESTART_COUNT_VAR, RESTARTED_MARKER_PREFIX, SUBMISSION_FILE, ExitStatus
 from ddp_hpc.launch.left_out import LeftOutHost, record_left_out
-from ddp_hpc.launch.outcome import Ended, attempt_outcome, failed_rank_here
+from ddp_hpc.launch.outcome import attempt_outcome, failed_rank_here
 from ddp_hpc.specs.request import CommandPayload, TrainPayload
-from ddp_hpc.launch.restart import RestartPolicy, record_exit, requeue_job
+from ddp_hpc.launch.restart import LaunchEnd, RestartPolicy
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
+from ddp_hpc.stop_handler import record_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class SubmititTrainTask:
     """What each SLURM task runs for a training config: ``train`` on this rank.
 
     submitit's own handler for its signal (SIGUSR2) would requeue at once, killing the
-    ranks wherever they are. Instead the ranks take the signal as under sbatch: they agree
+    ranks wherever they are. Instead the ranks take the signal as under sbatch (the rank's
+    one stop-signal handler, ``ddp_hpc.stop_handler``, from the task's start): they agree
     on a step, checkpoint there and stop; only then is submitit's handler called, which
     calls ``checkpoint`` and requeues. A stop for the job's deadline is handed over the
     same way. After SIGTERM (scancel, preemption; submitit ignores it) the ranks stop
@@ -47,15 +49,19 @@ class SubmititTrainTask:
         self.requeue = requeue
 
     def __call__(self) -> dict[str, Any]:
+        # First, before torch is imported: submitit's handler would requeue at once on a
+        # signal that comes during start-up; recorded, it is a stop at the first agreed step.
+        handler = record_stop_signals()
         from ddp_hpc.training.run_on_rank import TrainOptions, train
 
         os.chdir(self.workdir)
         options = TrainOptions(configure_logs=True, handle_signals=True)
         summary = train(self.payload.config_path, self.payload.overrides, options=options)
         if not summary.preempted:
-            return summary.to_dict()
+            return summary.to_dict()  # a signal from now on is recorded, not a requeue of a finished run
         if not self.requeue:  # a chain's next link continues the run
             raise SystemExit(summary.exit_status)
+        handler.give_back()  # submitit's handler again: the hand-over calls it
         hand_over_to_submitit(signal.Signals[summary.stopped_by] if summary.stopped_by else None)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
@@ -90,8 +96,8 @@ class Resubmission:
 class SubmititCommandTask:
     """What each SLURM task runs for a command job: the command, as a child with torchrun's
     variables. A child that exits with ``ExitStatus.REQUEUE`` (checkpointed on request) gets the
-    job requeued; one that fails, with ``restart`` and restarts left, gets the job submitted
-    again without this node."""
+    job requeued (rank 0, through ``LaunchEnd``, a launch's one end); one that fails, with
+    ``restart`` and restarts left, gets the job submitted again without this node."""
 
     def __init__(self, payload: CommandPayload, workdir: str, run_folder: str,
                  extra_env: dict[str, str] | None = None, restart: Resubmission | None = None) -> None:
@@ -116,13 +122,12 @@ class SubmititCommandTask:
         # A new job can always be asked to run without this node: every failure names one to leave out.
         outcome = attempt_outcome(attempt, ExitStatus.of_returncode(code),
                                   failed=failed_rank_here(rank, code, os.environ), spare=True)
-        if rank == 0 and job_id and outcome.ended is not Ended.STOPPED:
-            Path(self.run_folder).mkdir(parents=True, exist_ok=True)
-            record_exit(Path(self.run_folder), job_id, code)
         decision = policy.decide(outcome.status, attempt)
-        if decision.requeue:
-            requeue_from_rank_zero()  # the command checkpointed and asked to be run again
-        elif decision.restart and outcome.left_out is not None:
+        if rank == 0:  # a launch's one end: the job requeued after the command's stop, else its exit file
+            Path(self.run_folder).mkdir(parents=True, exist_ok=True)
+            requeue = ("scontrol", "requeue", os.environ[JOB_ID_VAR]) if os.environ.get(JOB_ID_VAR) else ()
+            LaunchEnd(Path(self.run_folder), job_id or "", requeue)(decision)
+        if decision.restart and outcome.left_out is not None:
             self._restart_without_this_node(outcome.left_out, job_id)
         if code != 0:
             raise RuntimeError(f"command {self.payload.describe()!r} exited with status {code} on rank {rank}")
@@ -237,14 +242,6 @@ def hand_over_to_submitit(signum: int | None) -> NoReturn:
         time.sleep(1.0)
     log.error("the job was not requeued within %.0f s of the checkpoint; stopping", REQUEUE_WAIT_S)
     raise SystemExit(ExitStatus.REQUEUE)
-
-
-def requeue_from_rank_zero() -> None:
-    """Requeue this job (which ends it) from the task of rank 0; submitit requeues only from
-    its signal handler, and a run that stops by itself at its deadline needs it too."""
-    job_id = os.environ.get(JOB_ID_VAR, "")
-    if job_id and os.environ.get("SLURM_PROCID", "0") == "0":
-        requeue_job(("scontrol", "requeue", job_id), job_id)
 
 
 def __getattr__(name: str) -> object:

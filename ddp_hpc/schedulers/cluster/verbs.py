@@ -1,0 +1,78 @@
+"""``ddp-hpc cluster probe|check|which``: from parsed arguments to the probe, the check and
+the match, and their lines. The CLI (``cli.py``) only parses."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from ddp_hpc.config_loader import ConfigError, build
+from ddp_hpc.contract import ExitStatus, atomic_write
+from ddp_hpc.errors import UserError
+from ddp_hpc.schedulers import registry
+from ddp_hpc.schedulers.cluster.check import check_profile
+from ddp_hpc.schedulers.cluster.probe import probe, profile_text
+from ddp_hpc.schedulers.cluster.which import this_machine
+from ddp_hpc.schedulers.facts import ClusterFacts, run_readonly
+from ddp_hpc.schedulers.pbs import probe as pbs_probe
+from ddp_hpc.schedulers.slurm import probe as slurm_probe
+from ddp_hpc.specs.profiles import ClusterProfile, find_profile, load_profile, matching_profiles
+from ddp_hpc.specs.request import parse_walltime
+
+
+def read_facts(family: str) -> ClusterFacts:
+    if family == "slurm":
+        return slurm_probe.read_cluster(run_readonly, getpass.getuser())
+    if family == "pbs":
+        return pbs_probe.read_cluster(run_readonly)
+    raise UserError(f"cluster check: a {family!r} profile has no scheduler to check it against (slurm or pbs)")
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    text = profile_text(probe(args.scheduler, run_readonly, user=getpass.getuser(), environ=os.environ))
+    try:  # what the probe writes must load as every profile does
+        build(ClusterProfile, yaml.safe_load(text), path="")
+    except (ConfigError, TypeError) as exc:
+        raise AssertionError(f"cluster probe wrote a profile that does not load: {exc}\n{text}") from None
+    if not args.out:
+        sys.stdout.write(text)
+        return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(args.out), text)
+    sys.stderr.write(f"ddp-hpc: cluster probe: wrote {args.out} (check it: ddp-hpc cluster check {args.out})\n")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    hours, minutes, seconds = (int(part) for part in parse_walltime(args.walltime)[0].split(":"))
+    walltime_s = hours * 3600 + minutes * 60 + seconds
+    result = check_profile(profile, read_facts(profile.scheduler), walltime_s=walltime_s, nodes=args.nodes)
+    for note in result.notes:
+        sys.stdout.write(f"note: {note}\n")
+    for line in result.mismatches:
+        sys.stderr.write(f"ddp-hpc: cluster check: {profile.name}: {line}\n")
+    if result.mismatches:
+        return ExitStatus.USAGE
+    sys.stdout.write(f"{profile.name} ({profile.path}): fits this cluster\n")
+    return 0
+
+
+def cmd_which(args: argparse.Namespace) -> int:
+    fixed = registry.default_profile(args.scheduler) if args.scheduler else None
+    if fixed:  # local: this machine, nothing to match
+        profile = load_profile(fixed)
+        sys.stdout.write(f"{profile.name} ({profile.path}): {args.scheduler} always uses it\n")
+        return 0
+    machine = this_machine()
+    find_profile(machine, args.scheduler)  # none: its one line
+    (first, why), *others = matching_profiles(machine, args.scheduler)
+    sys.stdout.write(f"{first.name} ({first.path}): {why}\n")
+    for profile, reason in others:
+        sys.stdout.write(f"  also fits, not used: {profile.name} ({profile.path}): {reason}\n")
+    return 0
