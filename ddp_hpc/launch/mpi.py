@@ -39,10 +39,16 @@ class MpiFlavour(Protocol):
 
 def mpi_flavour(name: str) -> MpiFlavour:
     """The MPI flavour called ``name`` (an mpiexec launcher)."""
-    known = {key: launcher for key, launcher in registry.launchers().items() if hasattr(launcher, "mpiexec_args")}
-    if name not in known:
-        raise UserError(f"unknown MPI flavour {name!r}: choose one of {', '.join(known)}")
-    return known[name]  # type: ignore[return-value]
+    found = registry.launchers().get(name)
+    if not hasattr(found, "mpiexec_args"):
+        raise UserError(f"unknown MPI flavour {name!r}: choose one of {', '.join(mpi_programs())}")
+    return found  # type: ignore[return-value]
+
+
+def mpi_programs() -> dict[str, tuple[str, ...]]:
+    """Each MPI flavour's program names, by flavour."""
+    return {name: launcher.programs for name, launcher in registry.launchers().items()
+            if hasattr(launcher, "mpiexec_args")}
 
 
 @dataclass(frozen=True)
