@@ -27,6 +27,7 @@ from ddp_hpc.contract import (
     ExitStatus,
 )
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch.registry import CHOICES as LAUNCHER_CHOICES
 from ddp_hpc.logs import ConsoleFilter, configure_logging
 from ddp_hpc.stop import stop_signal_arg
 from ddp_hpc.version import __version__
@@ -505,13 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
     launch.add_argument("--nproc", type=int, default=2,
                         help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="local", choices=("local", "openmpi", "mpich", "pals", "srun", "torchrun"),
+    launch.add_argument("--launcher", default="local", choices=LAUNCHER_CHOICES,
                         help="local (default): ddp-hpc starts the ranks itself with torchrun's variables (the "
                              "old name torchrun still works); "
                              "openmpi, mpich: mpiexec starts them; pals: Cray PALS's mpiexec, with --hostfile "
                              "only (a PBS job's nodes); srun: one srun step per attempt, inside a "
                              "SLURM allocation (--nodes of its nodes, --nproc ranks each; its other nodes are "
-                             "spares a restart takes in place of a node where a rank failed)")
+                             "spares a restart takes in place of a node where a rank failed); a site's package may add "
+                             "its own (docs/run.md)")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch all ranks after a failure, at most N times; they resume from the newest "

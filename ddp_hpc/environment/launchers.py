@@ -3,11 +3,18 @@
 Variable sets were recorded from real launches on Debian (torchrun 2.13, Open MPI 4.1,
 MPICH/Hydra 4.0, SLURM 22.05) and taken from the documentation of Cray PALS, Intel MPI
 and MVAPICH2; ``tests/test_environment.py`` replays them.
+
+A site's launcher whose tasks carry variables of their own adds its class through the
+``ddp_hpc.environments`` entry points (``site_launchers``), the rank side of a
+``ddp_hpc.launchers`` entry point (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from functools import lru_cache
+from importlib.metadata import entry_points
 
 from ddp_hpc.environment.base import (
     AbortRequest,
@@ -20,6 +27,8 @@ from ddp_hpc.environment.base import (
     read_optional_int,
 )
 from ddp_hpc.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class TorchrunEnvironment(ClusterEnvironment):
@@ -268,3 +277,27 @@ LAUNCHERS: tuple[ClusterEnvironment, ...] = (
 )
 
 MPI_LAUNCHERS = frozenset({"openmpi", "pals", "mvapich", "mpich"})
+#: The launchers a rank is tried against when no built-in one but the generic ``env`` or
+#: ``single`` matched: the site's (``site_launchers``) come before those.
+GENERIC_LAUNCHERS = frozenset({"env", "single"})
+SITE_LAUNCHERS_GROUP = "ddp_hpc.environments"
+
+
+@lru_cache(maxsize=1)
+def site_launchers() -> tuple[ClusterEnvironment, ...]:
+    """The ``ClusterEnvironment`` classes other packages register in the
+    ``ddp_hpc.environments`` entry points (one that cannot be loaded is left out, with a warning)."""
+    found: list[ClusterEnvironment] = []
+    for point in entry_points(group=SITE_LAUNCHERS_GROUP):
+        try:
+            loaded = point.load()
+        except (ImportError, AttributeError) as exc:
+            log.warning("rank environment %s (%s) cannot be loaded, left out: %s", point.name, point.value, exc)
+            continue
+        environment = loaded() if isinstance(loaded, type) else loaded
+        if isinstance(environment, ClusterEnvironment):
+            found.append(environment)
+        else:
+            log.warning("rank environment %s (%s) is not a ClusterEnvironment, left out", point.name, point.value)
+    return tuple(found)
+

@@ -9,16 +9,21 @@ from collections.abc import Sequence
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import ClusterEnvironment, DistEnv, Env, RankInfo, check_rank_info
-from ddp_hpc.environment.launchers import LAUNCHERS, MPI_LAUNCHERS
+from ddp_hpc.environment.launchers import GENERIC_LAUNCHERS, LAUNCHERS, MPI_LAUNCHERS, site_launchers
 from ddp_hpc.environment.ports import PortRange, derive_port, free_port, parse_port
 from ddp_hpc.errors import EnvironmentConflictError, UserError
 
 log = logging.getLogger(__name__)
 
 
-def detect_launcher(env: Env, launchers: Sequence[ClusterEnvironment] = LAUNCHERS) -> ClusterEnvironment:
-    """The first launcher, in the documented order, whose variables are present."""
-    return next(launcher for launcher in launchers if launcher.detect(env))
+def detect_launcher(env: Env, launchers: Sequence[ClusterEnvironment] | None = None) -> ClusterEnvironment:
+    """The first launcher, in the documented order, whose variables are present; by default
+    (``launchers`` None) a site's (``site_launchers``) before the generic ``env`` and ``single``,
+    whose entry points are read only then."""
+    chosen = next(launcher for launcher in launchers or LAUNCHERS if launcher.detect(env))
+    if launchers is None and chosen.name in GENERIC_LAUNCHERS:
+        return next((site for site in site_launchers() if site.detect(env)), chosen)
+    return chosen
 
 
 def _describe(launcher: ClusterEnvironment, info: RankInfo) -> str:
@@ -75,7 +80,7 @@ def resolve_master_port(env: Env, launcher: ClusterEnvironment, info: RankInfo,
 
 def resolve_env(env: Env | None = None, *, host_suffix: str | None = None,
                 port_range: PortRange = PortRange(),
-                launchers: Sequence[ClusterEnvironment] = LAUNCHERS) -> DistEnv:
+                launchers: Sequence[ClusterEnvironment] | None = None) -> DistEnv:
     """Who this process is in the job, from the environment alone (no process group).
 
     Raises ``UserError`` for variables that are malformed or that disagree.
@@ -84,7 +89,7 @@ def resolve_env(env: Env | None = None, *, host_suffix: str | None = None,
     suffix = env.get(HOST_SUFFIX_VAR, "") if host_suffix is None else host_suffix
     launcher = detect_launcher(env, launchers)
     info = check_rank_info(launcher.ranks(env), launcher.name)
-    _check_agreement(launcher, info, env, launchers)
+    _check_agreement(launcher, info, env, launchers or LAUNCHERS)
     resolved = DistEnv(
         rank=info.rank,
         world_size=info.world_size,

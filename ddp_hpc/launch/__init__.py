@@ -1,7 +1,10 @@
 """Launching: ``ddp-hpc launch``, the whole of it, and the pieces of the rendered scripts.
 
-- ``spec.py``: ``LaunchSpec``, the arguments checked once; ``entry.py``: ``launch(spec)``, the
-  one ``Supervisor`` (``supervisor.py``), signal table and end action.
+- ``spec.py``: ``LaunchSpec``, the arguments checked once, holding the launcher object;
+  ``entry.py``: ``launch(spec)``, the one ``Supervisor`` (``supervisor.py``) over what the
+  launcher plans, its signal table and its end.
+- ``launchers/``: one ``Launcher`` per ``--launcher NAME`` (its flags, plan, stop signals, dry
+  run), found through the ``ddp_hpc.launchers`` entry points (``registry.py``).
 - ``attempts.py``: the ``Attempts`` interface, one implementation per way of starting ranks:
   ``local.py`` (``LocalRanks``: ddp-hpc itself with torchrun's variables; ``MpiexecHere``),
   ``hosts.py`` (``launch --hostfile``: mpiexec over listed hosts), ``srun.py`` (one srun

@@ -32,7 +32,7 @@ from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import signal_running, start_all
 from ddp_hpc.launch.left_out import LeftOutHost, leave_out
 from ddp_hpc.launch.local import rank_command
-from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
+from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec, mpi_flavour
 from ddp_hpc.launch.node import node_supervisor_command, store_host
 from ddp_hpc.launch.outcome import FailedRank, failed_rank_in_file
 from ddp_hpc.launch.recovering import RecoveryLimits
@@ -40,7 +40,6 @@ from ddp_hpc.launch.script import recording_rank_failures
 
 log = logging.getLogger(__name__)
 
-HOSTFILE_LAUNCHERS = ("openmpi", "mpich", "pals")
 #: Each attempt's hosts, one per line, in the run folder (rewritten by every attempt).
 ATTEMPT_HOSTFILE = ".hosts"
 #: Rank 0's port when ``$MASTER_PORT`` is unset (torch's default).
@@ -157,13 +156,13 @@ class HostfileAttempts:
         return self.launch.run_folder / ATTEMPT_HOSTFILE
 
     def argv(self) -> list[str]:
-        """Each attempt's mpiexec; with spares, or under MPICH (``mpi.STOP_STATUS_LOST``), every
+        """Each attempt's mpiexec; with spares, or under an MPI whose status may lose a stop (MPICH's), every
         task runs under the wrapper that records how it ended. Under ``--recover`` the task is a
         node supervisor, unbound (its ranks would inherit a binding meant for one rank)."""
         launch, recovery = self.launch, self.launch.recovery
         argv = (rank_command(launch.command) if recovery is None
                 else node_supervisor_command(launch.per_node, recovery, launch.command))
-        if launch.leaves_out_failed_hosts or launch.flavour in STOP_STATUS_LOST:
+        if launch.leaves_out_failed_hosts or mpi_flavour(launch.flavour).loses_stop_status:
             argv = recording_rank_failures(argv)
         bound = recovery is None
         return build_mpiexec(MpiLaunch(launch.flavour, launch.nodes, launch.tasks_per_host, argv,

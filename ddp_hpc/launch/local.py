@@ -18,11 +18,9 @@ from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR
 from ddp_hpc.environment import DistEnv
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.launch.attempts import signal_running, start_all
-from ddp_hpc.launch.mpi import STOP_STATUS_LOST, MpiLaunch, build_mpiexec
+from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec, mpi_flavour
 from ddp_hpc.launch.script import recording_rank_failures, split_staged
 from ddp_hpc.run.torchrun_env import torchrun_variables
-
-LOCAL_LAUNCHERS = ("local", "openmpi", "mpich")
 
 
 def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
@@ -123,11 +121,11 @@ def mpiexec_here(flavour: str, tasks: int, command: Sequence[str], run_folder: P
                  forward: Sequence[str] = ()) -> MpiexecHere:
     """One mpiexec of ``tasks`` tasks on this machine (the ranks, or a node supervisor), which
     see ``run_folder`` as ``$DDP_HPC_RUN_FOLDER``; under MPICH each runs in the wrapper that
-    says there that rank 0 stopped (``mpi.STOP_STATUS_LOST``)."""
+    says there that rank 0 stopped (``MpiFlavour.loses_stop_status``)."""
     env = dict(os.environ)
     if run_folder is not None:
         env[RUN_FOLDER_VAR] = str(run_folder)
-        if flavour in STOP_STATUS_LOST:
+        if mpi_flavour(flavour).loses_stop_status:
             command = recording_rank_failures(command)
     return MpiexecHere(build_mpiexec(MpiLaunch(flavour, nodes=1, ranks_per_node=tasks, command=list(command),
                                                forward=tuple(forward), oversubscribe=True,

@@ -1,39 +1,54 @@
-"""``mpiexec`` command lines, one builder per MPI flavour, as argument lists."""
+"""``mpiexec`` command lines, as argument lists: the launch's (``local.MpiexecHere``,
+``hosts.HostfileAttempts``), a PBS script's per-node lines and the benchmarks'.
+
+What differs between the MPI flavours (their program names, their options, whether their
+status may lose a stop) is each flavour's launcher's (``launch/launchers/openmpi.py``,
+``mpich.py``, ``pals.py``: an ``MpiFlavour``), found by name in the launcher registry, so a
+site's package may add one (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import shutil
-import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ddp_hpc.errors import UserError
+from ddp_hpc.launch import registry
 
-#: Program names tried in order for each flavour (Debian installs both MPIs side by side:
-#: plain ``mpiexec`` is Open MPI's there, MPICH's is ``mpiexec.mpich``/``mpiexec.hydra``).
-PROGRAMS: dict[str, tuple[str, ...]] = {
-    "openmpi": ("mpiexec.openmpi", "mpirun.openmpi", "mpiexec"),
-    "mpich": ("mpiexec.mpich", "mpiexec.hydra", "mpiexec"),
-    "pals": ("mpiexec",),
-}
-#: The signal a launch sends mpiexec so that the ranks stop (they stop on SIGUSR2 and SIGTERM
-#: alike): Hydra ends the job on SIGUSR2 and passes SIGTERM on; Open MPI's mpirun passes
-#: SIGUSR2 on. PALS: SIGUSR2, as before (Cray's aprun documents passing both on; there is no
-#: PALS on the test machine).
-STOP_PASSED_ON: dict[str, signal.Signals] = {
-    "openmpi": signal.SIGUSR2,
-    "mpich": signal.SIGTERM,
-    "pals": signal.SIGUSR2,
-}
-#: Launchers whose exit status may lose the ranks' 75 once they passed a stop on (Hydra
-#: reports it as 0 about one time in six): their ranks run under the wrapper that touches
-#: the preempted marker (``script.RANK_FAILURE_WRAPPER``) wherever the launch has a run folder.
-STOP_STATUS_LOST = frozenset({"mpich"})
-INSTALL_HINTS = {
-    "openmpi": "apt-get install openmpi-bin",
-    "mpich": "apt-get install mpich",
-    "pals": "load the site's cray-pals module",
-}
+
+class MpiFlavour(Protocol):
+    """An mpiexec launcher's facts (``launchers/mpiexec.py``'s ``MpiexecLauncher``)."""
+
+    name: str
+    #: Program names tried in order (Debian installs both MPIs side by side: plain
+    #: ``mpiexec`` is Open MPI's there, MPICH's is ``mpiexec.mpich``/``mpiexec.hydra``).
+    programs: tuple[str, ...]
+    #: How to install it, where none of ``programs`` is found.
+    install_hint: str
+    #: Whether its exit status may lose the ranks' 75 once it passed a stop on: its ranks run
+    #: under the wrapper that touches the preempted marker (``script.RANK_FAILURE_WRAPPER``)
+    #: wherever the launch has a run folder.
+    loses_stop_status: bool
+    #: Whether it takes ``--cpu-bind`` and ``--depth`` (Cray PALS's binding options).
+    binds: bool
+
+    def mpiexec_args(self, launch: MpiLaunch, program: str) -> list[str]:
+        """The line up to the command: ``program`` and its options for ``launch``."""
+
+
+def mpi_flavour(name: str) -> MpiFlavour:
+    """The MPI flavour called ``name`` (an mpiexec launcher)."""
+    found = registry.launchers().get(name)
+    if not hasattr(found, "mpiexec_args"):
+        raise UserError(f"unknown MPI flavour {name!r}: choose one of {', '.join(mpi_programs())}")
+    return found  # type: ignore[return-value]
+
+
+def mpi_programs() -> dict[str, tuple[str, ...]]:
+    """Each MPI flavour's program names, by flavour."""
+    return {name: launcher.programs for name, launcher in registry.launchers().items()
+            if hasattr(launcher, "mpiexec_args")}
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,7 @@ class MpiLaunch:
     allow_root: bool = False
 
     def __post_init__(self) -> None:
-        if self.flavour not in PROGRAMS:
-            raise UserError(f"unknown MPI flavour {self.flavour!r}: choose one of {', '.join(PROGRAMS)}")
+        mpi_flavour(self.flavour)
         if self.nodes < 1 or self.ranks_per_node < 1:
             raise UserError(f"nodes ({self.nodes}) and ranks per node ({self.ranks_per_node}) must be >= 1")
         if not self.command:
@@ -72,12 +86,12 @@ class MpiLaunch:
 
 
 def find_program(flavour: str, path: str | None = None) -> str:
-    for name in PROGRAMS[flavour]:
+    mpi = mpi_flavour(flavour)
+    for name in mpi.programs:
         found = shutil.which(name, path=path)
         if found:
             return name
-    raise UserError(f"no {flavour} mpiexec found on PATH (tried {', '.join(PROGRAMS[flavour])}): "
-                    f"{INSTALL_HINTS[flavour]}")
+    raise UserError(f"no {flavour} mpiexec found on PATH (tried {', '.join(mpi.programs)}): {mpi.install_hint}")
 
 
 def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
@@ -87,35 +101,4 @@ def build_mpiexec(launch: MpiLaunch, program: str | None = None) -> list[str]:
     on the cluster at run time.
     """
     program = program or find_program(launch.flavour)
-    n, ppn = str(launch.world_size), str(launch.ranks_per_node)
-    if launch.flavour == "openmpi":
-        args = [program, "-n", n, "--map-by", f"ppr:{ppn}:node", "--bind-to", "none"]
-        if launch.hostfile:
-            args += ["--hostfile", launch.hostfile]
-        if launch.oversubscribe:
-            args.append("--oversubscribe")
-        if launch.allow_root:
-            args.append("--allow-run-as-root")
-        for name, value in launch.export.items():
-            args += ["-x", f"{name}={value}"]
-        for name in launch.forward:
-            args += ["-x", name]
-    elif launch.flavour == "pals":
-        args = [program, "-n", n, "-ppn", ppn]
-        if launch.depth:
-            args += ["--depth", str(launch.depth)]
-        if launch.cpu_bind:
-            args += ["--cpu-bind", launch.cpu_bind]
-        if launch.hostfile:
-            args += ["--hostfile", launch.hostfile]
-        args.append("--envall")
-        for name, value in launch.export.items():
-            args += ["--env", f"{name}={value}"]
-    else:  # mpich / hydra (and Intel MPI): -genvall passes the whole environment
-        args = [program, "-n", n, "-ppn", ppn]
-        if launch.hostfile:
-            args += ["-f", launch.hostfile]
-        args.append("-genvall")
-        for name, value in launch.export.items():
-            args += ["-genv", name, value]
-    return args + list(launch.command)
+    return mpi_flavour(launch.flavour).mpiexec_args(launch, program) + list(launch.command)

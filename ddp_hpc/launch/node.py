@@ -27,6 +27,7 @@ from typing import Any
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR, RECOVERY_STORE_VAR
 from ddp_hpc.environment import detect_launcher
+from ddp_hpc.environment.launchers import TorchrunEnvironment
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import Attempts
 from ddp_hpc.launch.recovering import RecoveryLimits
@@ -53,7 +54,7 @@ def node_place(environ: Mapping[str, str]) -> tuple[int, int]:
     """``(node rank, nodes)``: the node supervisor is the launcher's task ``node rank`` of
     ``nodes`` (one per node); started by hand, node 0 of 1."""
     launcher = detect_launcher(environ)
-    if launcher.name == "torchrun":
+    if isinstance(launcher, TorchrunEnvironment):
         raise UserError("ddp-hpc launch --node-supervisor is a launcher's task (mpiexec -ppn 1, srun "
                         "--ntasks-per-node=1), not a torchrun worker")
     info = launcher.ranks(environ)

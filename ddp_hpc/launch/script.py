@@ -16,7 +16,7 @@ from ddp_hpc.contract import (
     ExitStatus,
     exit_file_name,
 )
-from ddp_hpc.launch.mpi import PROGRAMS
+from ddp_hpc.launch.mpi import mpi_flavour
 from ddp_hpc.specs.request import SubmitRequest, TrainPayload, export_lines, shell_quote
 from ddp_hpc.staging.fanout import NODE_NAME_SHELL
 from ddp_hpc.version import __version__
@@ -135,7 +135,7 @@ def environment_block(request: SubmitRequest) -> list[str]:
 
 def mpiexec_lookup(flavour: str) -> str:
     """Shell that finds the flavour's mpiexec at run time (names differ between sites)."""
-    candidates = " || ".join(f"command -v {name}" for name in PROGRAMS[flavour])
+    candidates = " || ".join(f"command -v {name}" for name in mpi_flavour(flavour).programs)
     return (f'{MPIEXEC_VAR}=$({candidates}) || {{ echo "ddp_hpc: no {flavour} mpiexec on PATH" >&2; '
             f'exit {ExitStatus.FAILED:d}; }}')
 

@@ -8,14 +8,17 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddp_hpc.launch.mpi import PROGRAMS
+from ddp_hpc.launch.mpi import mpi_programs
 from ddp_hpc.schedulers.cluster.node import find_launcher
 from ddp_hpc.schedulers.cluster.probe import gpu_kind
 from ddp_hpc.schedulers.facts import ClusterFacts, Runner, run_readonly
 from ddp_hpc.specs.profiles import ClusterProfile
 
-#: The program each launcher needs on PATH (``torchrun``: ddp-hpc starts the ranks itself).
-LAUNCHER_PROGRAMS: dict[str, tuple[str, ...]] = {"srun": ("srun",), **PROGRAMS, "torchrun": ()}
+
+def launcher_programs(launcher: str) -> tuple[str, ...]:
+    """The program a launcher needs on PATH (``torchrun``: ddp-hpc starts the ranks itself);
+    an MPI flavour's from its launcher (launch/launchers/)."""
+    return {"srun": ("srun",), **mpi_programs()}.get(launcher, ())
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,10 @@ def check_profile(profile: ClusterProfile, facts: ClusterFacts, *, walltime_s: i
     if profile.account and facts.accounts is not None and profile.account not in facts.accounts:
         bad.append(f"account: {profile.account!r} is not one you may charge (sacctmgr lists: "
                    f"{', '.join(facts.accounts)})")
-    programs = LAUNCHER_PROGRAMS.get(profile.launcher, ())
+    programs = launcher_programs(profile.launcher)
     if programs and not any(which(p) for p in programs):
         bad.append(f"launcher: {profile.launcher} needs {' or '.join(programs)} on PATH; none is here")
-    elif profile.launcher in PROGRAMS:  # an mpiexec is here: is it this flavour's?
+    elif profile.launcher in mpi_programs():  # an mpiexec is here: is it this flavour's?
         found = find_launcher("pbs", runner, which)
         if found.launcher != profile.launcher:
             bad.append(f"launcher: {profile.launcher}, but the mpiexec on PATH is not: {found.how}")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ddp_hpc.contract import DEADLINE_VAR, HOSTFILE_VAR, MPIEXEC_VAR, RUN_FOLDER_VAR, ExitStatus
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec
+from ddp_hpc.launch.mpi import MpiLaunch, build_mpiexec, mpi_flavour
 from ddp_hpc.specs.request import SubmitRequest, directive_value, job_name_directive, parse_walltime, shell_quote
 from ddp_hpc.launch.script import (
     ShellVar,
@@ -89,13 +89,13 @@ def launch_call(request: SubmitRequest) -> list[str]:
     writes ``RUN/exit-$PBS_JOBID``. PBS has no requeue a user may ask for: a stopped run exits
     75 and continues when submitted again."""
     profile = request.profile
-    pals = profile.launcher == "pals"  # PALS's binding options; the other mpiexecs never took them
+    binds = mpi_flavour(profile.launcher).binds  # PALS's binding options; the other mpiexecs never took them
     argv = ["ddp-hpc", "launch", "--launcher", profile.launcher, "--hostfile", ShellVar(HOSTFILE_VAR),
             "--nodes", str(request.nodes), "--nproc", str(request.per_node),
             "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
             "--stop-signal", request.stop_signal.name, "--mpiexec", ShellVar(MPIEXEC_VAR),
-            *(["--cpu-bind", profile.cpu_bind] if profile.cpu_bind and pals else []),
-            *(["--depth", str(profile.depth)] if profile.depth and pals else []),
+            *(["--cpu-bind", profile.cpu_bind] if profile.cpu_bind and binds else []),
+            *(["--depth", str(profile.depth)] if profile.depth and binds else []),
             *(["--host-suffix", profile.host_suffix] if profile.host_suffix else []),
             *(["--recover", str(request.recover)] if request.recover else []),
             "--job-id", ShellVar("PBS_JOBID"), "--", *rank_argv(request)]

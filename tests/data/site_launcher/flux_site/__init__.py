@@ -1,0 +1,1 @@
+"""A site's launcher for ddp_hpc, from outside the package (a test fixture): a fake Flux."""
