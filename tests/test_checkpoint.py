@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
 import re
 from pathlib import Path
 import time
@@ -499,3 +500,19 @@ def test_inspect_says_which_tier_each_restart_in_place_resumed_from(tmp_path):
                      "restart 1: resumed at step 37 from the snapshots in node-local memory, the shards of rank(s) 2 "
                      "from a buddy's copy (the newest checkpoint: step 30)",
                      "restart 2: resumed at step 40 from the checkpoint on disk"]
+
+
+@pytest.mark.multiproc
+def test_a_dcp_checkpoint_of_a_ddp_model_keeps_rank_0s_buffers(tmp_path):
+    """DCP takes a tensor every rank holds under one name for the same everywhere and writes
+    one rank's copy, spread over the ranks; a DDP model's BatchNorm statistics differ per
+    rank (DDP broadcasts rank 0's at each forward): the checkpoint holds rank 0's, which
+    every rank gets back."""
+    from conftest import REPO, clean_env, ddp_hpc_command
+
+    script = REPO / "tests" / "scripts" / "dcp_ddp_buffers.py"
+    result = subprocess.run([*ddp_hpc_command(), "launch", "--nproc", "2", "--", "python", str(script),
+                             str(tmp_path / "run")], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert sorted(re.findall(r"restored rank (\d): (\S+)", result.stdout)) == [("0", "1.0"), ("1", "1.0")], \
+        result.stdout[-2000:]

@@ -48,7 +48,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          _EmptyStateDictLoadPlanner)
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -240,6 +241,16 @@ def newest_complete(directory: Path, *, report: bool = True) -> tuple[Path, Meta
                               f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''}); nothing was "
                               "deleted: restore them, or start over with checkpoint.resume=never")
     return None
+
+
+def _lowest_rank_planner() -> DefaultSavePlanner:
+    """DCP's planner, keeping rank 0's copy of what every rank holds. DCP takes a tensor
+    every rank has under one name for the same on each and writes one rank's, spreading the
+    writes over the ranks; a DDP model's buffers (BatchNorm's running statistics) are not
+    the same: each rank updates its own in its forward, and DDP broadcasts rank 0's at the
+    next. Rank 0's are the model's: a restore that gave rank 0 another rank's would train
+    on from other statistics."""
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def _blob(value: Any) -> torch.Tensor:
@@ -451,7 +462,7 @@ class DcpFormat:
                 options, to_save = {}, snapshot(to_save)
             with _quiet(no_dist):
                 response = dcp.async_save(to_save, checkpoint_id=path, process_group=self._writer_group(no_dist),
-                                          **options)
+                                          planner=_lowest_rank_planner(), **options)
             future = getattr(response, "upload_completion", response)
             committed = threading.Event()
             self._pending, self._pending_path = committed, path
@@ -459,7 +470,8 @@ class DcpFormat:
         else:
             with _quiet(no_dist):
                 # Before torch 2.7 save() takes no no_dist: it works out the same from the default group.
-                dcp.save(to_save, checkpoint_id=path, **({"no_dist": no_dist} if dcp_takes_no_dist(torch.__version__) else {}))
+                dcp.save(to_save, checkpoint_id=path, planner=_lowest_rank_planner(),
+                         **({"no_dist": no_dist} if dcp_takes_no_dist(torch.__version__) else {}))
             record = commit()
             group.barrier()  # returns on every rank once last.dcp names the new folder
             self._finished.append(record)
