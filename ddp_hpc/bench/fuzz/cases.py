@@ -155,6 +155,10 @@ class Case:
     def losses(self) -> int:
         return sum(len(f.slots) for f in self.faults)
 
+    def lost_slots(self) -> set[int]:
+        """The slots a fault of this case ends (a replacement's: the slot it took)."""
+        return {slot for fault in self.faults for slot in fault.slots}
+
     def summary(self) -> str:
         return self.shape.summary()
 

@@ -158,6 +158,11 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
     return None if expected == actual else f"{path}: {expected!r} against {actual!r}"
 
 
+def _without(state: dict[str, Any], buffers: set[str]) -> dict[str, Any]:
+    """``state`` with the model's buffers left out."""
+    return {**state, "model": {k: v for k, v in state["model"].items() if k not in buffers}}
+
+
 def judge(case: Case, reference: Launch, faulted: Launch) -> str:
     """The verdict of one case (see ``Result.verdict``)."""
     if reference.status != 0 or reference.finals is None:
@@ -176,8 +181,15 @@ def judge(case: Case, reference: Launch, faulted: Launch) -> str:
         return f"stated exception: {exception}"
     for slot, (expected, actual) in enumerate(zip(reference.finals, faulted.finals)):
         found = first_difference(expected["state"], actual["state"])
-        if found is not None:
-            return f"failed: mismatch on rank {slot}: {found}"
+        if found is None:
+            continue
+        buffers = set(actual["meta"].get("buffers", ()))
+        if case.shape.strategy == "ddp" and 0 in case.lost_slots() and buffers and first_difference(
+                _without(expected["state"], buffers), _without(actual["state"], buffers)) is None:
+            return ("stated exception: under DDP rank 0's buffers are its own (DDP broadcasts them at each forward): "
+                    "lost with rank 0 before the broken step's forward, they go on from a survivor's (docs: "
+                    f"reliability.md, in-job recovery's limits; {found})")
+        return f"failed: mismatch on rank {slot}: {found}"
     if any(final["meta"]["restarts"] for final in faulted.finals):
         return IDENTICAL_FELL_BACK
     return IDENTICAL_IN_JOB
