@@ -249,6 +249,32 @@ def test_a_replacement_that_dies_while_the_group_forms_ends_no_survivor(referenc
         assert state["resumed"] is None
 
 
+def test_a_replacement_frozen_while_it_starts_is_ended_and_the_next_one_joins_bit_identical(reference, tmp_path):
+    """Issue 44 (found by the fuzzer): slot 2 dies after its all-reduce of step 4 and its
+    replacement stops (SIGSTOP) as it starts, before it imports torch: no heartbeat to stand
+    still. The launch sees the process stopped for the hang timeout (10 s), ends it and starts
+    another: the survivors do not wait out the recovery wait (120 s, after which rank 0 was
+    lost too), the run ends bit-identical, the second record naming the cause."""
+    pids, output = faulty_launch(tmp_path, "frozen-replacement", 4, "--recover", "2")
+    frozen = "frozen (stopped) before its first heartbeat"
+    assert f"rank {LOST} lost (exit 137 (SIGKILL)): replacement started" in output, output[-4000:]
+    assert f"rank {LOST} lost ({frozen}): replacement started" in output, output[-4000:]
+    assert "did not gather" not in output
+    records = [json.loads((tmp_path / "record" / f"recovery-{n}.json").read_text()) for n in (1, 2)]
+    assert sorted(path.name for path in (tmp_path / "record").glob("recovery-*.json")) == [
+        "recovery-1.json", "recovery-2.json"]
+    assert [(r["generation"], r["rank"], r["cause"], r["replacement"], r["recovered_in"]) for r in records] == [
+        (1, LOST, "exit 137 (SIGKILL)", False, 2), (2, LOST, frozen, True, 2)]
+    stopped_at = (tmp_path / "fault-replacement").stat().st_mtime  # written just before the stop
+    assert 10 <= records[1]["detected_at"] - stopped_at < 60  # the hang timeout, not the recovery wait
+    for slot in range(RANKS):
+        state = final(tmp_path, slot)
+        assert (state["pid"] != pids[slot]) if slot == LOST else (state["pid"] == pids[slot])
+        assert_same_model_and_optimizer(reference[slot], state)
+        assert_same_values(reference[slot]["rng"], state["rng"], f"rank {slot}'s RNG")
+        assert state["resumed"] is None
+
+
 def test_when_no_recovery_is_left_the_survivors_end_at_once_and_the_job_restarts_in_place(reference, tmp_path):
     """``--recover 1 --max-restarts 1``: slot 2 is lost after step 7's all-reduce and its
     replacement dies while the group forms: no recovery is left. The survivors, told by the

@@ -827,6 +827,82 @@ def test_a_node_supervisor_watches_and_hands_a_spare_to_the_slots_of_its_own_nod
         node.close()
 
 
+def test_a_process_state_is_read_from_proc_after_the_last_parenthesis_stopped_or_not(tmp_path):
+    """``/proc/PID/stat``: the command name, in parentheses, may hold both; ``T`` and ``t``
+    are stopped; a process gone (or no /proc) reads as None, never stopped."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ddp_hpc.launch.proc_state import is_stopped, parse_state, process_state
+
+    assert parse_state("42 (a) b (T x) S 1 42 42 0 -1") == "S"
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_text("7 (py) t 1 7 7 0 -1\n")
+    assert process_state(7, tmp_path) == "t" and is_stopped(7, tmp_path) and process_state(8, tmp_path) is None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not is_stopped(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not is_stopped(child.pid):
+            assert time.monotonic() < deadline, process_state(child.pid)
+            time.sleep(0.01)
+        assert process_state(child.pid) == "T"
+        child.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while is_stopped(child.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) is None and not is_stopped(child.pid)
+
+
+def test_a_replacement_stopped_before_its_first_heartbeat_is_ended_after_the_hang_timeout():
+    """Issue 44: two ranks not ready yet (no heartbeat: starting replacements); the one
+    stopped (SIGSTOP) is ended once it was seen stopped for ``hang_s``, naming the cause; the
+    one still starting is left alone, and so is a rank stopped and continued before that."""
+    import signal
+    import time
+
+    from ddp_hpc.engine.recovery.store import LaunchStore
+    from ddp_hpc.launch.local import LocalRanks
+    from ddp_hpc.launch.proc_state import is_stopped
+    from ddp_hpc.launch.recovering import Recoverer, RecoveryLimits
+
+    served = LaunchStore()
+    node = Recoverer(LocalRanks(3, ["sleep", "60"]),
+                     RecoveryLimits(1, hang_s=0.5), store_address=served.address)
+    children = node.start(0)
+    try:
+        for index in (0, 2):
+            children[index].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not (is_stopped(children[0].pid) and is_stopped(children[2].pid)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        while children[0].poll() is None:
+            assert time.monotonic() - started < 10, "the stopped rank in slot 0 was not ended"
+            if time.monotonic() - started > 0.3 and is_stopped(children[2].pid):
+                children[2].send_signal(signal.SIGCONT)  # stopped for less than hang_s
+            node._next_watch = 0.0
+            node.watch(children)
+            time.sleep(0.05)
+        assert time.monotonic() - started >= 0.5 and children[0].returncode == -signal.SIGKILL
+        assert node._causes == {0: "frozen (stopped) before its first heartbeat"}
+        assert children[1].poll() is None and children[2].poll() is None
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        node.close()
+
+
 def test_a_node_supervisor_reads_its_ranks_heartbeats_in_a_few_requests_a_tick_whatever_their_number():
     """Recoverer.watch asks which of a node's 600 ranks are ready and reads their counters in
     requests of 256 keys (9 here), not two requests a rank (1,200), and still sees a

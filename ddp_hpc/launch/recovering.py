@@ -4,7 +4,8 @@ The supervisor owns every rank's process, so it knows which rank was lost and ca
 it again while the others stay up. ``Recoverer`` starts each attempt's ranks (as
 ``LocalRanks`` does) around a store it serves itself (``engine/recovery/store.py``): the
 store outlives any rank. When a rank ends with a failure, or its heartbeat stands still
-(a frozen process: it is killed first), and recoveries are left and every rank runs
+or its process is stopped (``launch/proc_state.py``; a replacement frozen before its first
+heartbeat too) for the hang timeout (it is killed first), and recoveries are left and every rank runs
 ``InJobRecovery``, it publishes the next group's ``Plan`` and starts a replacement in the
 lost rank's place (or, with ``shrink``, lets the survivors go on alone). Otherwise the
 supervisor ends the attempt and the restart policy decides, as without recovery.
@@ -50,6 +51,7 @@ from ddp_hpc.engine.recovery.layout import Buddies, describe_lost_together, step
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import start_all
 from ddp_hpc.launch.local import LocalRanks
+from ddp_hpc.launch.proc_state import is_stopped
 
 #: Set to 0 for ranks that recover in the job, unless the user set them: the survivors abort
 #: a broken NCCL group themselves, and torch's watchdog and monitor must not end them (or a
@@ -119,6 +121,8 @@ class Recoverer:
         #: Slots lost since the last group that completed a step (lost together, for the buddy check).
         self._lost: set[int] = set()
         self._beats: dict[int, tuple[int, float]] = {}
+        #: pid -> when it was first seen stopped (SIGSTOP, a debugger), heartbeat or not.
+        self._stopped: dict[int, float] = {}
         self._next_watch = 0.0
         self._spare: subprocess.Popen | None = None
         self._spares = 0
@@ -145,6 +149,7 @@ class Recoverer:
         self._replacements.clear()
         self._lost.clear()
         self._beats.clear()
+        self._stopped.clear()
         self._starting.clear()
         self._held.clear()
         return start_all([(self.ranks.command, self._environment(index)) for index in range(self.ranks.nproc)])
@@ -319,7 +324,8 @@ class Recoverer:
                 self._starting.discard(index)
 
     def watch(self, children: list[subprocess.Popen]) -> None:
-        """Kill a rank whose heartbeat stood still for ``hang_s`` (it is then recovered as a lost rank)."""
+        """Kill a rank whose heartbeat stood still for ``hang_s``, or that was stopped that long
+        (``_end_stopped``): it is then recovered as a lost rank."""
         now = time.monotonic()
         if now < self._next_watch:
             return
@@ -338,6 +344,7 @@ class Recoverer:
         missing = set(self._store.not_ready([self._slot(index) for index in running]))
         watched = [index for index in running if self._slot(index) not in missing]
         counters = self._store.beats_of([self._slot(index) for index in watched])  # a few requests, not one a rank
+        ended: set[int] = set()
         for index in watched:
             child, slot = children[index], self._slot(index)
             self._starting.discard(index)
@@ -351,6 +358,32 @@ class Recoverer:
                           self.limits.hang_s)
                 child.kill()
                 self._beats.pop(index, None)
+                ended.add(index)
+        self._end_stopped([index for index in running if index not in ended], missing, children, now)
+
+    def _end_stopped(self, running: list[int], starting: set[int], children: list[subprocess.Popen],
+                     now: float) -> None:
+        """Kill a child stopped (``/proc``'s state) for ``hang_s``, heartbeat or not: a
+        replacement or warm spare frozen before its first beat (``starting``: the slots not
+        ready yet) sends none, as one still importing torch, and would hold the survivors
+        for the whole recovery wait."""
+        pids = {children[index].pid for index in running}
+        for pid in [pid for pid in self._stopped if pid not in pids]:
+            del self._stopped[pid]
+        for index in running:
+            child, slot = children[index], self._slot(index)
+            if not is_stopped(child.pid):
+                self._stopped.pop(child.pid, None)
+                continue
+            if now - self._stopped.setdefault(child.pid, now) < self.limits.hang_s:
+                continue
+            self._causes[index] = ("frozen (stopped) before its first heartbeat" if slot in starting
+                                   else f"frozen (stopped) for {self.limits.hang_s:g} s")
+            log.error("rank %d (pid %d) stopped for %g s (%s): ending it", slot, child.pid, self.limits.hang_s,
+                      self._causes[index])
+            child.kill()
+            del self._stopped[child.pid]
+            self._beats.pop(index, None)
 
 
 def send(child: subprocess.Popen, signum: int) -> None:

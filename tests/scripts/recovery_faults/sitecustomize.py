@@ -9,6 +9,8 @@ ddp_hpc's public parts in the rank in slot ``RECOVERY_FAULT_SLOT`` only.
   and before the barrier after which rank 0 writes the file that makes it count;
 - ``replacement``: as ``window``, and its first replacement dies once its new group has
   formed, before it took the state (the survivors are in the transfer).
+- ``frozen-replacement``: as ``window``, and its first replacement stops itself (SIGSTOP) as
+  it starts, before it imports torch: it never sends a heartbeat;
 - ``backward``: that rank dies before its backward of step ``RECOVERY_FAULT_STEP`` (its
   forward done): its peers fail inside their backward's collectives;
 - ``mid-backward``: that rank dies inside its backward of that step, once the gradient
@@ -31,13 +33,13 @@ from pathlib import Path
 FAULT = os.environ.get("RECOVERY_FAULT")
 
 
-def _die(name: str) -> None:
+def _die(name: str, signum: int = signal.SIGKILL) -> None:
     done = Path(os.environ["RUN_DIR"]) / f"fault-{name}"
     if done.exists():
         return
     done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text(f"{os.getpid()}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signum)
 
 
 def _patch() -> None:
@@ -51,7 +53,7 @@ def _patch() -> None:
     run = Recovery.run
 
     def faulty_step_done(self, *args, **kwargs):
-        if generation == 0 and FAULT in ("window", "replacement") and self.step + 1 == step:
+        if generation == 0 and FAULT in ("window", "replacement", "frozen-replacement") and self.step + 1 == step:
             _die("rank")
         if generation == 0 and FAULT == "host" and self.step + 1 == step:
             if self._snapshots is not None:  # its swaps done first: nothing of it is written after
@@ -105,4 +107,6 @@ def _patch() -> None:
 # `ddp-hpc run` runs the script through its script runner: the script is the last argument.
 if FAULT and os.environ.get("RANK") in os.environ.get("RECOVERY_FAULT_SLOT", "").split(",") and \
         sys.argv[-1].endswith("recovering_loop.py"):
+    if FAULT == "frozen-replacement" and os.environ.get("DDP_HPC_RECOVERY_GENERATION") == "1":
+        _die("replacement", signal.SIGSTOP)
     _patch()
