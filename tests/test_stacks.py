@@ -133,6 +133,15 @@ def test_in_job_recovery_s_checks_run_on_this_torch(stack):
     assert result.returncode == 0 and result.stdout.strip() == "passed", result.stderr[-3000:]
 
 
+@pytest.mark.multiproc
+def test_this_torch_s_store_client_and_gloo_group_work_against_the_launch_s_torch_free_store(stack):
+    """The launch serves the recovery store without torch (engine/recovery/store_server.py,
+    this interpreter's): every request this torch's client makes, and a group formed over it."""
+    from test_store_server import torch_client_passes
+
+    assert f"passed {stack.torch}" in torch_client_passes(stack.bin("python"), stack.env)
+
+
 @pytest.mark.mpi
 @pytest.mark.multiproc
 def test_doctor_under_mpich(stack, mpich):
