@@ -230,7 +230,7 @@ class LaunchStore:
 
         self.server: StoreServer | None = None
         if address is None:
-            self.server = StoreServer(host, 0)
+            self.server = StoreServer()
             self.address = f"{host}:{self.server.port}"
             self.store = StoreClient(host, self.server.port)
         else:

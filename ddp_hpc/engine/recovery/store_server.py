@@ -132,18 +132,25 @@ def _vector(data: bytes) -> bytes:
     return _U64.pack(len(data)) + data
 
 
-class StoreServer:
-    """Serves the store on ``host:port`` (0: a free port, ``port`` after) from a daemon
-    thread, until ``close``."""
+def _listen(port: int, backlog: int) -> socket.socket:
+    """A socket on ``port`` of every interface, IPv6 and IPv4 where the host has both (as
+    torch's server listens: the address the clients are told may be any name of this host)."""
+    try:
+        listener = socket.create_server(("", port), family=socket.AF_INET6, backlog=backlog, reuse_port=False,
+                                        dualstack_ipv6=True)
+    except (OSError, ValueError):
+        listener = socket.create_server(("", port), family=socket.AF_INET, backlog=backlog)
+    return listener
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, backlog: int = 1024) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
-        self._listener.listen(backlog)
+
+class StoreServer:
+    """Serves the store on ``port`` of every interface (0: a free port, ``port`` after)
+    from a daemon thread, until ``close``."""
+
+    def __init__(self, port: int = 0, backlog: int = 1024) -> None:
+        self._listener = _listen(port, backlog)
         self._listener.setblocking(False)
-        self.host, self.port = host, self._listener.getsockname()[1]
+        self.port = self._listener.getsockname()[1]
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
         self._waiters: dict[bytes, list[_Connection]] = {}
@@ -398,7 +405,7 @@ class StoreClient:
                 time.sleep(delay)
                 delay = min(1.0, delay * 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)
+        sock.settimeout(self.timeout_s)  # as torch's client: no reply in that long is an error
         sock.sendall(_U8.pack(VALIDATE) + _U32.pack(MAGIC))
         return sock
 
@@ -416,15 +423,26 @@ class StoreClient:
     def _exactly(self, size: int) -> bytes:
         chunks, left = [], size
         while left:
-            chunk = self._sock.recv(left)
+            try:
+                chunk = self._sock.recv(left)
+            except TimeoutError:
+                raise
+            except OSError as exc:
+                raise StoreError(f"the store at {self.host}:{self.port} is gone: {exc}") from exc
             if not chunk:
                 raise StoreError(f"the store at {self.host}:{self.port} closed the connection")
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
 
+    def _reply(self, size: int) -> bytes:
+        try:
+            return self._exactly(size)
+        except TimeoutError as exc:
+            raise StoreError(f"the store at {self.host}:{self.port} did not answer in {self.timeout_s:g} s") from exc
+
     def _vector_reply(self) -> bytes:
-        return self._exactly(_U64.unpack(self._exactly(8))[0])
+        return self._reply(_U64.unpack(self._reply(8))[0])
 
     def _request(self, data: bytes) -> None:
         try:
@@ -439,17 +457,15 @@ class StoreClient:
             reply = self._exactly(1)
         except TimeoutError:
             reply = None
-        except OSError as exc:
-            raise StoreError(f"the store at {self.host}:{self.port} is gone: {exc}") from exc
         finally:
-            self._sock.settimeout(None)
+            self._sock.settimeout(self.timeout_s)
         if reply is not None:
             if reply[0] != STOP_WAITING:
                 raise StoreError(f"the store answered a wait with {reply[0]}")
             return
         self._request(_U8.pack(CANCEL_WAIT))
-        if self._exactly(1)[0] != WAIT_CANCELED:  # the keys came as it timed out
-            self._exactly(1)
+        if self._reply(1)[0] != WAIT_CANCELED:  # the keys came as it timed out
+            self._reply(1)
         raise StoreTimeout(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {list(keys)}")
 
     # -- torch's Store methods -----------------------------------------------------------
@@ -467,7 +483,7 @@ class StoreClient:
     def add(self, key: str, amount: int) -> int:
         with self._lock:
             self._request(_U8.pack(ADD) + self._key(key) + _I64.pack(amount))
-            return _I64.unpack(self._exactly(8))[0]
+            return _I64.unpack(self._reply(8))[0]
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         with self._lock:
@@ -478,7 +494,7 @@ class StoreClient:
     def check(self, keys: Sequence[str]) -> bool:
         with self._lock:
             self._request(_U8.pack(CHECK) + self._keys(keys))
-            return self._exactly(1)[0] == READY
+            return self._reply(1)[0] == READY
 
     def wait(self, keys: Sequence[str], timeout: timedelta | float | None = None) -> None:
         with self._lock:
@@ -505,14 +521,14 @@ class StoreClient:
     def delete_key(self, key: str) -> bool:
         with self._lock:
             self._request(_U8.pack(DELETE_KEY) + self._key(key))
-            return _I64.unpack(self._exactly(8))[0] == 1
+            return _I64.unpack(self._reply(8))[0] == 1
 
     def num_keys(self) -> int:
         with self._lock:
             self._request(_U8.pack(GETNUMKEYS))
-            return _I64.unpack(self._exactly(8))[0]
+            return _I64.unpack(self._reply(8))[0]
 
     def ping(self, nonce: int = 0) -> bool:
         with self._lock:
             self._request(_U8.pack(PING) + _U32.pack(nonce))
-            return _U32.unpack(self._exactly(4))[0] == nonce
+            return _U32.unpack(self._reply(4))[0] == nonce
