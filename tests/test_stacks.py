@@ -133,6 +133,33 @@ def test_in_job_recovery_s_checks_run_on_this_torch(stack):
     assert result.returncode == 0 and result.stdout.strip() == "passed", result.stderr[-3000:]
 
 
+@pytest.mark.multiproc
+def test_this_torch_s_store_client_and_gloo_group_work_against_the_launch_s_torch_free_store(stack):
+    """The launch serves the recovery store without torch (engine/recovery/store_server.py,
+    this interpreter's): every request this torch's client makes, and a group formed over it."""
+    from test_store_server import torch_client_passes
+
+    assert f"passed {stack.torch}" in torch_client_passes(stack.bin("python"), stack.env)
+
+
+@pytest.mark.multiproc
+@pytest.mark.reliability
+def test_a_rank_killed_under_launch_recover_is_replaced_in_the_job_over_the_torch_free_store(stack, tmp_path):
+    """``launch --recover``'s store is served without torch; this torch's ranks meet in it
+    (their clients, heartbeats, groups over its prefixes): slot 1 SIGKILLed after its
+    optimizer step of step 4 (tests/scripts/recovery_faults) is replaced in the job."""
+    faults = str(REPO / "tests" / "scripts" / "recovery_faults")
+    result = stack.run([stack.bin("ddp-hpc"), "launch", "--nproc", "2", "--recover", "1", "--", "python",
+                        str(EXAMPLES / "recovering_loop.py")], timeout=400,
+                       env={"EPOCHS": "1", "RUN_DIR": str(tmp_path), "RECOVERY_FAULT": "window",
+                            "RECOVERY_FAULT_SLOT": "1", "RECOVERY_FAULT_STEP": "4",
+                            "PYTHONPATH": os.pathsep.join([stack.env["PYTHONPATH"], faults])})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert (tmp_path / "fault-rank").exists(), "slot 1 was never killed"
+    records = [json.loads(path.read_text()) for path in sorted(tmp_path.rglob("recovery-*.json"))]
+    assert [(record["rank"], record["replaced"]) for record in records] == [(1, True)], records
+
+
 @pytest.mark.mpi
 @pytest.mark.multiproc
 def test_doctor_under_mpich(stack, mpich):

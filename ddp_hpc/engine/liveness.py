@@ -35,11 +35,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ddp_hpc.engine.collectives import CollectivePosition, out_of_step
-from ddp_hpc.startup.rendezvous import store_batches
+from ddp_hpc.startup.batches import store_batches
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +239,8 @@ class Heartbeat:
     def _connect(self) -> dist.Store:
         # A client of its own: a heartbeat blocked on a dead network holds no lock of the
         # store client the job uses.
+        import torch.distributed as dist
+
         return dist.TCPStore(self.store_addr, self.store_port, is_master=False,
                              timeout=timedelta(seconds=self.store_timeout_s), wait_for_workers=False)
 

@@ -114,6 +114,8 @@ class NodeSupervisors:
     def start(self, attempt: int, extra_env: Mapping[str, str] | None = None) -> Sequence[subprocess.Popen]:
         from ddp_hpc.engine.recovery.store import LaunchStore
 
+        if self._store is not None:
+            self._store.close()  # the last attempt's: its node supervisors are gone
         self._store = LaunchStore(self.host)
         return self.attempts.start(attempt, {**(extra_env or {}), RECOVERY_STORE_VAR: self._store.address})
 

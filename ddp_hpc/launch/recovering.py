@@ -136,6 +136,8 @@ class Recoverer:
         from ddp_hpc.engine.recovery.store import LaunchStore
 
         self.close()
+        if self._store is not None:
+            self._store.close()  # the last attempt's: its ranks are gone
         if self.store_address is None:
             self._store = LaunchStore()
             self._run_id = uuid.uuid4().hex[:12]

@@ -21,7 +21,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -29,6 +29,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from ddp_hpc.contract import RENDEZVOUS_TIMEOUT_VAR
+from ddp_hpc.startup.batches import KEYS_PER_REQUEST, store_batches
 from ddp_hpc.environment import DistEnv, detect_launcher
 from ddp_hpc.errors import UserError
 
@@ -122,15 +123,6 @@ def _accepts(addr: str, port: int) -> bool:
 
 #: A range of ranks with a gap is halved until it is this small, then checked key by key.
 SPLIT_DOWN_TO = 8
-#: Keys per store request at most: torch's TCPStore takes time quadratic in the keys of one
-#: ``check`` or ``multi_get`` (18 s for 50,000 keys here, 2.4 us a key in requests of 256).
-KEYS_PER_REQUEST = 256
-
-
-def store_batches(keys: Sequence[str]) -> Iterator[list[str]]:
-    """``keys`` in requests the store serves in linear time (``KEYS_PER_REQUEST`` each)."""
-    for first in range(0, len(keys), KEYS_PER_REQUEST):
-        yield list(keys[first:first + KEYS_PER_REQUEST])
 
 
 def _joined_keys(ranks: Iterable[int]) -> list[str]:

@@ -5,6 +5,7 @@ the rest are its parts:
 
 - ``store``: the keys the ranks and the launch (``launch/recovering.py``) meet under, in a
   store the launch serves, and the ``Plan`` of each new group;
+- ``store_server``: that store served, and read, without torch (torch's TCPStore protocol);
 - ``record``: each recovery in the run record (torch-free);
 - ``backends``: which process-group backends a broken group can be left on (torch-free:
   the launch asks before any rank starts);

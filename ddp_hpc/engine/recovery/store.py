@@ -51,10 +51,15 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
-from ddp_hpc.engine.liveness import BeatKeys, Heartbeat, read_beats
-from ddp_hpc.startup.rendezvous import store_batches
+from ddp_hpc.engine.liveness import BeatKeys, read_beats
+from ddp_hpc.startup.batches import store_batches
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ddp_hpc.engine.liveness import Heartbeat
 
 PREFIX = "ddp_hpc/recovery/"
 LATEST_KEY = PREFIX + "latest"
@@ -152,7 +157,10 @@ class Plan:
 
 
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the launch's store at ``host:port``."""
+    """A rank's client of the launch's store at ``host:port``: torch's own (a group forms
+    over ``PrefixStore``s of it)."""
+    import torch.distributed as dist
+
     host, _, port = address.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
@@ -177,6 +185,8 @@ def heartbeat(address: str, slot: int, members: Callable[[], Sequence[int]], on_
     """The heartbeat of the rank in ``slot`` in the launch's store at ``host:port``: the
     launch's hang detector reads its counter, and so does a watchdog given it, which reports
     through it. ``members``: the slots of the current group, in rank order."""
+    from ddp_hpc.engine.liveness import Heartbeat
+
     host, _, port = address.rpartition(":")
     return Heartbeat(slot, len(members()), socket.gethostname(), host, int(port), interval_s=interval_s,
                      store_timeout_s=store_timeout_s, keys=BEAT_KEYS, members=members, on_beat=on_beat,
@@ -212,14 +222,26 @@ def wait_plan(store: dist.Store, generation: int, timeout_s: float) -> Plan:
 class LaunchStore:
     """The launch's side: serves the store on a free port of this host (``host``: the
     address the others reach it at), or, given ``address``, is a node supervisor's client
-    of the store the outer launch serves; reads and writes the keys above."""
+    of the store the outer launch serves; reads and writes the keys above. Neither imports
+    torch (``store_server``: a server of torch's ``TCPStore`` protocol, and its client)."""
 
     def __init__(self, host: str = "127.0.0.1", address: str | None = None) -> None:
+        from ddp_hpc.engine.recovery.store_server import StoreClient, StoreServer
+
+        self.server: StoreServer | None = None
         if address is None:
-            self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            self.address = f"{host}:{self.store.port}"
+            self.server = StoreServer()
+            self.address = f"{host}:{self.server.port}"
+            self.store = StoreClient(host, self.server.port)
         else:
-            self.store, self.address = connect(address, CONNECT_TIMEOUT_S), address
+            host, _, port = address.rpartition(":")
+            self.store, self.address = StoreClient(host, int(port), timeout=CONNECT_TIMEOUT_S), address
+
+    def close(self) -> None:
+        """Stops serving (the launch's own store), or leaves it (a node supervisor)."""
+        self.store.close()
+        if self.server is not None:
+            self.server.close()
 
     def next_generation(self) -> int:
         """The generation of the next plan: one counter for every node supervisor."""
