@@ -170,3 +170,27 @@ def test_the_buffers_each_step_starts_from_are_kept_from_its_first_training_forw
     model(torch.randn(5, 4))
     assert start.received(2) is None
     handle.remove()
+
+
+def test_a_step_the_checkpointer_makes_while_it_saves_is_not_the_loops(one_rank, tmp_path):
+    """torch's state-dict API steps an optimizer without state at lr 0 to create it (a dcp
+    save of a DDP model, a file save of an FSDP2 model): not an applied step of the loop,
+    which would make every rank no source of the state after a loss. The Checkpointer says
+    it is saving, and ``InJobRecovery.run`` ignores the steps made meanwhile."""
+    import ddp_hpc
+    from ddp_hpc.engine.recovery.broken_step import StepStart
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state, ever
+    checkpointer = ddp_hpc.Checkpointer(tmp_path / "run", {"model": model, "optimizer": optimizer}, format="dcp")
+    start = StepStart()
+    handle = start.attach(optimizer, ignore=lambda: checkpointer.saving)
+    checkpointer.save(wait=True)
+    assert not start.applied and not checkpointer.saving
+    handle.remove()
+    watched = StepStart()
+    handle = watched.attach(optimizer)  # without the ignore, the save's step counts: what it is for
+    checkpointer.step_done()
+    checkpointer.save(wait=True)
+    assert watched.applied
+    handle.remove()

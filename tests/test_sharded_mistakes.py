@@ -189,3 +189,37 @@ def test_without_recovery_run_refuses_a_sharded_model_that_would_train_wrongly_b
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_legitimate_sharded_models_are_not_refused_and_a_wrapped_one_restores_from_one_file(one_rank, tmp_path):
+    """Two shapes the refusals must let through: a frozen plain parameter on the root (a
+    frozen backbone beside sharded trainable blocks: nothing of it is trained or reduced),
+    and a block under activation checkpointing (``checkpoint_wrapper``), whose parameter
+    names carry ``_checkpoint_wrapped_module.`` where torch's state-dict API leaves it out:
+    its single-file checkpoint saves and restores (it failed with "Missing optimizer state
+    for parameter '0.weight'")."""
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_hpc.engine.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(4, 4)), nn.Linear(4, 2))
+    model.register_parameter("frozen", nn.Parameter(torch.ones(3), requires_grad=False))
+    fully_shard(model[0])
+    fully_shard(model[1])
+    model.frozen = nn.Parameter(torch.ones(3), requires_grad=False)  # left plain: no fully_shard of the root
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    checkpointer = Checkpointer(tmp_path, {"model": model, "optimizer": optimizer}, format="file")
+    checkpointer.step_done()
+    checkpointer.save(wait=True)
+    moments = [optimizer.state[p]["exp_avg"].to_local().clone() for p in model.parameters() if p.requires_grad]
+    for group in optimizer.state.values():
+        group["exp_avg"].to_local().zero_()
+    assert Checkpointer(tmp_path, {"model": model, "optimizer": optimizer}, format="file").restore() is not None
+    again = [optimizer.state[p]["exp_avg"].to_local() for p in model.parameters() if p.requires_grad]
+    assert all(torch.equal(one, other) for one, other in zip(moments, again))

@@ -419,6 +419,8 @@ class Checkpointer:
         self.on_written = on_written
         #: Called on every rank before a save begins (a loop's watchdog beat, say).
         self.on_saving = on_saving
+        #: True while ``save`` runs (a part that watches the optimizer's steps tells a save's from the loop's).
+        self.saving = False
         #: Optimizer steps taken in all (restored by ``restore``).
         self.step = 0
         #: Seconds the latest save kept training waiting (the stop agreement's deadline uses it).
@@ -541,9 +543,13 @@ class Checkpointer:
         started = time.perf_counter()
         shared = {"format": files.FORMAT_VERSION, "step": self.step, "extras": dict(self.extras),
                   "progress": self.progress()}
-        self._saved_path = self.format.save(self.group, self.directory, self.step, self.objects, shared,
-                                            {"rng": capture_rng(), "rank_extras": dict(self.rank_extras)},
-                                            keep_last=self.keep_last, best=best)
+        self.saving = True
+        try:
+            self._saved_path = self.format.save(self.group, self.directory, self.step, self.objects, shared,
+                                                {"rng": capture_rng(), "rank_extras": dict(self.rank_extras)},
+                                                keep_last=self.keep_last, best=best)
+        finally:
+            self.saving = False
         self._saved_step = self.step
         self.last_save_s = time.perf_counter() - started
         self._report(self.format.finished())

@@ -66,7 +66,7 @@ def model_refusal(model: nn.Module) -> str | None:
     every ``fully_shard`` unit (its root not sharded) are never reduced over the ranks."""
     if not is_sharded(model):
         return None
-    plain = [name for name, p in model.named_parameters() if not _is_dtensor(p)]
+    plain = [name for name, p in model.named_parameters() if p.requires_grad and not _is_dtensor(p)]
     if not plain:
         return None
     return (f"the model is sharded (fully_shard) but its parameter(s) {_listed(plain)} belong to no fully_shard "
@@ -141,7 +141,11 @@ def numbered(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def named(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    name_of = {id(p): name for name, p in model.named_parameters()}
+    # The names torch's state-dict API gives (wrappers' prefixes such as activation
+    # checkpointing's ``_checkpoint_wrapped_module.`` left out), not named_parameters()'s.
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    name_of = {id(p): next(iter(_get_fqns(model, name))) for name, p in model.named_parameters()}
     names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
     return {"state": {names[int(i)]: value for i, value in state["state"].items()},
             "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}

@@ -184,15 +184,16 @@ def judge(case: Case, reference: Launch, faulted: Launch) -> str:
         if found is None:
             continue
         buffers = set(actual["meta"].get("buffers", ()))
-        if case.shape.strategy == "ddp" and 0 in case.lost_slots() and buffers and first_difference(
+        if case.shape.strategy == "ddp" and case.loses_rank_0_before_a_forward() and buffers and first_difference(
                 _without(expected["state"], buffers), _without(actual["state"], buffers)) is None:
             return ("stated exception: under DDP rank 0's buffers are its own (DDP broadcasts them at each forward): "
                     "lost with rank 0 before the broken step's forward, they go on from a survivor's (docs: "
                     f"reliability.md, in-job recovery's limits; {found})")
         return f"failed: mismatch on rank {slot}: {found}"
-    if any(final["meta"]["restarts"] for final in faulted.finals):
-        return IDENTICAL_FELL_BACK
-    return IDENTICAL_IN_JOB
+    verdict = IDENTICAL_FELL_BACK if any(final["meta"]["restarts"] for final in faulted.finals) else IDENTICAL_IN_JOB
+    if len(faulted.fired) < case.losses:  # e.g. a replacement's fault, where the launch gave up before it started
+        verdict += f" [{len(faulted.fired)} of {case.losses} drawn losses fired]"
+    return verdict
 
 
 class Fuzz:
@@ -252,8 +253,8 @@ class Fuzz:
 def table(results: Sequence[Result]) -> str:
     identical = [r for r in results if r.verdict.startswith("identical")]
     rows = [("cases", len(results)), ("identical", len(identical)),
-            ("  recovered in the job", sum(r.verdict == IDENTICAL_IN_JOB for r in results)),
-            ("  fell back to a restart in place", sum(r.verdict == IDENTICAL_FELL_BACK for r in results)),
+            ("  recovered in the job", sum(r.verdict.startswith(IDENTICAL_IN_JOB) for r in results)),
+            ("  fell back to a restart in place", sum(r.verdict.startswith(IDENTICAL_FELL_BACK) for r in results)),
             ("stated exceptions", sum(r.verdict.startswith("stated exception") for r in results)),
             ("failed", sum(r.failed for r in results))]
     width = max(len(name) for name, _ in rows)

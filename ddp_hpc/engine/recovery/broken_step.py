@@ -48,10 +48,13 @@ class StepStart:
         self._received_in = -1
         self.applied = False
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Marks each applied step of ``optimizer`` from now on; the handle's ``remove()`` ends that."""
+    def attach(self, optimizer: torch.optim.Optimizer, ignore: Callable[[], bool] = lambda: False) -> Any:
+        """Marks each applied step of ``optimizer`` from now on, but those made while
+        ``ignore()`` (a Checkpointer's save: torch's state-dict API steps an optimizer that
+        has no state yet at lr 0 to create it); the handle's ``remove()`` ends that."""
         def mark(*_: Any) -> None:
-            self.applied = True
+            if not ignore():
+                self.applied = True
 
         return optimizer.register_step_post_hook(mark)
 

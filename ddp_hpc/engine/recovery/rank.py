@@ -337,6 +337,7 @@ class InJobRecovery:
         if checkpointer is not None:
             self.step = checkpointer.step  # a restored checkpoint's step
         self.seed = self._base_seed()
+        self._keeps_buffers = self.enabled and not sharded  # a sharded model's come back with its snapshot
         self._follow_group()
         if sharded and self.enabled:
             self._start_snapshots(checked=self.joining)
@@ -346,8 +347,8 @@ class InJobRecovery:
             seed_for_step(self.seed, self.step)
             if self._snapshots is not None and self._restarts > 0:
                 self._resume_from_memory()
-        self._keeps_buffers = self.enabled and not sharded  # a sharded model's come back with its snapshot
-        hooks = [self._step_start.attach(optimizer)]
+        saving = (lambda: checkpointer.saving) if checkpointer is not None else (lambda: False)
+        hooks = [self._step_start.attach(optimizer, ignore=saving)]
         if self._keeps_buffers:
             self._step_start.keep(model)
             hooks.append(self._step_start.watch(model, lambda: self.step))
@@ -573,7 +574,9 @@ class InJobRecovery:
             try:
                 self._transfer(plan, joining=joining)
                 return
-            except RecoveryError:
+            except RecoveryError as exc:
+                if dist.is_initialized() and dist.get_rank() == 0 and self._store is not None:
+                    keys.give_up(self._store, str(exc).split(": ", 1)[-1])  # the launch gives up at the exits
                 raise
             except RuntimeError as exc:  # DistError is one
                 self._failed(plan, exc)
@@ -869,13 +872,14 @@ class InJobRecovery:
 
     def _take_buffers(self, state: dict[str, Any], joining: bool) -> None:
         """A DDP model's buffers after a transfer: a survivor at the step the group goes on
-        from keeps its own (as at that step's end); a replacement of rank 0 takes rank 0's,
-        which the survivors received in the broken step's forward (DDP broadcasts rank 0's
-        buffers at each forward: the other ranks' are overwritten by them before use)."""
+        from keeps its own (as at that step's end); rank 0 otherwise (a replacement, or a
+        step ahead) takes rank 0's of that step's end, which the survivors received in the
+        broken step's forward (DDP broadcasts rank 0's buffers at each forward: the other
+        ranks' are overwritten by them before use)."""
         assert self._model is not None
         if not joining and self.step == state["step"]:
             self._step_start.put_back(self._model)
-        elif joining and dist.get_rank() == 0:
+        elif dist.get_rank() == 0:
             received = state.get("received_buffers")
             if received is not None:
                 load_buffers(self._model, received)
