@@ -324,3 +324,27 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.section("measured figures")
         for line in FIGURES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _ddp_hpc_loggers_as_found():
+    """The ``ddp_hpc`` loggers put back after each test: a verb run in-process configures the
+    package's logger (a handler on the stream of that moment, ``propagate`` off), and a
+    library's ``logging.config.dictConfig`` disables every logger that exists; the next test
+    of the same worker would then log nowhere it captures (seen in CI: caplog and the
+    captured stderr empty in tests that pass alone)."""
+    import logging
+
+    def package_loggers():
+        return {name: one for name, one in logging.root.manager.loggerDict.items()
+                if (name == "ddp_hpc" or name.startswith("ddp_hpc.")) and isinstance(one, logging.Logger)}
+
+    saved = {name: (list(one.handlers), one.level, one.propagate, one.disabled)
+             for name, one in package_loggers().items()}
+    yield
+    for name, one in package_loggers().items():
+        handlers, level, propagate, disabled = saved.get(name, ([], logging.NOTSET, True, False))
+        for handler in [h for h in one.handlers if h not in handlers]:
+            one.removeHandler(handler)
+        one.handlers[:] = handlers
+        one.level, one.propagate, one.disabled = level, propagate, disabled

@@ -88,7 +88,7 @@ def test_dry_run_prints_everything_and_submits_nothing(tmp_path, scheduler):
 
 def test_missing_qsub_names_the_rendered_script(tmp_path):
     env = {"PATH": f"{Path(sys.executable).parent}:/nonexistent"}
-    result = run([*ddp_hpc_command(), "submit", "pbs", DIGITS, f"logging.run_dir={tmp_path}"], env=env, cwd=tmp_path)
+    result = run([*ddp_hpc_command(), "submit", "pbs", DIGITS, "--cluster", "pbs-generic", f"logging.run_dir={tmp_path}"], env=env, cwd=tmp_path)
     assert result.returncode == 2
     script = tmp_path / "digits" / "job.pbs"
     assert f"qsub not found on PATH: the rendered script is at {script}" in result.stderr

@@ -29,6 +29,8 @@ RECOVERY_SHRINK_VAR = "DDP_HPC_RECOVERY_SHRINK"
 #: 1), and the folder on node-local memory they are kept in (default ``/dev/shm``).
 SNAPSHOT_EVERY_VAR = "DDP_HPC_SNAPSHOT_EVERY"
 SNAPSHOT_DIR_VAR = "DDP_HPC_SNAPSHOT_DIR"
+#: What every variable of this contract begins with (a launch of one's own may clear them all).
+VAR_PREFIX = "DDP_HPC_"
 #: The run folder (also read by ``ddp-hpc status``).
 RUN_FOLDER_VAR = "DDP_HPC_RUN_FOLDER"
 #: The job's end (walltime limit) in seconds since the epoch.

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ddp_hpc.bench.fuzz.cases import Case, case_seeds, draw_case, stated_exception
-from ddp_hpc.contract import atomic_write
+from ddp_hpc.contract import SNAPSHOT_DIR_VAR, VAR_PREFIX, atomic_write
 
 #: Seconds of silence after which the launch ends a frozen (SIGSTOPped) rank.
 HANG_TIMEOUT_S = 5
 #: A launch that runs longer is ended (its whole process group) and its case failed.
 DEFAULT_TIMEOUT_S = 180.0
 #: Variables of an outer launcher that would make the ranks take themselves for its tasks.
-LAUNCHER_PREFIXES = ("OMPI_", "PMI", "PMIX_", "MPI_LOCAL", "SLURM_", "PALS_", "MV2_", "TORCHELASTIC", "DDP_HPC_")
+LAUNCHER_PREFIXES = ("OMPI_", "PMI", "PMIX_", "MPI_LOCAL", "SLURM_", "PALS_", "MV2_", "TORCHELASTIC", VAR_PREFIX)
 LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                   "RUN_DIR"}
 
@@ -89,7 +89,7 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
                *(["--shrink"] if case.shrink else []), "--",
                sys.executable, "-m", "ddp_hpc.bench.fuzz.loop", str(case_file)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
-    env.update({"RUN_DIR": str(run_dir), "DDP_HPC_SNAPSHOT_DIR": str(snapshots), "OMP_NUM_THREADS": "1",
+    env.update({"RUN_DIR": str(run_dir), SNAPSHOT_DIR_VAR: str(snapshots), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1"})
     if _STOPPING.is_set():
         raise KeyboardInterrupt("the fuzz run was interrupted")
