@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ddp_hpc.errors import DeviceUnavailableError, UserError
+from ddp_hpc.errors import DeviceUnavailableError, TooFewDevicesError, UserError
 from ddp_hpc.torch_support import IPEX_LAST, XCCL, installed, named, parse
 
 if TYPE_CHECKING:
@@ -329,7 +329,7 @@ def _device_index(device_type: str, local_rank: int, local_world_size: int,
     if count == 1 and env.get(visible_var):
         # The scheduler or a wrapper gave each rank its own device through visible_var.
         return 0
-    raise DeviceUnavailableError(
+    raise TooFewDevicesError(
         f"{local_world_size} ranks on this node but only {count} {device_type} device(s) "
         f"visible: start at most {count} ranks per node, or give each rank one device "
         f"through {visible_var}")

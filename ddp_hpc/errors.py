@@ -28,6 +28,10 @@ class DeviceUnavailableError(UserError):
     """The requested device or communication backend cannot work on this host."""
 
 
+class TooFewDevicesError(DeviceUnavailableError):
+    """More ranks on this node than devices of the chosen type, none given its own."""
+
+
 class RefusedOnRank(UserError, SystemExit):
     """A ``UserError`` that a rank of a user's own script meets (``InJobRecovery``): the same
     mistake on every rank. Uncaught, it ends the process with status 2 and no traceback, as

@@ -350,3 +350,22 @@ def test_a_cuda_build_keeps_its_backend_name(monkeypatch):
     fake.version = type(fake.version)(hip=None, cuda="12.4")
     assert backend_label("nccl") == "nccl"
     assert TorchHost().describe_build() == "torch 2.5.1+rocm6.2 (12.4)"
+
+
+def test_ddp_hpc_run_lets_ranks_share_one_gpu_when_nothing_was_asked_for(caplog):
+    """``ddp-hpc run`` with 4 ranks on a 1-GPU node: nothing asked for, the command picks its
+    own device (ranks sharing the GPU over gloo, as examples/recovering_loop.py's DEVICE=cuda
+    does; refused before, seen on an H200 on 2026-11-28), said once and no device exported;
+    cuda or nccl asked for is still refused in one line."""
+    from ddp_hpc.run.torchrun_env import command_environment
+
+    one_gpu = FakeHost(cuda=1, backends={"nccl", "gloo"})
+    ranks = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    launch = command_environment(["true"], environ=ranks, host=one_gpu)
+    assert "DDP_HPC_DEVICE" not in launch.exported and "DDP_HPC_BACKEND" not in launch.exported
+    assert launch.exported["LOCAL_WORLD_SIZE"] == "4"
+    assert "4 ranks on this node but only 1 cuda device(s)" in caplog.text
+    for asked in ({"DDP_HPC_DEVICE": "cuda"}, {"DDP_HPC_BACKEND": "nccl"}):
+        with pytest.raises(DeviceUnavailableError, match="4 ranks on this node but only 1 cuda"):
+            command_environment(["true"], environ={**ranks, **asked}, host=one_gpu)

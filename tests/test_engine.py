@@ -155,10 +155,10 @@ def test_background_dcp_saves_of_ddp_and_fsdp2_resume_bit_identical_on_this_torc
     bit-identical; FSDP2's DTensors go through the stager too. tests/test_stacks.py runs it
     on each torch of .ci/torch-versions, tests/test_gpu.py on a GPU."""
     result = run([sys.executable, str(REPO / "tests" / "scripts" / "dcp_background_resume.py"), str(tmp_path), "cpu",
-                  "ddp", "fsdp2"], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+                  "ddp", "fsdp2", "fsdp2:file"], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed ")]
-    assert resumed == [f"resumed {s} step {n}" for s in ("ddp", "fsdp2") for n in (3, 5)], result.stdout
+    assert resumed == [f"resumed {s} step {n}" for s in ("ddp", "fsdp2", "fsdp2:file") for n in (3, 5)], result.stdout
 
 
 def test_cadence_and_keep_last(tmp_path):

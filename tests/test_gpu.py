@@ -281,12 +281,14 @@ def _converted_model(run_folder: Path, output: Path) -> dict[str, torch.Tensor]:
     return torch.load(output, weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2:file"])
 def test_background_dcp_saves_of_a_cuda_model_resume_bit_identical(strategy, tmp_path):
     """Two ``Checkpointer(format="dcp", background=True)`` saves of a CUDA model with Adam
     state (the second refills the pinned host buffers of the first) while training goes on;
     each checkpoint restored into a fresh model holds its step's state bit for bit
-    (tests/scripts/dcp_background_resume.py; tests/test_stacks.py runs it on CPU)."""
+    (tests/scripts/dcp_background_resume.py; tests/test_stacks.py runs it on CPU).
+    ``fsdp2:file``: an FSDP2 model's ``format="file"`` checkpoint, its whole state gathered
+    from the GPU into one file, restored into the shards bit for bit."""
     result = run([sys.executable, str(REPO / "tests" / "scripts" / "dcp_background_resume.py"), str(tmp_path), "cuda",
                   strategy], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

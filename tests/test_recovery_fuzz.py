@@ -85,6 +85,19 @@ def test_every_moment_and_model_feature_is_drawn_within_500_cases_and_each_fault
     assert not wanted - set(seen), sorted(wanted - set(seen))
 
 
+def test_a_run_on_one_gpu_takes_the_drawn_ddp_cases_in_order_and_a_cpu_run_every_case():
+    """``--device cuda`` (every rank on one GPU over gloo, which has no reduce-scatter of CUDA
+    tensors for FSDP2) runs the run's DDP cases in their drawn order, its seeds those of the
+    same run on CPU; on CPU every drawn case runs."""
+    from ddp_hpc.bench.fuzz.runner import DEVICE_STRATEGIES, runnable_seeds
+
+    drawn = case_seeds(44, 400)
+    on_gpu = runnable_seeds(44, 24, DEVICE_STRATEGIES["cuda"])
+    assert len(on_gpu) == 24 and all(draw_case(seed).shape.strategy == "ddp" for seed in on_gpu)
+    assert on_gpu == [seed for seed in drawn if draw_case(seed).shape.strategy == "ddp"][:24]
+    assert runnable_seeds(44, 24, DEVICE_STRATEGIES["cpu"]) == drawn[:24]
+
+
 def test_a_fault_fires_once_per_run_folder_in_its_own_slot_and_generation_only(tmp_path, monkeypatch):
     from ddp_hpc.bench.fuzz import loop
     from ddp_hpc.bench.fuzz.cases import Fault

@@ -12,6 +12,7 @@ Everything here is pure: the CLI resolves, calls ``worker_environment`` and ``ex
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,10 +21,12 @@ from typing import TYPE_CHECKING
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
 from ddp_hpc.engine.collectives import flight_recorder_variables
 from ddp_hpc.environment import DistEnv, detect_launcher
-from ddp_hpc.errors import UserError
+from ddp_hpc.errors import TooFewDevicesError, UserError
 
 if TYPE_CHECKING:  # ddp_hpc.device is imported where a device is chosen (command_environment)
-    from ddp_hpc.device import DeviceChoice
+    from ddp_hpc.device import DeviceChoice, HostDevices
+
+log = logging.getLogger(__name__)
 
 #: The role name torchrun gives workers when none is asked for (``--role``).
 ROLE_NAME = "default"
@@ -93,9 +96,10 @@ def run_id_for(dist_env: DistEnv, launch_id: str | None) -> str:
     return launch_id or f"{dist_env.master_addr}:{dist_env.master_port}"
 
 
-def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: DeviceChoice,
+def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: DeviceChoice | None,
                        environ: Mapping[str, str], *, cpus: int | None = None) -> WorkerLaunch:
-    """The command and what to export for it on this rank.
+    """The command and what to export for it on this rank (``choice`` None: no device or
+    backend is exported, the command picks its own).
 
     Under torchrun only the flight recorder is switched on (so that a watchdog can tell
     which collective each rank is at): its workers already have every other variable.
@@ -110,8 +114,9 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     # torchrun's workers see the restart as TORCHELASTIC_RESTART_COUNT too.
     launch_id = detect_launcher(environ).launch_id(environ)
     exported = torchrun_variables(dist_env, run_id_for(dist_env, launch_id), int(restart))
-    exported[DEVICE_VAR] = choice.device_type
-    exported[BACKEND_VAR] = choice.backend
+    if choice is not None:
+        exported[DEVICE_VAR] = choice.device_type
+        exported[BACKEND_VAR] = choice.backend
     exported.update(flight_recorder_variables(environ))
     from ddp_hpc.device import NCCL_ERROR_HANDLING_VAR  # imported already: the choice was made there
 
@@ -124,12 +129,17 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
 
 
 def command_environment(command: Sequence[str], *, device: str | None = None, backend: str | None = None,
-                        host_suffix: str | None = None,
-                        environ: Mapping[str, str] | None = None) -> WorkerLaunch:
+                        host_suffix: str | None = None, environ: Mapping[str, str] | None = None,
+                        host: HostDevices | None = None) -> WorkerLaunch:
     """What ``ddp-hpc run -- COMMAND`` executes on this rank: the command and the torchrun
     worker variables to export for it (nothing under torchrun itself). torch is imported only
     where the host has a GPU or the request names one (``device.probe_host``): the command
-    imports it anyway."""
+    imports it anyway.
+
+    More ranks on the node than GPUs, with no device or backend asked for, is no mistake
+    here: the command may share a GPU among its ranks over gloo (examples/recovering_loop.py
+    with DEVICE=cuda). It is said once, and nothing about the device is exported; ddp_hpc's
+    own process group in the command still refuses cuda with nccl there."""
     from ddp_hpc.device import probe_host, requested, select_device
     from ddp_hpc.environment import resolve_env
     from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
@@ -138,18 +148,28 @@ def command_environment(command: Sequence[str], *, device: str | None = None, ba
     environ = os.environ if environ is None else environ
     dist_env = resolve_env(environ, host_suffix=host_suffix)
     wanted_device, wanted_backend = requested(device, environ, DEVICE_VAR), requested(backend, environ, BACKEND_VAR)
-    choice = select_device(wanted_device, wanted_backend, local_rank=dist_env.local_rank,
-                           local_world_size=dist_env.local_world_size,
-                           host=probe_host(wanted_device, wanted_backend), env=environ)
+    where = where_label(dist_env.rank, dist_env.world_size)
+    choice: DeviceChoice | None
+    try:
+        choice = select_device(wanted_device, wanted_backend, local_rank=dist_env.local_rank,
+                               local_world_size=dist_env.local_world_size,
+                               host=probe_host(wanted_device, wanted_backend) if host is None else host, env=environ)
+    except TooFewDevicesError as exc:
+        if (wanted_device, wanted_backend) != ("auto", "auto"):
+            raise
+        if dist_env.local_rank == 0:
+            log.warning("%s: %s; nothing was asked for, so the command picks its own device (ranks can share a GPU "
+                        "over gloo)", where, exc)
+        choice = None
+    backend = choice.backend if choice is not None else "gloo"  # the one backend ranks sharing a GPU can use
     # Before the command starts: it would wait for the other ranks before failing on a bad
     # interface or plugin name.
-    check_fabric(choice.backend, environ, this_host(environ),
-                 where=where_label(dist_env.rank, dist_env.world_size))
+    check_fabric(backend, environ, this_host(environ), where=where)
     launch = worker_environment(command, dist_env, choice, environ)
     if dist_env.world_size > 1 and launch.exported:
         # The same checks as before ddp_hpc's own rendezvous: a loopback host name across
         # machines is refused, and a host suffix picks gloo's interface for the command too.
-        network = check_network(dist_env, choice.backend, host_suffix=host_suffix, environ=environ)
+        network = check_network(dist_env, backend, host_suffix=host_suffix, environ=environ)
         if network.gloo_ifname and not environ.get("GLOO_SOCKET_IFNAME"):
             launch = replace(launch, exported={**launch.exported, "GLOO_SOCKET_IFNAME": network.gloo_ifname})
     return launch

@@ -1,5 +1,7 @@
 """Background DCP saves of one rank, resumed bit-identical: ``python dcp_background_resume.py
-FOLDER DEVICE STRATEGY...`` (DEVICE ``cpu`` or ``cuda``; STRATEGY ``ddp`` or ``fsdp2``).
+FOLDER DEVICE STRATEGY...`` (DEVICE ``cpu`` or ``cuda``; STRATEGY ``ddp`` or ``fsdp2``, or
+``fsdp2:file``: the same with ``format="file"``, saved in the foreground, FSDP2's whole state
+gathered into one file and each rank's slice restored from it).
 
 For each strategy: a small model with Adam state trains a few steps; ``Checkpointer(
 format="dcp", background=True)`` saves at step 3 and again at step 5 (the second save
@@ -68,10 +70,12 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
-def run(folder: Path, device: torch.device, strategy: str) -> None:
+def run(folder: Path, device: torch.device, name: str) -> None:
+    strategy, _, checkpoint_format = name.partition(":")
+    checkpoint_format = checkpoint_format or "dcp"
     model, optimizer = build(strategy, device, seed=0)
-    checkpointer = ddp_hpc.Checkpointer(folder, {"model": model, "optimizer": optimizer}, background=True,
-                                        format="dcp", keep_last=3)
+    checkpointer = ddp_hpc.Checkpointer(folder, {"model": model, "optimizer": optimizer},
+                                        background=checkpoint_format == "dcp", format=checkpoint_format, keep_last=3)
     expected: dict[int, dict[str, torch.Tensor]] = {}
     for steps in (3, 2):
         train(model, optimizer, device, steps)
@@ -85,13 +89,14 @@ def run(folder: Path, device: torch.device, strategy: str) -> None:
     for step, wanted in expected.items():
         fresh, fresh_optimizer = build(strategy, device, seed=1)
         train(fresh, fresh_optimizer, device, 1)  # Adam state of its own, to be replaced
-        restorer = ddp_hpc.Checkpointer(folder, {"model": fresh, "optimizer": fresh_optimizer}, format="dcp")
-        restorer.restore(folder / "checkpoints" / f"step-{step:08d}")
+        restorer = ddp_hpc.Checkpointer(folder, {"model": fresh, "optimizer": fresh_optimizer},
+                                        format=checkpoint_format)
+        restorer.restore(folder / "checkpoints" / f"step-{step:08d}{'.pt' if checkpoint_format == 'file' else ''}")
         got = state(fresh, fresh_optimizer)
         if not same(got, wanted):
             differ = sorted(k for k in wanted if k not in got or not torch.equal(got[k], wanted[k]))
-            sys.exit(f"{strategy}: the checkpoint of step {step} does not hold that step's state: {differ}")
-        print(f"resumed {strategy} step {step}", flush=True)
+            sys.exit(f"{name}: the checkpoint of step {step} does not hold that step's state: {differ}")
+        print(f"resumed {name} step {step}", flush=True)
 
 
 def main() -> None:
@@ -104,7 +109,7 @@ def main() -> None:
                             rank=0, world_size=1)
     try:
         for strategy in strategies:
-            run(Path(folder) / strategy, device, strategy)
+            run(Path(folder) / strategy.replace(":", "-"), device, strategy)
     finally:
         dist.destroy_process_group()
 

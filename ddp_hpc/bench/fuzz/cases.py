@@ -30,6 +30,9 @@ AFTER_THE_FORWARD = ("optimizer", "window", "snapshot", "save")
 SIGNALS = ("KILL", "STOP")
 
 
+#: The loop's device (``loop.py``): cpu, or cuda (every rank on one GPU, over gloo).
+DEVICE_VAR = "DDP_HPC_FUZZ_DEVICE"
+
 @dataclass(frozen=True)
 class Block:
     """Linear, a norm, GELU, a dropout, maybe a registered buffer the forward updates, maybe

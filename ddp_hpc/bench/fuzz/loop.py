@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.bench.fuzz.cases import Block, Case, Fault, Shape
+from ddp_hpc.bench.fuzz.cases import DEVICE_VAR, Block, Case, Fault, Shape
 
 #: Marker files of the faults that fired, in the run folder.
 FIRED_PREFIX = "fault-"
@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     train_set = TensorDataset(torch.randn(samples, shape.features, generator=data),
                               torch.randint(0, shape.classes, (samples,), generator=data),
                               torch.randint(0, shape.classes, (samples,), generator=data))
-    model = build_model(shape)
+    device = torch.device(os.environ.get(DEVICE_VAR) or "cpu")
+    if device.type == "cuda":  # every rank on the one GPU; tied embeddings' backward sums with atomics otherwise
+        torch.use_deterministic_algorithms(True)
+    model = build_model(shape).to(device)
 
     recovery = InJobRecovery("gloo", run_dir=run_dir, snapshot_every=shape.snapshot_every if fsdp2 else None)
     faults.completed = lambda: recovery.step
@@ -215,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def one_step(wrapped: nn.Module, micro: list[Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for index, (feats, tokens, targets) in enumerate(micro):
+        total = torch.zeros((), device=device)
+        for index, batch in enumerate(micro):
+            feats, tokens, targets = (tensor.to(device) for tensor in batch)
             faults.micro = index
             last = index == len(micro) - 1
             context = wrapped.no_sync() if not fsdp2 and not last else contextlib.nullcontext()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.bench.fuzz.cases import Case, case_seeds, draw_case, stated_exception
+from ddp_hpc.bench.fuzz.cases import DEVICE_VAR, Case, case_seeds, draw_case, stated_exception
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, VAR_PREFIX, atomic_write
 
 #: Seconds of silence after which the launch ends a frozen (SIGSTOPped) rank.
@@ -73,7 +73,12 @@ class Result:
         return f"case {self.seed}: {self.shape} | {self.faults} | {self.verdict} | {self.seconds:.1f} s"
 
 
-def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> Launch:
+#: The devices a run may name, and the strategies each can run (gloo has no reduce-scatter of
+#: CUDA tensors, which FSDP2 needs: FSDP2 cases on one GPU shared by several ranks cannot run).
+DEVICE_STRATEGIES = {"cpu": ("ddp", "fsdp2"), "cuda": ("ddp",)}
+
+
+def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float, device: str = "cpu") -> Launch:
     """One ``ddp-hpc launch --recover`` of ``case`` (without its faults unless ``faulted``)
     in a fresh run folder under ``work``; its outcome and each rank's final state."""
     import torch
@@ -90,7 +95,9 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
                sys.executable, "-m", "ddp_hpc.bench.fuzz.loop", str(case_file)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
     env.update({"RUN_DIR": str(run_dir), SNAPSHOT_DIR_VAR: str(snapshots), "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1"})
+                "PYTHONUNBUFFERED": "1", DEVICE_VAR: device})
+    if device == "cuda":  # deterministic cuBLAS: a redone step sums as the first time did
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     if _STOPPING.is_set():
         raise KeyboardInterrupt("the fuzz run was interrupted")
     started = time.monotonic()
@@ -111,7 +118,7 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float) -> L
     finals = None
     # After a shrink the lost slots have no rank at the end: the others' files are the end.
     if all(path.exists() for path in paths) or case.shrink and any(path.exists() for path in paths):
-        finals = tuple(torch.load(path, weights_only=False) for path in paths if path.exists())
+        finals = tuple(torch.load(path, weights_only=False, map_location="cpu") for path in paths if path.exists())
     fired = tuple(sorted(p.read_text().strip() for p in run_dir.glob("fault-*-slot-*"))) if run_dir.exists() else ()
     return Launch(status=status, seconds=seconds, output=output, finals=finals, fired=fired)
 
@@ -199,8 +206,9 @@ def judge(case: Case, reference: Launch, faulted: Launch) -> str:
 class Fuzz:
     """Runs cases (``--jobs`` at a time), each shape's reference once."""
 
-    def __init__(self, out: Path, timeout_s: float = DEFAULT_TIMEOUT_S, keep: bool = False) -> None:
-        self.out, self.timeout_s, self.keep = out, timeout_s, keep
+    def __init__(self, out: Path, timeout_s: float = DEFAULT_TIMEOUT_S, keep: bool = False,
+                 device: str = "cpu") -> None:
+        self.out, self.timeout_s, self.keep, self.device = out, timeout_s, keep, device
         self.results: list[Result] = []
         self._references: dict[str, Launch] = {}
         self._reference_locks: dict[str, threading.Lock] = {}
@@ -214,7 +222,7 @@ class Fuzz:
         with lock:
             if key not in self._references:
                 work = self.work / f"reference-{case.seed >> 4}"
-                launch = launch_case(case, work, faulted=False, timeout_s=self.timeout_s)
+                launch = launch_case(case, work, faulted=False, timeout_s=self.timeout_s, device=self.device)
                 if launch.status != 0:
                     self._log(case, "reference", launch)
                 if not self.keep:
@@ -227,7 +235,7 @@ class Fuzz:
         started = time.monotonic()
         reference = self.reference(case)
         work = self.work / f"case-{seed}"
-        faulted = launch_case(case, work, faulted=True, timeout_s=self.timeout_s)
+        faulted = launch_case(case, work, faulted=True, timeout_s=self.timeout_s, device=self.device)
         verdict = judge(case, reference, faulted)
         result = Result(seed=seed, shape=case.summary(), faults=case.faults_summary(), verdict=verdict,
                         seconds=round(time.monotonic() - started, 1), fired=faulted.fired)
@@ -248,6 +256,17 @@ class Fuzz:
 
     def close(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def runnable_seeds(run_seed: int, count: int, strategies: Sequence[str]) -> list[int]:
+    """The first ``count`` case seeds of the run whose drawn strategy is one of ``strategies``
+    (all of them on cpu: the run's seeds as drawn)."""
+    seeds: list[int] = []
+    drawn = count
+    while len(seeds) < count:
+        seeds = [s for s in case_seeds(run_seed, drawn) if draw_case(s).shape.strategy in strategies][:count]
+        drawn *= 2
+    return seeds
 
 
 def table(results: Sequence[Result]) -> str:
@@ -278,14 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help=f"seconds a launch may take (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (under a temp folder)")
+    parser.add_argument("--device", choices=tuple(DEVICE_STRATEGIES), default="cpu",
+                        help="the ranks' device (default cpu); cuda: every rank on one GPU over gloo, DDP cases only "
+                             "(the drawn FSDP2 cases are passed over, their seeds kept)")
     args = parser.parse_args(argv)
     if args.cases < 1 or args.jobs < 1 or args.timeout <= 0:
         print("recovery_fuzz: --cases, --jobs and --timeout must be positive", file=sys.stderr)
         return 2
-    seeds = args.replay or case_seeds(args.seed, args.cases)
+    seeds = args.replay or runnable_seeds(args.seed, args.cases, DEVICE_STRATEGIES[args.device])
     args.out.mkdir(parents=True, exist_ok=True)
-    fuzz = Fuzz(args.out, args.timeout, args.keep)
-    print(f"recovery_fuzz: {len(seeds)} case(s), seed {args.seed}, results in {args.out / 'results.jsonl'}",
+    fuzz = Fuzz(args.out, args.timeout, args.keep, args.device)
+    print(f"recovery_fuzz: {len(seeds)} case(s), seed {args.seed}, on {args.device}, results in {args.out / 'results.jsonl'}",
           flush=True)
     pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
