@@ -22,7 +22,7 @@ def test_submit_local_runs_the_rendered_script_with_bash_and_waits_for_it(tmp_pa
     script = (folder / "job.sh").read_text()
     # The script becomes the launch (exec): the one supervisor runs the attempts, and the
     # exit file carries the job id the submission recorded (the script's pid, which exec keeps).
-    assert script.startswith("#!/bin/bash") and ('\nexec ddp-hpc launch --nproc 2 --max-restarts 0 --run-folder '
+    assert script.startswith("#!/bin/bash") and ('\nexec ddp-hpc launch --launcher local --nproc 2 --max-restarts 0 --run-folder '
                                                  '"${DDP_HPC_RUN_FOLDER}" -- ddp-hpc run -- python') in script
     submission = (folder / "submission.json").read_text()
     assert '"scheduler": "local"' in submission

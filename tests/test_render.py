@@ -279,6 +279,44 @@ def test_slurm_script_torchrun_per_node(tmp_path):
         f"ddp-hpc train {DIGITS}")
 
 
+def _profile_with(tmp_path: Path, shipped: str, launcher: str) -> str:
+    """A copy of the shipped profile ``shipped`` whose launcher is ``launcher``."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "ddp_hpc" / "clusters" / f"{shipped}.yaml").read_text())
+    path = tmp_path / f"{shipped}-{launcher}.yaml"
+    path.write_text(yaml.safe_dump({**data, "launcher": launcher, "match": None}))
+    return str(path)
+
+
+def test_a_profile_s_launcher_is_what_its_script_runs(tmp_path, caplog):
+    """Issue 46: the launcher a profile names is the one its script starts, or one line says
+    what runs instead. local: ``--launcher local`` (the old word ``torchrun`` loads as local);
+    SLURM: ``torchrun`` is one torchrun per node as ``--torchrun`` renders it, ``mpich`` and
+    ``openmpi`` run srun (said); PBS: the mpiexec the profile names."""
+    from ddp_hpc.schedulers.local.backend import LocalScheduler
+
+    local = LocalScheduler().dry_run(request("local", nodes=1), tmp_path).script
+    assert "exec ddp-hpc launch --launcher local --nproc 2 " in local
+    old_local = load_profile(_profile_with(tmp_path, "local", "torchrun"))
+    assert old_local.launcher == "local" and "launcher: torchrun is now called local" in caplog.text
+    torchrun_profile = _profile_with(tmp_path, "slurm-gpu", "torchrun")
+    as_profile = render_sbatch(request(torchrun_profile))
+    def without_comments(script: str) -> list[str]:  # the header names the profile
+        return [line for line in script.splitlines() if not line.startswith("# ")]
+
+    assert without_comments(as_profile) == without_comments(render_sbatch(request("slurm-gpu", torchrun_per_node=True)))
+    assert '--torchrun "${rdzv_endpoint}" -- ddp-hpc train' in launch_line_of(as_profile)
+    caplog.clear()
+    mpich_profile = _profile_with(tmp_path, "slurm-gpu", "mpich")
+    assert "exec ddp-hpc launch --launcher srun " in dry_run(request(mpich_profile), "sbatch", workdir=tmp_path).script
+    assert "launcher: mpich is not how SLURM scripts start ranks: srun starts them" in caplog.text
+    with pytest.raises(UserError, match="launcher 'srun' does not run under scheduler 'pbs'"):
+        dry_run(request(_profile_with(tmp_path, "pbs-generic", "srun")), "pbs", workdir=tmp_path)
+    with pytest.raises(UserError, match="launcher 'local' does not run under scheduler 'slurm'"):
+        dry_run(request(_profile_with(tmp_path, "slurm-gpu", "local")), "sbatch", workdir=tmp_path)
+
+
 @pytest.mark.parametrize("cluster,scheduler", [("aurora", "pbs"), ("polaris", "pbs"), ("pbs-generic", "pbs"),
                                                ("slurm-gpu", "slurm"), ("slurm-cpu", "slurm"), ("perlmutter", "slurm"),
                                                ("frontier", "slurm"), ("lumi-g", "slurm"), ("leonardo", "slurm")])

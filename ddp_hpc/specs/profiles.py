@@ -11,6 +11,7 @@ cluster name, or a host name pattern) is used: ``find_profile``.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 from importlib import resources
@@ -22,7 +23,11 @@ from ddp_hpc.config import read_yaml
 from ddp_hpc.config_loader import ConfigError, build, positive
 from ddp_hpc.contract import CLUSTERS_DIR_VAR
 
+log = logging.getLogger(__name__)
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: A local profile's launcher before ``ddp-hpc launch --launcher local`` took that name.
+OLD_LOCAL_LAUNCHER = "torchrun"
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,10 @@ class ClusterProfile:
     #: The scheduler family (``pbs``, ``slurm``, ``local``: a key of ``schedulers.REGISTRY``).
     #: Its backend checks the profile when it renders: which launchers run under it, too.
     scheduler: str
-    launcher: Literal["pals", "mpich", "openmpi", "srun", "torchrun"]
+    #: How the ranks start, honoured by the family's script: ``local`` (this machine), ``srun``
+    #: or ``torchrun`` (one per node, started by srun) under SLURM, ``pals``, ``mpich`` or
+    #: ``openmpi`` under PBS. A local profile's old word ``torchrun`` reads as ``local``.
+    launcher: Literal["local", "pals", "mpich", "openmpi", "srun", "torchrun"]
     ranks_per_node: int
     devices_per_node: int = 0
     device: Literal["auto", "xpu", "cuda", "cpu"] = "auto"
@@ -182,6 +190,10 @@ def load_profile(name_or_path: str) -> ClusterProfile:
             raise ConfigError(f"unknown cluster profile {name_or_path!r}: choose one of "
                               f"{', '.join(available_profiles())}, or give the path of a YAML file")
     data = read_yaml(path)
+    if isinstance(data, dict) and data.get("scheduler") == "local" and data.get("launcher") == OLD_LOCAL_LAUNCHER:
+        log.warning("cluster profile %s: launcher: %s is now called local (the same: ranks on this machine)",
+                    path, OLD_LOCAL_LAUNCHER)
+        data = {**data, "launcher": "local"}
     try:
         profile = build(ClusterProfile, data, path="")
     except ConfigError as exc:

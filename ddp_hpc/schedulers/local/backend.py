@@ -31,7 +31,7 @@ def render_local(request: SubmitRequest) -> str:
     """A bash script that becomes ``ddp-hpc launch`` (``exec``) for every rank on this machine:
     the one supervisor and restart policy, and the exit file ``exit-<job id>`` (the script's
     pid, which the launch keeps)."""
-    argv = ["ddp-hpc", "launch", "--nproc", str(request.per_node), "--max-restarts", str(request.max_restarts),
+    argv = ["ddp-hpc", "launch", "--launcher", request.profile.launcher, "--nproc", str(request.per_node), "--max-restarts", str(request.max_restarts),
             "--run-folder", ShellVar(RUN_FOLDER_VAR), "--", *rank_argv(request)]
     lines = [
         "#!/bin/bash",
@@ -52,7 +52,7 @@ class LocalScheduler(Scheduler):
     name = LOCAL_SCHEDULER
     family = "local"
     script_suffix = ".sh"
-    launchers = ("torchrun",)
+    launchers = ("local",)
 
     def check_profile(self, request: SubmitRequest) -> None:
         if request.profile.scheduler not in PROFILE_SCHEDULERS:

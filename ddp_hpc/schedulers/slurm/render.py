@@ -22,6 +22,7 @@ from ddp_hpc.launch.script import (
     sweep_block,
 )
 from ddp_hpc.contract.slurm_job_key import script_job_key
+from ddp_hpc.schedulers.slurm.state import SlurmJobs
 
 LOG_DIR = "logs"
 
@@ -44,7 +45,7 @@ SLURM_DEADLINE_LINES = (
 def sbatch_directives(request: SubmitRequest) -> list[str]:
     profile = request.profile
     hms, _ = parse_walltime(request.walltime)
-    torchrun = request.torchrun_per_node
+    torchrun = SlurmJobs.torchrun_per_node(request)
     tasks_per_node = 1 if torchrun else request.per_node
     lines = [
         f"#SBATCH --job-name={job_name_directive(request.name)}",
@@ -82,7 +83,7 @@ def launch_call(request: SubmitRequest) -> list[str]:
     argv = ["ddp-hpc", "launch", "--launcher", "srun", "--nodes", str(request.nodes), "--nproc", str(request.per_node),
             "--max-restarts", str(request.max_restarts), "--run-folder", ShellVar(RUN_FOLDER_VAR),
             "--stop-signal", request.stop_signal.name, *(["--requeue"] if request.chain == 1 else []),
-            *(["--torchrun", ShellVar("rdzv_endpoint")] if request.torchrun_per_node else []),
+            *(["--torchrun", ShellVar("rdzv_endpoint")] if SlurmJobs.torchrun_per_node(request) else []),
             *(["--recover", str(request.recover)] if request.recover else []),
             "--", *rank_argv(request)]
     return [
@@ -101,7 +102,7 @@ def _one_task_per_node(request: SubmitRequest, argv: Sequence[str], *, spare_too
 
 def render_sbatch(request: SubmitRequest) -> str:
     """The complete sbatch script: ``srun`` one task per rank, or one torchrun per node."""
-    torchrun = request.torchrun_per_node
+    torchrun = SlurmJobs.torchrun_per_node(request)
     if request.recover and (torchrun or request.stage_env):
         raise UserError("--recover needs one srun task per rank under ddp-hpc launch: not with --torchrun (torchrun "
                         "owns its ranks) or --stage-env (the node supervisors would run from the shared environment)")

@@ -4,11 +4,18 @@ one) still report the end: torchx added the same fallback for the same reason.""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddp_hpc.schedulers.base import JobState, JobStatus, query_tool, read_exit_file, run_tool
 from ddp_hpc.contract.slurm_job_key import element_key
+
+if TYPE_CHECKING:
+    from ddp_hpc.specs.request import SubmitRequest
+
+log = logging.getLogger(__name__)
 
 #: SLURM's job states (``man squeue``, JOB STATE CODES) onto ours.
 SLURM_STATES: dict[str, JobState] = {
@@ -90,13 +97,28 @@ class SlurmJobs:
     """What both SLURM backends (sbatch, submitit) answer alike: the launchers a profile may
     name, a job's state, an array element's id, and cancelling."""
 
-    launchers = ("srun", "torchrun", "mpich", "openmpi")
+    launchers = ("srun", "torchrun")
+    #: Accepted in a SLURM profile, but never rendered: srun starts the ranks (said in one line).
+    srun_instead = ("mpich", "openmpi")
+
+    def check_launcher(self, request: SubmitRequest) -> None:
+        launcher = request.profile.launcher
+        if launcher in self.srun_instead:
+            log.warning("cluster profile %r: launcher: %s is not how SLURM scripts start ranks: srun starts them "
+                        "(set launcher: srun)", request.profile.name, launcher)
+            return
+        super().check_launcher(request)  # type: ignore[misc]  (a mixin before Scheduler)
 
     def job_status(self, job_id: str, exit_file: Path) -> JobStatus:
         return slurm_status(job_id, exit_file)
 
     def element_id(self, job_id: str, index: int) -> str:
         return element_key(job_id, index)
+
+    @staticmethod
+    def torchrun_per_node(request: SubmitRequest) -> bool:
+        """One torchrun per node (``--torchrun``, or the profile's ``launcher: torchrun``)."""
+        return request.torchrun_per_node or request.profile.launcher == "torchrun"
 
     def cancel_jobs(self, job_ids: Sequence[str]) -> None:
         run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")

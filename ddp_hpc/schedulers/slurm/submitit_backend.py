@@ -7,6 +7,7 @@ callable's ``checkpoint()`` and requeues the job with what that returns.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from ddp_hpc.schedulers.base import DryRun, Scheduler, Submission, run_tool
 from ddp_hpc.schedulers.slurm.in_job import Resubmission, SubmititCommandTask, SubmititTrainTask, submitit_logs
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.schedulers.slurm.state import SlurmJobs
+
+log = logging.getLogger(__name__)
 
 
 def executor_parameters(request: SubmitRequest) -> dict[str, Any]:
@@ -47,6 +50,9 @@ class SubmititScheduler(SlurmJobs, Scheduler):
         self.check_profile(request)
         if request.torchrun_per_node:
             raise UserError("--torchrun renders a batch script: use it with --sbatch")
+        if self.torchrun_per_node(request):  # the profile's launcher: torchrun, not --torchrun
+            log.warning("cluster profile %r: launcher: torchrun starts one torchrun per node from a batch script "
+                        "(--sbatch); submitit starts one srun task per rank", request.profile.name)
         if request.recover:
             raise UserError("--recover runs the ranks under ddp-hpc launch's node supervisors in a batch script: use "
                             "it with --sbatch")
