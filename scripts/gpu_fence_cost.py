@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddp_hpc.engine.recovery.fence import StepFence, wait_for_stream  # noqa: E402
-from ddp_hpc.engine.recovery.rank import abort_group  # noqa: E402
+from ddp_hpc.engine.recovery.group_abort import abort_group  # noqa: E402
 
 
 def timed_block(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int,

@@ -139,7 +139,7 @@ def test_a_forward_broken_after_batch_norm_ran_puts_its_running_statistics_back(
 
 def test_the_state_travels_from_the_lowest_step_among_members_whose_optimizer_step_was_not_applied():
     from ddp_hpc.engine.recovery.errors import RecoveryError
-    from ddp_hpc.engine.recovery.rank import transfer_source
+    from ddp_hpc.engine.recovery.transfer import transfer_source
 
     assert transfer_source([(5, False), (-1, False), (5, False)], 0) == (5, 0)
     assert transfer_source([(6, False), (5, False), (-1, False)], 0) == (5, 1)  # one a step ahead goes back

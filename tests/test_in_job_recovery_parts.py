@@ -89,17 +89,17 @@ def test_nccl_recovery_refuses_what_would_end_its_ranks_and_a_host_without_nvidi
     refuses --recover over nccl on a host that shows no NVIDIA device."""
     import torch
 
-    from ddp_hpc.engine.recovery import rank
+    from ddp_hpc.engine.recovery.group_abort import abort_refusal
     from ddp_hpc.engine.recovery.backends import host_refusal
 
-    assert rank.abort_refusal("gloo", {}) is None
+    assert abort_refusal("gloo", {}) is None
     if not torch.cuda.is_available():
-        assert "needs a CUDA device and this torch" in rank.abort_refusal("nccl", {})
+        assert "needs a CUDA device and this torch" in abort_refusal("nccl", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) is None
-    unset = rank.abort_refusal("nccl", {})  # torch's default is 3: it ends the rank
+    assert abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) is None
+    unset = abort_refusal("nccl", {})  # torch's default is 3: it ends the rank
     assert unset.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING unset (torch's 3)") and "\n" not in unset
-    why = rank.abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    why = abort_refusal("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
     assert why.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets NCCL's watchdog end this rank") and "\n" not in why
 
     assert host_refusal("nccl", tmp_path).startswith("nccl needs NVIDIA or AMD GPUs and this host shows none")
@@ -117,7 +117,7 @@ def test_the_step_fence_refuses_a_step_whose_group_was_aborted_and_bounds_its_wa
 
     from ddp_hpc.engine.recovery import fence as fence_module
     from ddp_hpc.engine.recovery.errors import GroupAborted
-    from ddp_hpc.engine.recovery.rank import is_collective_error
+    from ddp_hpc.engine.recovery.group_abort import is_collective_error
 
     now = [100.0]
     fence = fence_module.StepFence("cpu", timeout_s=30.0, clock=lambda: now[0])
@@ -203,18 +203,19 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
     from torch import nn
 
     from ddp_hpc.engine.checkpointer import Checkpointer
-    from ddp_hpc.engine.recovery import rank
+    from ddp_hpc.engine.recovery import group_abort, rank
+    from ddp_hpc.engine.recovery.errors import RecoveryError
 
     if backend == "gloo":
-        rank.ABORTED_BACKENDS["gloo"] = "cpu"
+        group_abort.ABORTED_BACKENDS["gloo"] = "cpu"
     marked_first = []
-    abort_group = rank.abort_group
+    abort_group = group_abort.abort_group
 
     def abort_marked_first(group, slot):  # the fence marked before the abort: a kernel it cuts short is seen
         marked_first.append(recovery._fence.aborted)
         abort_group(group, slot)
 
-    rank.abort_group = abort_marked_first
+    group_abort.abort_group = abort_marked_first
     if hang_at is not None:
         from ddp_hpc.engine.recovery import fence
 
@@ -257,7 +258,7 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
 
     try:
         recovery.run(train, model=model, optimizer=optimizer, checkpointer=checkpointer)
-    except rank.RecoveryError as exc:
+    except RecoveryError as exc:
         results.put({"error": str(exc), "marked_first": marked_first, "step": recovery.step})
         recovery.close()
         return

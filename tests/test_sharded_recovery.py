@@ -77,7 +77,7 @@ def test_a_sharded_state_travels_as_plain_tensors_and_comes_back_as_the_live_obj
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from ddp_hpc.engine.recovery.rank import state_from_tensor, state_to_tensor
+    from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
     from ddp_hpc.engine.recovery.shards import localized, restored_dtensors
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -121,7 +121,7 @@ def test_a_snapshot_cadence_below_one_step_is_refused_in_one_line_before_any_gro
 
 def test_snapshots_that_do_not_fit_in_a_nodes_memory_are_refused_naming_the_host():
     from ddp_hpc.engine.recovery.layout import Buddies, node_bytes
-    from ddp_hpc.engine.recovery.rank import memory_refusal
+    from ddp_hpc.engine.recovery.snapshot_keeping import memory_refusal
 
     gib = 2**30
     hosts, buddies = ["h1", "h1", "h2", "h2"], Buddies(world_size=4, distance=2)
@@ -145,7 +145,7 @@ def test_the_snapshot_memory_counts_one_file_per_slot_and_step_on_a_host_and_the
     from torch.distributed.fsdp import fully_shard
 
     from ddp_hpc.engine.recovery.layout import KEPT_STEPS, Buddies, node_bytes
-    from ddp_hpc.engine.recovery.rank import snapshot_bytes
+    from ddp_hpc.engine.recovery.snapshot_keeping import snapshot_bytes
     from ddp_hpc.engine.recovery.shards import localized, state_to_tensor
     from ddp_hpc.engine.sampler import ResumableSampler
 

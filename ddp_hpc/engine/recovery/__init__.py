@@ -9,8 +9,13 @@ the rest are its parts:
 - ``record``: each recovery in the run record (torch-free);
 - ``backends``: which process-group backends a broken group can be left on (torch-free:
   the launch asks before any rank starts);
-- ``rank``: the rank side: forming each group, leaving a broken one (its sockets shut down
-  over gloo, aborted over NCCL), the state transfer, the derived streams;
+- ``rank``: ``InJobRecovery``, the rank side: the user's loop through losses, each step's
+  end (the derived streams), a recovery's order; its parts, one role each:
+  ``membership`` (the launch's plans, forming each group), ``group_abort`` (leaving a broken
+  group: its sockets shut down over gloo, aborted over NCCL), ``transfer`` (who sends the
+  state, and loading it), ``snapshot_keeping`` (a sharded model's snapshots and roll-back),
+  ``refusals`` (what ``run`` refuses before the first step), ``broken_step`` (what a broken
+  step left, cleared);
 - ``fence``: over NCCL, a step counts only where its collectives finished before an abort;
 - ``shards``: a sharded model's snapshots in node-local memory, swapped with buddy ranks;
 - ``payload``: a state as one uint8 tensor (``weights_only`` on the way back); ``errors``.
@@ -29,12 +34,12 @@ _NAMES = {
     "RecoveryError": "errors",
     "Superseded": "errors",
     "GroupAborted": "errors",
-    "STREAM_SEED": "rank",
-    "is_collective_error": "rank",
-    "is_sharded": "rank",
-    "run_refusal": "rank",
-    "spare_places": "rank",
-    "broadcast_state": "rank",
+    "STREAM_SEED": "transfer",
+    "is_collective_error": "group_abort",
+    "is_sharded": "refusals",
+    "run_refusal": "refusals",
+    "spare_places": "membership",
+    "broadcast_state": "transfer",
     "state_from_tensor": "payload",
     "state_to_tensor": "payload",
     "RecoveryEvent": "record",
@@ -49,8 +54,11 @@ if TYPE_CHECKING:
     from ddp_hpc.engine.recovery.backends import backend_refusal
     from ddp_hpc.engine.recovery.errors import GroupAborted, RecoveryError, Superseded
     from ddp_hpc.engine.recovery.payload import state_from_tensor, state_to_tensor
-    from ddp_hpc.engine.recovery.rank import (STREAM_SEED, InJobRecovery, broadcast_state, is_collective_error,
-                                              is_sharded, run_refusal, spare_places)
+    from ddp_hpc.engine.recovery.group_abort import is_collective_error
+    from ddp_hpc.engine.recovery.membership import spare_places
+    from ddp_hpc.engine.recovery.rank import InJobRecovery
+    from ddp_hpc.engine.recovery.refusals import is_sharded, run_refusal
+    from ddp_hpc.engine.recovery.transfer import STREAM_SEED, broadcast_state
     from ddp_hpc.engine.recovery.record import RecoveryEvent, read_recoveries, write_recovery
 
 
