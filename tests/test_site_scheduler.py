@@ -60,6 +60,18 @@ def test_a_site_family_is_listed_after_the_built_ins(site_on_path):
     assert args.scheduler == "lsf"
 
 
+def test_without_ddp_hpc_s_own_entry_points_the_built_ins_come_by_module(site_on_path, monkeypatch):
+    """An install older than pyproject.toml's table has no ddp_hpc.schedulers entry points of
+    its own: the built-in families come by module (``_BUILT_IN``), a site's still after them."""
+    from ddp_hpc import entry_points as loading
+
+    real = loading.entry_points
+    monkeypatch.setattr(loading, "entry_points",
+                        lambda group: [point for point in real(group=group) if not loading.is_own(point)])
+    assert tuple(registry.families()) == (*BUILT_IN, "lsf")
+    assert registry.scheduler_families()["local"].default_profile == "local"
+
+
 def _site_env(extra_path: Path | None = None) -> dict[str, str]:
     env = {"PYTHONPATH": str(SITE)}
     if extra_path is not None:
