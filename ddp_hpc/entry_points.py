@@ -15,11 +15,17 @@ import logging
 from collections.abc import Callable, Mapping
 from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+
+class Listed(Protocol):
+    #: Where it is listed among the others of its group from the same package.
+    listed_at: int
+
+
+T = TypeVar("T", bound=Listed)
 
 
 class Refused(Exception):
@@ -57,5 +63,5 @@ def load_entry_points(group: str, built_in: Mapping[str, str], build: Callable[[
             found[name] = own, build(name, loaded)
         except Refused as exc:
             log.warning("%s %s (%s) %s, left out", what, name, target, exc)
-    ordered = sorted(found.items(), key=lambda item: (not item[1][0], getattr(item[1][1], "listed_at")))
+    ordered = sorted(found.items(), key=lambda item: (not item[1][0], item[1][1].listed_at))
     return {name: value for name, (_, value) in ordered}
