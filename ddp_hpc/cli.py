@@ -261,6 +261,7 @@ def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
 
 def _add_cluster_parser(sub, common: argparse.ArgumentParser) -> None:
     from ddp_hpc.schedulers.cluster import verbs
+    from ddp_hpc.schedulers.registry import families
 
     cluster = sub.add_parser("cluster", help="a cluster profile from the scheduler (probe), checked against it "
                                              "(check), or found for this machine (which)")
@@ -282,7 +283,7 @@ def _add_cluster_parser(sub, common: argparse.ArgumentParser) -> None:
     check.set_defaults(func=verbs.cmd_check)
     which = steps.add_parser("which", parents=[common],
                              help="the profile render/submit use here without --cluster, and why")
-    which.add_argument("--scheduler", choices=("slurm", "pbs", "local"), help="only profiles of this family")
+    which.add_argument("--scheduler", choices=tuple(families()), help="only profiles of this family")
     which.set_defaults(func=verbs.cmd_which)
 
 

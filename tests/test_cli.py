@@ -204,12 +204,15 @@ def test_submitting_a_config_with_trackers_needs_no_tracker_package(tmp_path):
     assert probe.stdout.strip() == "None", probe.stderr
 
 
-def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, capsys, tmp_path):
-    """docs/architecture.md, "Adding a scheduler family": with its Scheduler subclass and one
-    REGISTRY line, render and submit offer the family (and its profiles load), with the options
-    its backend declares, whose values reach the request field they name."""
-    from ddp_hpc import cli, schedulers
-    from ddp_hpc.schedulers.base import DryRun, RunOpt, Scheduler
+def test_a_new_family_is_one_scheduler_class_and_one_family_object(monkeypatch, capsys, tmp_path):
+    """docs/architecture.md, "Adding a scheduler family": with its Scheduler subclass and its
+    SchedulerFamily among the registry's families (an entry point in a site's package, here put
+    there directly; tests/test_site_scheduler.py goes through entry points), render and submit
+    offer the family (and its profiles load), with the options its backend declares, whose
+    values reach the request field they name."""
+    from ddp_hpc import cli
+    from ddp_hpc.schedulers import registry
+    from ddp_hpc.schedulers.base import DryRun, RunOpt, Scheduler, SchedulerFamily
 
     class ToyScheduler(Scheduler):
         name = family = "toy"
@@ -236,7 +239,7 @@ def test_a_new_family_is_one_scheduler_class_and_one_registry_line(monkeypatch, 
 
     profile = tmp_path / "toy-cluster.yaml"
     profile.write_text("scheduler: toy\nlauncher: torchrun\nranks_per_node: 2\n")
-    monkeypatch.setitem(schedulers.REGISTRY, "toy", ((ToyScheduler,), str(profile)))
+    monkeypatch.setitem(registry.scheduler_families(), "toy", SchedulerFamily("toy", (ToyScheduler,), str(profile)))
     with pytest.raises(SystemExit):
         cli.parse(["submit", "toy", "--help"])
     assert "--toy-torchrun" in capsys.readouterr().out

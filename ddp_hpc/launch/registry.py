@@ -7,8 +7,9 @@ naming its ``Launcher`` class (pyproject.toml)::
     flux = "my_site.flux_launcher:FluxLauncher"
 
 so a site's own package adds one without editing ddp_hpc (docs/architecture.md). They are
-listed ddp_hpc's first, then the others, each by ``Launcher.listed_at`` (the metadata's
-order is its installer's); a name taken twice keeps ddp_hpc's, else the first found.
+listed ddp_hpc's first, then the others, each by ``Launcher.listed_at``; a name taken twice
+keeps ddp_hpc's, else the first found (``ddp_hpc/entry_points.py``, shared with the scheduler
+families).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from functools import lru_cache
-from importlib import import_module
-from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
+from ddp_hpc.entry_points import Refused, load_entry_points
+from ddp_hpc.entry_points import is_own as _own  # noqa: F401  (tests ask which entry points are ddp_hpc's)
 from ddp_hpc.errors import UserError
 
 if TYPE_CHECKING:  # base.py asks this module for the launchers over a hostfile
@@ -37,40 +38,17 @@ _BUILT_IN = {"local": "ddp_hpc.launch.launchers.local:LocalLauncher",
              "srun": "ddp_hpc.launch.launchers.srun:SrunLauncher"}
 
 
-def _own(point: EntryPoint) -> bool:
-    dist = getattr(point, "dist", None)
-    return dist is not None and (dist.metadata["Name"] or "").replace("-", "_").lower() == "ddp_hpc"
-
-
-def _load(name: str, target: str) -> Launcher | None:
-    try:
-        module, _, attr = target.partition(":")
-        found = getattr(import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        log.warning("launcher %s (%s) cannot be loaded, left out: %s", name, target, exc)
-        return None
+def _launcher(name: str, found: object) -> Launcher:
     launcher = found() if isinstance(found, type) else found
     if getattr(launcher, "name", None) != name or not callable(getattr(launcher, "plan", None)):
-        log.warning("launcher %s (%s) is not a ddp_hpc Launcher named %s, left out", name, target, name)
-        return None
-    return launcher
+        raise Refused(f"is not a ddp_hpc Launcher named {name}")
+    return launcher  # type: ignore[return-value]
 
 
 @lru_cache(maxsize=1)
 def launchers() -> dict[str, Launcher]:
     """Every launcher by name: ddp_hpc's first, then the others, each by ``listed_at``."""
-    points = list(entry_points(group=GROUP))
-    targets = [(point.name, point.value, _own(point)) for point in points]
-    if not any(own for _, _, own in targets):
-        log.debug("ddp_hpc's own launcher entry points are not installed (an install older than its "
-                  "pyproject.toml; pip install -e . adds them): the built-in launchers by module")
-        targets = [(name, target, True) for name, target in _BUILT_IN.items()] + targets
-    found: dict[str, tuple[bool, Launcher]] = {}
-    for name, target, own in sorted(targets, key=lambda item: not item[2]):  # stable: ddp_hpc's win a name
-        if name not in found and (launcher := _load(name, target)) is not None:
-            found[name] = own, launcher
-    ordered = sorted(found.items(), key=lambda item: (not item[1][0], item[1][1].listed_at))
-    return {name: launcher for name, (_, launcher) in ordered}
+    return load_entry_points(GROUP, _BUILT_IN, _launcher, "launcher")
 
 
 def names() -> tuple[str, ...]:

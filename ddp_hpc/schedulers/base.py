@@ -2,8 +2,9 @@
 
 As in torchx (``schedule(submit_dryrun(app, cfg))``), what ``--dry-run`` prints is the very
 ``DryRun`` that ``submit`` executes. A backend is one module with one ``Scheduler``
-subclass in its family's package, listed in ``REGISTRY`` (``schedulers/registry.py``);
-nothing else branches on a scheduler's name.
+subclass in its family's package, listed in its ``SchedulerFamily``, which the family's
+package registers through an entry point (``schedulers/registry.py``); nothing else branches
+on a scheduler's name.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ class Scheduler(ABC):
 
     #: The backend's name (``pbs``, ``sbatch``, ``submitit``, ``local``): what ``submit`` records.
     name: ClassVar[str]
-    #: The family this backend belongs to: its REGISTRY key and the profiles' ``scheduler``.
+    #: The family this backend belongs to: its ``SchedulerFamily``'s name and the profiles' ``scheduler``.
     family: ClassVar[str]
     #: The batch script's file suffix, where there is a script.
     script_suffix: ClassVar[str] = ""
@@ -260,6 +261,35 @@ class Scheduler(ABC):
         for element in elements:  # `status runs/NAME-3` works for one element too
             replace(submission, run_folder=element.run_folder, elements=(element,)).record()
         return submission
+
+
+@dataclass(frozen=True)
+class SchedulerFamily:
+    """A scheduler family (a profile's ``scheduler``), as its package registers it in the
+    ``ddp_hpc.schedulers`` entry points (``schedulers/registry.py``): ``render FAMILY`` and
+    ``submit FAMILY`` offer it, with the options its backends declare."""
+
+    name: str
+    #: Its backends, the default first (``submit`` without a backend option uses it; ``render``
+    #: the first that writes a batch script).
+    backends: tuple[type[Scheduler], ...]
+    #: The cluster profile ``render``/``submit FAMILY`` use without ``--cluster``; None: the one
+    #: whose ``match`` fits this machine (a generic one would render a script for another cluster).
+    default_profile: str | None = None
+    #: Where ``render``/``submit`` list it: ddp_hpc's families first, then the others, each by this.
+    listed_at: int = 100
+    #: Older spellings of its name that profiles' ``scheduler`` may still use (local: ``none``).
+    old_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError(f"scheduler family {self.name!r} has no backend")
+        for backend in self.backends:
+            if not (isinstance(backend, type) and issubclass(backend, Scheduler)):
+                raise TypeError(f"scheduler family {self.name!r}: {backend!r} is not a Scheduler subclass")
+            if backend.family != self.name:
+                raise ValueError(f"scheduler family {self.name!r}: backend {backend.name!r} belongs to "
+                                 f"{backend.family!r}")
 
 
 class ScriptScheduler(Scheduler):

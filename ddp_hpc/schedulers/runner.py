@@ -11,7 +11,7 @@ from pathlib import Path
 from ddp_hpc.contract import SUBMISSION_FILE, SUMMARY_FILE
 from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers.base import DryRun, ElementRecord, JobState, JobStatus, Scheduler, Submission
-from ddp_hpc.schedulers.registry import get_scheduler, scheduler_for
+from ddp_hpc.schedulers.registry import check_profile_family, get_scheduler, scheduler_for
 from ddp_hpc.specs.request import SubmitRequest
 from ddp_hpc.summary import RunSummary
 
@@ -19,6 +19,7 @@ from ddp_hpc.summary import RunSummary
 def dry_run(request: SubmitRequest, scheduler: str | None = None, *, workdir: Path | None = None,
             script_path: Path | None = None) -> DryRun:
     """What submitting would do, as data (the script, the submit command, the per-rank command)."""
+    check_profile_family(request.profile)
     backend = get_scheduler(scheduler) if scheduler else scheduler_for(request.profile.scheduler)
     return backend.dry_run(request, (workdir or Path.cwd()).resolve(), script_path)
 

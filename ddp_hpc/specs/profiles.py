@@ -54,8 +54,9 @@ class Machine:
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    #: The scheduler family (``pbs``, ``slurm``, ``local``: a key of ``schedulers.REGISTRY``).
-    #: Its backend checks the profile when it renders: which launchers run under it, too.
+    #: The scheduler family (``pbs``, ``slurm``, ``local``, or a site's: one of
+    #: ``schedulers.registry.families()``, checked when a request is rendered). Its backend
+    #: checks the profile when it renders: which launchers run under it, too.
     scheduler: str
     #: How the ranks start, honoured by the family's script: ``local`` (this machine), ``srun``
     #: or ``torchrun`` (one per node, started by srun) under SLURM, ``pals``, ``mpich`` or

@@ -2,8 +2,8 @@
 this machine, in the background: no scheduler, and the same script pieces as the others
 (run folder, the stop signal, restarts, the exit file that ``status`` reads).
 
-A whole scheduler family: this package (the ``Scheduler`` subclass below, exported by its
-``__init__.py``) plus one line in ``REGISTRY`` (``ddp_hpc/schedulers/registry.py``).
+A whole scheduler family: this package (the ``Scheduler`` subclass below, and its
+``__init__.py``'s ``FAMILY``) plus its entry point in pyproject.toml (``ddp_hpc.schedulers``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,165 @@
+"""A scheduler family added from outside the package (issue 46): tests/data/site_scheduler is a
+site's package (a fake LSF) whose ``ddp_hpc.schedulers`` entry point registers a
+``SchedulerFamily``. On ``PYTHONPATH`` it is a ``render``/``submit`` family like the built-ins:
+its script renders, a fake ``bsub`` takes the job and its id is recorded, with no file of
+ddp_hpc edited."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import ddp_hpc_command, run
+from ddp_hpc.errors import UserError
+from ddp_hpc.schedulers import registry
+
+SITE = Path(__file__).parent / "data" / "site_scheduler"
+PROFILE = SITE / "lsf-test.yaml"
+BUILT_IN = ("pbs", "slurm", "local")
+
+
+@pytest.fixture
+def fresh_registry():
+    registry.scheduler_families.cache_clear()
+    yield
+    registry.scheduler_families.cache_clear()
+
+
+@pytest.fixture
+def site_on_path(monkeypatch, fresh_registry):
+    monkeypatch.syspath_prepend(str(SITE))
+
+
+def test_the_built_in_families_come_from_entry_points(fresh_registry):
+    from importlib.metadata import entry_points
+
+    from ddp_hpc.entry_points import is_own
+
+    declared = {point.name: point.value for point in entry_points(group=registry.GROUP) if is_own(point)}
+    assert declared == {name: f"ddp_hpc.schedulers.{name}:FAMILY" for name in BUILT_IN}
+    assert tuple(registry.families()) == BUILT_IN
+    assert registry.families()["slurm"] == ("submitit", "sbatch")
+    with pytest.raises(UserError, match=r"no scheduler submits to 'lsf' clusters: choose one of pbs, slurm, local"):
+        registry.scheduler_for("lsf")
+
+
+def test_a_site_family_is_listed_after_the_built_ins(site_on_path):
+    from ddp_hpc.cli import build_parser
+
+    assert tuple(registry.families()) == (*BUILT_IN, "lsf")
+    assert registry.families()["lsf"] == ("lsf",) and registry.default_profile("lsf") is None
+    assert type(registry.scheduler_for("lsf")).__module__ == "lsf_site.backend"
+    assert tuple(registry.REGISTRY) == (*BUILT_IN, "lsf")
+    args = build_parser().parse_args(["cluster", "which", "--scheduler", "lsf"])  # every list of families has it
+    assert args.scheduler == "lsf"
+
+
+def test_without_ddp_hpc_s_own_entry_points_the_built_ins_come_by_module(site_on_path, monkeypatch):
+    """An install older than pyproject.toml's table has no ddp_hpc.schedulers entry points of
+    its own: the built-in families come by module (``_BUILT_IN``), a site's still after them."""
+    from ddp_hpc import entry_points as loading
+
+    real = loading.entry_points
+    monkeypatch.setattr(loading, "entry_points",
+                        lambda group: [point for point in real(group=group) if not loading.is_own(point)])
+    assert tuple(registry.families()) == (*BUILT_IN, "lsf")
+    assert registry.scheduler_families()["local"].default_profile == "local"
+
+
+def _site_env(extra_path: Path | None = None) -> dict[str, str]:
+    env = {"PYTHONPATH": str(SITE)}
+    if extra_path is not None:
+        env["PATH"] = f"{extra_path}{os.pathsep}{os.environ['PATH']}"
+    return env
+
+
+def test_render_lsf_prints_its_bsub_script(tmp_path):
+    argv = ["render", "lsf", "--cluster", str(PROFILE), "--nodes", "2", "--walltime", "90", "--job-name", "t1",
+            "--", "python", "train.py", "--note", "it's a b"]
+    result = run([*ddp_hpc_command(), *argv], env=_site_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert script.startswith("#!/bin/bash\n#BSUB -J t1\n#BSUB -n 4\n#BSUB -R \"span[ptile=2]\"\n#BSUB -W 1:30\n"
+                             "#BSUB -q normal\n"), script
+    # The rank's command, quoted by ddp_hpc's one quoting function, at the end of the launch over LSF's hosts.
+    last = script.rstrip().splitlines()[-1]
+    assert last.startswith('exec ddp-hpc launch --launcher openmpi --hostfile "${job_hosts}" --nodes 2 --nproc 2 ')
+    assert shlex.split(last)[-6:] == ["run", "--", "python", "train.py", "--note", "it's a b"]
+    # Without the site's package the family is refused as any unknown one.
+    refused = run([*ddp_hpc_command(), *argv], cwd=tmp_path)
+    assert refused.returncode == 2 and "invalid choice: 'lsf'" in refused.stderr, refused.stderr
+
+
+def test_a_profile_of_a_family_not_installed_is_refused_in_one_line(fresh_registry, tmp_path, capsys):
+    from ddp_hpc import cli
+
+    args = cli.parse(["render", "pbs", "--cluster", str(PROFILE), "--run-dir", str(tmp_path), "--", "true"])
+    with pytest.raises(UserError, match=r"^cluster profile 'lsf-test' \(.*lsf-test.yaml\): scheduler 'lsf' is none "
+                                        r"of the families installed here: pbs, slurm, local \(a site's family"):
+        args.func(args)
+
+
+FAKE_BSUB = """\
+#!/bin/sh
+# A fake LSF bsub: records its arguments and standard input, answers as bsub does.
+{{ echo "$#"; for arg in "$@"; do echo "$arg"; done; }} >"{record}/argv"
+cat >"{record}/stdin"
+echo 'Job <1234> is submitted to queue <normal>.'
+"""
+
+
+def test_submit_lsf_hands_the_script_to_bsub_and_records_the_job(tmp_path):
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir()
+    record.mkdir()
+    (bin_dir / "bsub").write_text(textwrap.dedent(FAKE_BSUB).format(record=record))
+    (bin_dir / "bsub").chmod(0o755)
+    result = run([*ddp_hpc_command(), "submit", "lsf", "--cluster", str(PROFILE), "--job-name", "t2",
+                  "--", "python", "train.py"], env=_site_env(bin_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_folder = tmp_path / "runs" / "t2"
+    assert "submitted job 1234 (" in result.stdout and str(run_folder) in result.stdout, result.stdout
+    # No arguments: bsub < job.lsf (LSF reads a script's #BSUB lines on stdin only).
+    assert (record / "argv").read_text() == "0\n"
+    script = run_folder / "job.lsf"
+    assert (record / "stdin").read_text() == script.read_text() and "#BSUB -J t2\n" in script.read_text()
+    submission = json.loads((run_folder / "submission.json").read_text())
+    assert (submission["scheduler"], submission["job_id"]) == ("lsf", "1234")
+    assert submission["logs"] == [str(tmp_path / "t2.1234.out"), str(tmp_path / "t2.1234.err")]
+    # status asks the family's backend, found by the name the submission recorded.
+    (run_folder / "exit-1234").write_text("0\n")
+    status = run([*ddp_hpc_command(), "status", str(run_folder)], env=_site_env(bin_dir), cwd=tmp_path)
+    assert status.returncode == 0 and "job 1234 (lsf, 2 ranks" in status.stdout, status.stdout + status.stderr
+    assert "completed, exit status 0 [exit file: 0]" in status.stdout, status.stdout
+
+
+def test_a_broken_entry_point_is_left_out_with_one_warning(site_on_path, monkeypatch, tmp_path, caplog, capsys):
+    """A site's entry point whose module cannot be imported, one naming something that is not a
+    family, and one taking a built-in's name: each is left out (the first two with a warning
+    each); the built-ins and the good site family still work."""
+    from ddp_hpc import cli
+
+    dist_info = tmp_path / "broken_site-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-site\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[ddp_hpc.schedulers]\nbroken = no_such_site_module:FAMILY\n"
+                                               "notafamily = lsf_site.backend:LsfScheduler\n"
+                                               "pbs = lsf_site:FAMILY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="ddp_hpc"):
+        assert tuple(registry.families()) == (*BUILT_IN, "lsf")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert any(w.startswith("scheduler family broken (no_such_site_module:FAMILY) cannot be loaded, left out: ")
+               for w in warnings), warnings
+    assert ("scheduler family notafamily (lsf_site.backend:LsfScheduler) is not a ddp_hpc SchedulerFamily named "
+            "notafamily, left out") in warnings
+    assert type(registry.scheduler_for("pbs")).__name__ == "PbsScheduler"
+    args = cli.parse(["render", "local", "--run-dir", str(tmp_path), "--", "true"])
+    assert args.func(args) == 0 and capsys.readouterr().out.startswith("#!/bin/bash\n")
