@@ -32,7 +32,7 @@ _EXPORTS = {
     "TrainOptions": "ddp_hpc.training.run_on_rank",
     "RunSummary": "ddp_hpc.summary",
     # Your own loop: resumable checkpoints, agreed stops, the watchdog, in-job recovery
-    "Checkpointer": "ddp_hpc.engine.checkpointer",
+    "Checkpointer": "ddp_hpc.engine.checkpoint.checkpointer",
     "ResumableSampler": "ddp_hpc.engine.sampler",
     "StopAgreement": "ddp_hpc.engine.stop_agreement",
     "record_stop_signals": "ddp_hpc.stop_handler",
@@ -89,6 +89,11 @@ _MOVED = {
     "ddp_hpc.engine.recovery_backends": "ddp_hpc.engine.recovery.backends",
     "ddp_hpc.schedulers.slurm.step": "ddp_hpc.launch.srun",
     "ddp_hpc.schedulers.slurm.job_key": "ddp_hpc.contract.slurm_job_key",
+    "ddp_hpc.engine.checkpointer": "ddp_hpc.engine.checkpoint.checkpointer",
+    "ddp_hpc.engine.checkpoint_files": "ddp_hpc.engine.checkpoint.files",
+    "ddp_hpc.engine.dcp_format": "ddp_hpc.engine.checkpoint.dcp_format",
+    "ddp_hpc.engine.background_writer": "ddp_hpc.engine.checkpoint.background_writer",
+    "ddp_hpc.engine.host_copy": "ddp_hpc.engine.checkpoint.host_copy",
 }
 
 
@@ -123,7 +128,7 @@ if TYPE_CHECKING:
     from ddp_hpc.config import Config, load_config
     from ddp_hpc.startup.distributed import DistContext
     from ddp_hpc.engine.checkpoint_tools import convert_checkpoint, inspect_checkpoints
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import InJobRecovery
     from ddp_hpc.engine.watchdog import watchdog
     from ddp_hpc.engine.sampler import ResumableSampler

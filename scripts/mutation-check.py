@@ -49,7 +49,7 @@ class Mutant:
 
 MUTANTS = (
     Mutant("restore-returns-none", "restore: a restart continues from the newest checkpoint",
-           "ddp_hpc/engine/checkpointer.py",
+           "ddp_hpc/engine/checkpoint/checkpointer.py",
            '        caller logs its own)."""\n',
            '        caller logs its own)."""\n        return None\n',
            ("tests/test_engine.py::test_resume_mid_epoch_is_bit_identical_with_rng_scheduler_and_extras",
@@ -57,12 +57,12 @@ MUTANTS = (
             "tests/test_checkpoint.py::test_pruning_keeps_the_newest_readable_checkpoint_after_resuming_from_an_older_one",
             "tests/test_engine_user_facing.py::test_a_refused_checkpoint_neither_counts_toward_keep_last_nor_is_pruned")),
     Mutant("dcp-short-shard-accepted", "dcp completeness: a shard shorter than its metadata says is refused",
-           "ddp_hpc/engine/dcp_format.py",
+           "ddp_hpc/engine/checkpoint/dcp_format.py",
            "        if actual < size:\n",
            "        if False:\n",
            ("tests/test_engine.py::test_an_incomplete_dcp_checkpoint_is_refused_and_the_previous_one_restored",)),
     Mutant("dcp-missing-metadata-not-skipped", "dcp completeness: a folder without .metadata is an interrupted write",
-           "ddp_hpc/engine/dcp_format.py",
+           "ddp_hpc/engine/checkpoint/dcp_format.py",
            "        if not (path / SHARDED_METADATA_FILE).exists():\n",
            "        if False:\n",
            ("tests/test_engine.py::test_an_incomplete_dcp_checkpoint_is_refused_and_the_previous_one_restored",

@@ -135,7 +135,7 @@ class KillLaunchDuringCheckpointWrite(Callback):
     def on_fit_start(self, trainer) -> None:
         if not trainer.ctx.is_rank_zero:
             return
-        from ddp_hpc.engine import checkpoint_files as checkpoint
+        from ddp_hpc.engine.checkpoint import files as checkpoint
 
         real_replace, writes = checkpoint.os.replace, [0]
 
@@ -247,7 +247,7 @@ class KillLaunchDuringAsyncWrite(Callback):
         import json
         import threading
 
-        from ddp_hpc.engine import checkpoint_files as checkpoint
+        from ddp_hpc.engine.checkpoint import files as checkpoint
 
         real_fsync, writes = checkpoint.os.fsync, [0]
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import FIGURES, REPO, assert_same_training_state, clean_env
-from ddp_hpc.engine import checkpoint_files as ckpt
-from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, CheckpointWriteError
-from ddp_hpc.engine.host_copy import snapshot
+from ddp_hpc.engine.checkpoint import files as ckpt
+from ddp_hpc.engine.checkpoint.background_writer import AsyncCheckpointWriter, CheckpointWriteError
+from ddp_hpc.engine.checkpoint.host_copy import snapshot
 
 
 def _state(step: int, weights: torch.Tensor) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_hpc.engine import checkpoint_files as ckpt
+from ddp_hpc.engine.checkpoint import files as ckpt
 
 
 def _state(step: int) -> dict:
@@ -38,7 +38,7 @@ class _Held:
 def _resume(folder: Path, **kwargs):
     """What a run over ``folder`` (a checkpoints folder) resumes from: a Checkpointer's
     ``restore``, with what it loaded into its one object ``model``."""
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 
     held = _Held()
     checkpointer = Checkpointer(folder.parent, {"model": held}, **kwargs)
@@ -73,7 +73,7 @@ def test_an_exception_while_writing_leaves_the_old_file_whole_and_no_temporary(t
 _WRITER_CHILD = """
 import sys, torch
 from pathlib import Path
-from ddp_hpc.engine import checkpoint_files as ckpt
+from ddp_hpc.engine.checkpoint import files as ckpt
 folder = Path(sys.argv[1])
 def state(step):
     return {"format": ckpt.FORMAT_VERSION, "step": step, "extras": {"at": step}, "model": {f"w{i}": torch.full((1 << 18,), float(step)) for i in range(32)},
@@ -377,7 +377,7 @@ def _rank_streams(checkpoint: Path) -> dict:
     """Rank 0's RNG streams as a checkpoint (either format, either layout) holds them."""
     import torch
 
-    from ddp_hpc.engine.dcp_format import check_complete, read_blob
+    from ddp_hpc.engine.checkpoint.dcp_format import check_complete, read_blob
 
     if checkpoint.is_dir():
         return read_blob(checkpoint, check_complete(checkpoint), "ddp_hpc.rank.00000")["rng"]

@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 import ddp_hpc
 from conftest import REPO, run
-from ddp_hpc.engine import checkpoint_files as files
+from ddp_hpc.engine.checkpoint import files as files
 
 
 def test_the_sampler_in_a_single_process_without_a_group_deals_everything_to_rank_0():
@@ -230,7 +230,7 @@ EXAMPLE = REPO / "examples" / "resumable_loop.py"
 # ddp_hpc.record_stop_signals(), before its stop.handle_signals().
 EARLY_SIGNAL = """
 import os, runpy, signal, sys
-from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 real_init = Checkpointer.__init__
 def init(self, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGUSR2)

@@ -17,7 +17,7 @@ from conftest import FIGURES, REPO, load_last_checkpoint
 from ddp_hpc.config import load_config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.startup.distributed import process_group
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 from ddp_hpc.errors import UserError
 from ddp_hpc.builtin_jobs.synthetic import make_mlp
 from ddp_hpc.training.job import create_job

@@ -22,7 +22,7 @@ from ddp_hpc.config import load_config
 from ddp_hpc.startup.distributed import DistributedOptions, process_group
 from ddp_hpc.environment.ports import free_port
 from ddp_hpc.training import Callback
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 from ddp_hpc.training.job import create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer
@@ -300,7 +300,7 @@ def test_a_background_snapshot_of_cuda_tensors_is_pinned_complete_on_return_and_
     """host_copy.snapshot (both background formats' copy): from CUDA into pinned host
     buffers with non-blocking copies, so it must synchronize before it returns: the copy of
     a 256 MiB tensor is checked at once, before anything else waits on the device."""
-    from ddp_hpc.engine.host_copy import snapshot
+    from ddp_hpc.engine.checkpoint.host_copy import snapshot
 
     cache: dict = {}
     live = {"w": torch.full((64, 1024, 1024), 1.0, device="cuda"), "step": torch.tensor(3.0, device="cuda")}

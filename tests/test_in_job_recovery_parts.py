@@ -202,7 +202,7 @@ def _one_rank_through_an_aborted_group(backend: str, steps: int, publish_at: int
     import torch
     from torch import nn
 
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import group_abort, rank
     from ddp_hpc.engine.recovery.errors import RecoveryError
 

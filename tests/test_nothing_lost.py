@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FIGURES, REPO, assert_same_training_state, clean_env
 from fault_injection import kill_tree
-from ddp_hpc.engine.checkpoint_files import load_checkpoint, newest_loadable
+from ddp_hpc.engine.checkpoint.files import load_checkpoint, newest_loadable
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.reliability, pytest.mark.slow]
 # 64 steps of ~40 ms per epoch, an 8 MB checkpoint after every one: most of the time is

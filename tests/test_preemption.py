@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIGURES, REPO, SLURM_DOWN, assert_same_training_state, clean_env, ddp_hpc_command, need, run
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.reliability, pytest.mark.slow, pytest.mark.multiproc]
 CONFIG = str(REPO / "configs" / "synthetic.yaml")

@@ -12,7 +12,7 @@ import pytest
 
 from cpu_groups import favoured
 from conftest import FAST_WAIT, FIGURES, REPO, assert_same_training_state, built_once, ddp_hpc_command, run
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]
 CONFIG = str(REPO / "configs" / "synthetic.yaml")

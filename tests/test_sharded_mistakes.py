@@ -56,7 +56,7 @@ def test_a_sharded_model_saved_in_one_file_on_two_ranks_holds_its_whole_state_an
     import torch
     from torch import nn
 
-    from ddp_hpc.engine.checkpoint_files import load_checkpoint
+    from ddp_hpc.engine.checkpoint.files import load_checkpoint
 
     done = launch(FILE_CHECKPOINT, env={"OUT": str(tmp_path)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -107,7 +107,7 @@ def test_without_recovery_the_checkpointer_refuses_a_sharded_model_that_would_tr
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
     from ddp_hpc.errors import RefusedOnRank
 
     if mistake == "optimizer_before_shard":
@@ -131,8 +131,8 @@ def test_a_file_holding_one_ranks_shards_is_refused_not_loaded(one_rank, tmp_pat
     restoring it would load them into every rank; it is refused in one line."""
     import torch
 
-    from ddp_hpc.engine.checkpoint_files import CheckpointError
-    from ddp_hpc.engine.checkpointer import _load_objects
+    from ddp_hpc.engine.checkpoint.files import CheckpointError
+    from ddp_hpc.engine.checkpoint.checkpointer import _load_objects
 
     model = _model()
     before = {name: tensor.to_local().clone() for name, tensor in model.state_dict().items()}
@@ -203,7 +203,7 @@ def test_legitimate_sharded_models_are_not_refused_and_a_wrapped_one_restores_fr
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 
     torch.manual_seed(0)
     model = nn.Sequential(checkpoint_wrapper(nn.Linear(4, 4)), nn.Linear(4, 2))

@@ -22,7 +22,7 @@ from ddp_hpc.startup.distributed import process_group
 from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers.slurm.render import SLURM_DEADLINE_LINES
 from ddp_hpc.stop import StopSignal, job_deadline, parse_stop_signal, stop_signal_arg
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.deadline import DeadlinePolicy, Timings, must_stop_now
 from ddp_hpc.engine.reshard import epoch_order

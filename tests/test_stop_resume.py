@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIGURES, REPO, assert_same_training_state, clean_env
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 from stop_helpers import count_ids
 
 pytestmark = [pytest.mark.reliability, pytest.mark.multiproc, pytest.mark.slow]

@@ -74,7 +74,7 @@ def test_a_chain_past_the_walltime_ends_bit_identical_to_one_long_run(slurm_clus
     stops ahead of its 1-minute walltime at an agreed step with a checkpoint, the next link
     resumes it, and the link that finds the run finished trains nothing."""
     from conftest import assert_same_training_state, clean_env
-    from ddp_hpc.engine.checkpoint_files import load_checkpoint
+    from ddp_hpc.engine.checkpoint.files import load_checkpoint
 
     config = str(REPO / "configs" / "synthetic.yaml")
     common = ["job.params.samples=512", "job.params.val_samples=101", "job.params.input_dim=16",

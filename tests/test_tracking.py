@@ -21,7 +21,7 @@ from ddp_hpc.tracking.csv_tracker import read_points
 from ddp_hpc.tracking.hub import row_metrics
 from ddp_hpc.tracking.progress import ProgressLines, ProgressShape
 from ddp_hpc.tracking.record import without_secrets
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 from ddp_hpc.training.job import create_job
 from ddp_hpc.training.run_folder import RunFolder
 from ddp_hpc.training.trainer import Trainer

@@ -20,7 +20,7 @@ from ddp_hpc.config import load_config
 from ddp_hpc.summary import RunSummary
 from ddp_hpc.startup.distributed import process_group
 from ddp_hpc.training import Datasets, Job, StepOutput
-from ddp_hpc.engine.checkpoint_files import load_checkpoint
+from ddp_hpc.engine.checkpoint.files import load_checkpoint
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.training.data import shard_padding_mask
 from ddp_hpc.training.run_folder import RunFolder

@@ -64,7 +64,7 @@ def _save_all_modes(args: argparse.Namespace, ctx, ddp, model) -> list[dict[str,
     import torch
     import torch.distributed as dist
 
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 
     results = []
     for fmt, background in MODES:

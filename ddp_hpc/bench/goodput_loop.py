@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_hpc.contract import RESTART_COUNT_VAR
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import InJobRecovery
     from ddp_hpc.engine.rng import seed_everything
     from ddp_hpc.engine.sampler import ResumableSampler

@@ -114,7 +114,7 @@ def rank0_bytes(world_size: int) -> dict[str, int]:
     # A large world sends rank 0 one float64 (the node count's all-reduce) instead.
     startup = 8 if large else gathered([len(pickle.dumps(m)) for m in sent])
     # No RNG state reaches rank 0 any more: each rank writes its streams to a file of its
-    # own (engine/checkpoint_files.py, save_rank_part; dcp: its shard file). Its size is
+    # own (engine/checkpoint/files.py, save_rank_part; dcp: its shard file). Its size is
     # reported as what every rank writes, not as what rank 0 receives.
     rng_file = len(pickle.dumps(capture_rng()))
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,8 +11,8 @@ from typing import Any, Literal
 import torch
 
 from ddp_hpc.contract import CHECKPOINTS_DIR, atomic_write
-from ddp_hpc.engine import checkpoint_files as files
-from ddp_hpc.engine import dcp_format
+from ddp_hpc.engine.checkpoint import files as files
+from ddp_hpc.engine.checkpoint import dcp_format
 from ddp_hpc.engine.recovery.record import ResumeEvent, read_resumes
 from ddp_hpc.errors import UserError
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
-from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 from ddp_hpc.contract import DEADLINE_VAR, PREEMPTED_MARKER, RUN_FOLDER_VAR, ExitStatus, mark_stopped
 from ddp_hpc.engine.deadline import DeadlinePolicy, StepClock, must_stop_now, time_needed
 from ddp_hpc.engine.group import Collectives, ProcessGroupView

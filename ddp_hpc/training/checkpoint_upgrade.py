@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.engine.checkpoint_files import CheckpointError
+from ddp_hpc.engine.checkpoint.files import CheckpointError
 
 #: The keys ``progress`` held before the split (and still holds).
 PROGRESS_KEYS = ("epoch", "batches_done", "global_step", "epoch_offset")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 
 
 def sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

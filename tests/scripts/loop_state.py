@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_hpc.engine.checkpoint_files import load_checkpoint, load_rank_part
+from ddp_hpc.engine.checkpoint.files import load_checkpoint, load_rank_part
 
 
 def _digest(tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -31,7 +31,7 @@ def final_state(folder: Path) -> dict:
     checkpoints = folder / "checkpoints"
     pointer = checkpoints / "last.dcp"
     if pointer.exists():
-        from ddp_hpc.engine.dcp_format import check_complete, rank_key, read_blob, read_whole
+        from ddp_hpc.engine.checkpoint.dcp_format import check_complete, rank_key, read_blob, read_whole
 
         path = checkpoints / pointer.read_text().strip()
         state = read_whole(path)

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 from ddp_hpc.engine.sampler import ResumableSampler
 from ddp_hpc.engine.stop_agreement import StopAgreement
 
@@ -60,7 +60,7 @@ def _once(marker: str) -> bool:
 
 
 def _kill_logged(record: dict) -> None:
-    from ddp_hpc.engine.dcp_format import newest_complete
+    from ddp_hpc.engine.checkpoint.dcp_format import newest_complete
 
     folder = Path(os.environ.get("RUN_DIR", "runs/resumable_loop")) / "checkpoints"
     found = newest_complete(folder, report=False)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 from ddp_hpc.engine.recovery import InJobRecovery
 
 MISTAKE = os.environ.get("MISTAKE", "none")

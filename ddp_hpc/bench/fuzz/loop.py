@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_hpc.contract import atomic_write
-    from ddp_hpc.engine import checkpoint_files
-    from ddp_hpc.engine.checkpointer import Checkpointer
+    from ddp_hpc.engine.checkpoint import files as checkpoint_files
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
     from ddp_hpc.engine.recovery import InJobRecovery
     from ddp_hpc.engine.recovery import rank as recovery_rank
     from ddp_hpc.engine.recovery import shards

@@ -30,7 +30,7 @@ def state_to_tensor(state: dict[str, Any]) -> torch.Tensor:
 
 
 def state_from_tensor(payload: torch.Tensor) -> dict[str, Any]:
-    from ddp_hpc.engine.checkpoint_files import unsupported_global
+    from ddp_hpc.engine.checkpoint.files import unsupported_global
 
     try:
         # On the host: the objects' load_state_dict puts each tensor on its own device (the

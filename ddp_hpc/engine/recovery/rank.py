@@ -85,7 +85,7 @@ from ddp_hpc.contract import (
 )
 from ddp_hpc.engine.recovery import store as keys
 from ddp_hpc.device import NCCL_MONITORING_VAR
-from ddp_hpc.engine.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
 from ddp_hpc.engine.liveness import Heartbeat
 from ddp_hpc.engine.recovery.backends import backend_refusal
 from ddp_hpc.engine.recovery.broken_step import StepStart, clear_broken_step

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.group import ProcessGroupView
-from ddp_hpc.engine.host_copy import Copying, dtensor_class, snapshot_on_side_streams
+from ddp_hpc.engine.checkpoint.host_copy import Copying, dtensor_class, snapshot_on_side_streams
 from ddp_hpc.engine.recovery.fence import wait_for_stream
 from ddp_hpc.engine.recovery.layout import DEFAULT_REPLICAS, KEPT_STEPS, Buddies, steps_held  # noqa: F401  (re-exported)
 from ddp_hpc.engine.recovery.payload import PIECE_BYTES, pieces, state_to_tensor

@@ -43,7 +43,7 @@ def _die(name: str, signum: int = signal.SIGKILL) -> None:
 
 
 def _patch() -> None:
-    from ddp_hpc.engine import checkpoint_files
+    from ddp_hpc.engine.checkpoint import files as checkpoint_files
     from ddp_hpc.engine import recovery as recovery_module
 
     step = int(os.environ["RECOVERY_FAULT_STEP"])

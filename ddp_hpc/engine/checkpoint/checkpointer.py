@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_hpc.contract import CHECKPOINTS_DIR, checkpoint_format_of
-from ddp_hpc.engine import checkpoint_files as files
+from ddp_hpc.engine.checkpoint import files as files
 from ddp_hpc.engine import sharding
-from ddp_hpc.engine.background_writer import AsyncCheckpointWriter, WriteRecord
+from ddp_hpc.engine.checkpoint.background_writer import AsyncCheckpointWriter, WriteRecord
 from ddp_hpc.engine.group import Collectives, ProcessGroupView
 from ddp_hpc.engine.rng import capture_rng, restore_rng
 from ddp_hpc.engine.sampler import ResumableSampler
@@ -183,12 +183,12 @@ class SingleFileFormat:
 
 class ShardedFormat:
     """``format="dcp"``: a folder per checkpoint that every rank writes its part of
-    (``ddp_hpc.engine.dcp_format``). Modules and optimizers are saved sharded (FSDP2) or
+    (``ddp_hpc.engine.checkpoint.dcp_format``). Modules and optimizers are saved sharded (FSDP2) or
     dealt out over the ranks (DDP); the other objects' state (samplers, schedulers) is
     the same on every rank and saved once; the RNG streams in each rank's own file."""
 
     def __init__(self, *, background: bool = False) -> None:
-        from ddp_hpc.engine.dcp_format import DcpFormat
+        from ddp_hpc.engine.checkpoint.dcp_format import DcpFormat
 
         self.dcp = DcpFormat(background=background)
 
@@ -208,7 +208,7 @@ class ShardedFormat:
 
     def save(self, group: Collectives, directory: Path, step: int, objects: Mapping[str, Any],
              shared: dict[str, Any], per_rank: dict[str, Any], *, keep_last: int, best: bool = False) -> Path:
-        from ddp_hpc.engine.dcp_format import ShardedState
+        from ddp_hpc.engine.checkpoint.dcp_format import ShardedState
 
         modules, optimizers, others = self._parts(objects)
         saved = {name: obj.state_dict() for name, obj in others.items()}
@@ -220,7 +220,7 @@ class ShardedFormat:
     def restore(self, group: Collectives, directory: Path, objects: Mapping[str, Any], *,
                 path: Path | None = None, accept: Accept | None = None,
                 upgrade: Upgrade | None = None) -> Loaded | None:
-        from ddp_hpc.engine.dcp_format import SHARED_KEY, ShardedState, check_complete, named_checkpoint, read_blob
+        from ddp_hpc.engine.checkpoint.dcp_format import SHARED_KEY, ShardedState, check_complete, named_checkpoint, read_blob
 
         path = self.dcp.newest(group, directory) if path is None else named_checkpoint(Path(path))
         if path is None:

@@ -64,10 +64,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ddp_hpc.contract import (BEST_SHARDED_CHECKPOINT, LAST_SHARDED_CHECKPOINT, SHARDED_METADATA_FILE,
                               SHARDED_STEP_FOLDER, atomic_write, fsync_directory)
-from ddp_hpc.engine.background_writer import CheckpointWriteError, WriteRecord
-from ddp_hpc.engine.checkpoint_files import CheckpointError
+from ddp_hpc.engine.checkpoint.background_writer import CheckpointWriteError, WriteRecord
+from ddp_hpc.engine.checkpoint.files import CheckpointError
 from ddp_hpc.engine.group import Collectives
-from ddp_hpc.engine.host_copy import snapshot
+from ddp_hpc.engine.checkpoint.host_copy import snapshot
 from ddp_hpc.torch_support import dcp_async_takes_stager, dcp_takes_no_dist
 
 log = logging.getLogger(__name__)

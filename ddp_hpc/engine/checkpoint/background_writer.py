@@ -3,7 +3,7 @@
 Rank 0 copies the checkpoint state to host memory (the *snapshot*: the only time training
 is blocked), then one background thread writes the same single-file ``torch.save`` file
 that a synchronous save writes, through the same atomic path
-(:func:`ddp_hpc.engine.checkpoint_files.write_checkpoint`): a hidden temporary file, fsync,
+(:func:`ddp_hpc.engine.checkpoint.files.write_checkpoint`): a hidden temporary file, fsync,
 rename, then ``last.pt``/``best.pt`` re-pointed, then pruning. So every guarantee of the
 synchronous path holds: a kill during the background write leaves the previous
 checkpoint as the newest readable one, and ``last.pt`` only ever names a complete file.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ddp_hpc.engine.host_copy import allocate_like, snapshot
+from ddp_hpc.engine.checkpoint.host_copy import allocate_like, snapshot
 
 log = logging.getLogger(__name__)
 
