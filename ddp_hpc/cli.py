@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shlex
-import signal
 import socket
 import sys
 import traceback
@@ -16,60 +15,17 @@ from typing import NoReturn
 
 from ddp_hpc.contract import (
     BACKEND_VAR,
-    CONSOLE_RANKS_VAR,
     DEBUG_VAR,
     DEVICE_VAR,
-    HOST_SUFFIX_VAR,
-    STAGE_ROOT_VAR,
-    RECOVERY_STORE_VAR,
-    RUN_FOLDER_VAR,
-    STAGE_TIME_IMPORT_VAR,
     ExitStatus,
 )
+from ddp_hpc.bench.verb import add_bench_parser
+from ddp_hpc.cli_args import Parser, add_console_flag, add_device_flags, positive_float, write_line
 from ddp_hpc.errors import UserError
-from ddp_hpc.launch.registry import CHOICES as LAUNCHER_CHOICES
+from ddp_hpc.launch.verb import add_launch_parser
 from ddp_hpc.logs import ConsoleFilter, configure_logging
-from ddp_hpc.stop import stop_signal_arg
+from ddp_hpc.staging.verb import add_stage_parser
 from ddp_hpc.version import __version__
-
-
-def write_line(stream, text: str) -> None:
-    """One write per line: several ranks share the launcher's output, and print() under
-    unbuffered output writes the newline separately, so lines of two ranks could merge."""
-    stream.write(text + "\n")
-    stream.flush()
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line and exits 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(ExitStatus.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
-def _add_device_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("device and backend")
-    group.add_argument("--device", help=f"auto, xpu, cuda or cpu (default: ${DEVICE_VAR}, else auto)")
-    group.add_argument("--backend", help=f"auto, nccl, xccl, ccl or gloo (default: ${BACKEND_VAR}, else auto)")
-    group.add_argument("--host-suffix", default=None,
-                       help="suffix for rank 0's host name, e.g. a high-speed network's (default: "
-                            f"${HOST_SUFFIX_VAR})")
-
-
-def _add_console_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--console-ranks", default=None, metavar="RANKS",
-                        help="ranks whose INFO lines reach the console: 0 (default), 0,3, 0-3, all or none; "
-                             f"every rank's warnings and errors always do (default: ${CONSOLE_RANKS_VAR})")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -179,12 +135,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from ddp_hpc.bench.command import bench
-
-    return bench(args)
-
-
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -200,151 +150,33 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_stage_pack(args: argparse.Namespace) -> int:
-    from ddp_hpc.staging import pack_environment
-
-    packed = pack_environment(args.env, args.archive)
-    action = "packed" if packed.written else "up to date:"
-    write_line(sys.stderr, f"ddp-hpc: stage: {action} {packed.kind} {packed.prefix} -> {packed.archive} "
-                           f"({packed.size_bytes / 1e6:.0f} MB)")
-    write_line(sys.stdout, str(packed.archive))
-    return 0
-
-
-def _cmd_stage_fan_out(args: argparse.Namespace) -> int:
-    from ddp_hpc.staging import compare_import, node_slot, stage_on_node
-
-    root = args.root or os.environ.get(STAGE_ROOT_VAR)
-    if not root:
-        raise UserError(f"no node-local folder: give --root DIR or set ${STAGE_ROOT_VAR}")
-    slot = node_slot(os.environ)
-    suffix = os.environ.get(HOST_SUFFIX_VAR, "") if args.host_suffix is None else args.host_suffix
-    copy = stage_on_node(args.archive, root, args.rendezvous, slot, host_suffix=suffix, timeout_s=args.timeout)
-    write_line(sys.stdout, f"ddp_hpc: stage: node {slot.index}/{slot.count} ({slot.name}): {copy.path} from "
-                           f"{copy.source}, {copy.size_bytes / 1e6:.0f} MB in {copy.seconds:.2f} s")
-    modules = args.time_import or [m for m in os.environ.get(STAGE_TIME_IMPORT_VAR, "").split(",") if m]
-    for module in modules:
-        shared, staged = compare_import(copy, module)
-        write_line(sys.stdout, f"ddp_hpc: stage: node {slot.name}: import {module}: {shared.seconds:.2f} s from the "
-                               f"shared copy ({shared.module_file}), {staged.seconds:.2f} s from the node-local "
-                               f"copy ({staged.module_file})")
-    return 0
-
-
-def _add_stage_parser(sub, common: argparse.ArgumentParser) -> None:
-    stage = sub.add_parser("stage", help="copy the Python environment to node-local disk on every node "
-                                         "(--stage-env of render/submit does it for you)")
-    steps = stage.add_subparsers(dest="stage_step", metavar="STEP", parser_class=_Parser)
-    steps.required = True
-    pack = steps.add_parser("pack", parents=[common],
-                            help="pack the environment once into a relocatable tar file; print its path")
-    pack.add_argument("--env", help="the venv or conda environment (default: the active one)")
-    pack.add_argument("--archive", help="the tar file (default: ~/.cache/ddp_hpc/stage/NAME-HASH.tar)")
-    pack.set_defaults(func=_cmd_stage_pack)
-    fan_out = steps.add_parser("fan-out", parents=[common],
-                               help="run once per node (srun --ntasks-per-node=1, mpiexec -ppn 1): receive the "
-                                    "archive from the parent node, send it on to two more, unpack it to ROOT/NODE")
-    fan_out.add_argument("archive", help="the tar file from `ddp-hpc stage pack` (read by node 0 only)")
-    fan_out.add_argument("--rendezvous", required=True, metavar="DIR",
-                         help="a fresh folder on the shared file system where the nodes find each other")
-    fan_out.add_argument("--root", help=f"node-local folder of the copies (default: ${STAGE_ROOT_VAR})")
-    fan_out.add_argument("--timeout", type=_positive_float, default=600.0,
-                         help="seconds a node waits for its copy (default: 600)")
-    fan_out.add_argument("--host-suffix", default=None,
-                         help=f"suffix for this node's host name, e.g. a high-speed network's (default: "
-                              f"${HOST_SUFFIX_VAR})")
-    fan_out.add_argument("--time-import", action="append", default=[], metavar="MODULE",
-                         help="then time `import MODULE` from the shared environment and from the copy (repeatable; "
-                              f"default: ${STAGE_TIME_IMPORT_VAR}, comma-separated)")
-    fan_out.set_defaults(func=_cmd_stage_fan_out)
-
-
-def _add_cluster_parser(sub, common: argparse.ArgumentParser) -> None:
-    from ddp_hpc.schedulers.cluster import verbs
-    from ddp_hpc.schedulers.registry import families
-
-    cluster = sub.add_parser("cluster", help="a cluster profile from the scheduler (probe), checked against it "
-                                             "(check), or found for this machine (which)")
-    steps = cluster.add_subparsers(dest="cluster_step", metavar="STEP", parser_class=_Parser)
-    steps.required = True
-    probe = steps.add_parser("probe", parents=[common],
-                             help="ask the scheduler (and, inside a job, the node) and write a commented profile; "
-                                  "read-only, submits nothing")
-    probe.add_argument("--scheduler", choices=("slurm", "pbs"), help="default: the one that answers")
-    probe.add_argument("--out", metavar="FILE", help="the profile to write (default: stdout), e.g. "
-                                                     "configs/clusters/NAME.yaml")
-    probe.set_defaults(func=verbs.cmd_probe)
-    check = steps.add_parser("check", parents=[common],
-                             help="the profile against the cluster: one line per mismatch, exit 2 on any")
-    check.add_argument("profile", metavar="PROFILE", help="a profile name or YAML path")
-    check.add_argument("--walltime", "--time", dest="walltime", default="01:00:00",
-                       help="the walltime to check against the partition's limit (default: 01:00:00)")
-    check.add_argument("--nodes", type=int, default=1, help="the nodes to check against the partition's (default: 1)")
-    check.set_defaults(func=verbs.cmd_check)
-    which = steps.add_parser("which", parents=[common],
-                             help="the profile render/submit use here without --cluster, and why")
-    which.add_argument("--scheduler", choices=tuple(families()), help="only profiles of this family")
-    which.set_defaults(func=verbs.cmd_which)
-
-
-def _cmd_launch(args: argparse.Namespace) -> int:
-    from ddp_hpc.launch.entry import launch
-    from ddp_hpc.launch.spec import from_arguments
-
-    return launch(from_arguments(args, os.environ, sys.argv), signal.signal)
-
-
-def _cmd_record_exit(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ddp_hpc.launch.restart import record_exit
-
-    record_exit(Path(args.run_folder), args.job_id, args.status)
-    return 0
-
-
-def _cmd_record_stop(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ddp_hpc.contract import PREEMPTED_MARKER, mark_stopped
-
-    mark_stopped(Path(args.run_folder) / PREEMPTED_MARKER)
-    return 0
-
-
-def _exit_status(text: str) -> int:
-    if not text.isdigit() or int(text) > 255:
-        raise argparse.ArgumentTypeError(f"not an exit status (0-255): {text!r}")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ddp-hpc", description="PyTorch DDP from a laptop to a supercomputer.")
+    parser = Parser(prog="ddp-hpc", description="PyTorch DDP from a laptop to a supercomputer.")
     parser.add_argument("--version", action="version", version=f"ddp-hpc {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
     env = sub.add_parser("env", parents=[common],
                          help="print what this rank resolved, without starting a process group")
     env.add_argument("--json", action="store_true", help="one JSON object per rank")
-    _add_device_flags(env)
+    add_device_flags(env)
     env.set_defaults(func=_cmd_env)
 
     doctor = sub.add_parser("doctor", parents=[common],
                             help="start the group on every rank and check that it works")
-    _add_device_flags(doctor)
-    _add_console_flag(doctor)
+    add_device_flags(doctor)
+    add_console_flag(doctor)
     doctor.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process-group timeout (default: 300)")
     doctor.add_argument("--links", action="store_true",
                         help="also measure bandwidth and latency between the hosts (every pair up to 8 hosts, "
                              "a ring above); exit 1 when a link is slow")
-    doctor.add_argument("--link-mib", type=_positive_float, default=4.0, metavar="MIB",
+    doctor.add_argument("--link-mib", type=positive_float, default=4.0, metavar="MIB",
                         help="message size of the bandwidth rounds (default: 4)")
-    doctor.add_argument("--min-bandwidth", type=_positive_float, default=None, metavar="MB/S",
+    doctor.add_argument("--min-bandwidth", type=positive_float, default=None, metavar="MB/S",
                         help="also call a link slow below this bandwidth (default: only relative to the median)")
     doctor.set_defaults(func=_cmd_doctor, exit_without_teardown=True)
 
@@ -354,14 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="YAML config, e.g. configs/digits.yaml (default: the built-in digits job)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. training.batch_size=64")
-    _add_device_flags(train)
-    _add_console_flag(train)
+    add_device_flags(train)
+    add_console_flag(train)
     train.set_defaults(func=_cmd_train, exit_without_teardown=True)
 
     run = sub.add_parser("run", parents=[common],
                          help="run any command on this rank with the variables torchrun gives its workers "
                               "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)")
-    _add_device_flags(run)
+    add_device_flags(run)
     run.add_argument("--exec", action="store_true",
                      help="exec a Python command as typed, without ddp_hpc's script runner (which ends "
                           "the process group in order after the script)")
@@ -377,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         verb_parser = sub.add_parser(verb, help=help_text,
                                      description=f"ddp-hpc {verb} SCHEDULER [options] CONFIG [KEY=VALUE...], or "
                                                  f"ddp-hpc {verb} SCHEDULER [options] -- COMMAND [ARGS...]")
-        family_parsers = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=_Parser)
+        family_parsers = verb_parser.add_subparsers(dest="scheduler", metavar="SCHEDULER", parser_class=Parser)
         family_parsers.required = True
         for family, names in families().items():
             sched = family_parsers.add_parser(family, parents=[common],
@@ -407,81 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
             job_parser.add_argument("--poll", type=float, default=2.0, help="seconds between checks with -f")
         job_parser.set_defaults(func=func)
 
-    _add_cluster_parser(sub, common)
+    from ddp_hpc.schedulers.cluster.verbs import add_cluster_parser
+
+    add_cluster_parser(sub, common)
 
     port = sub.add_parser("port", parents=[common],
                           help="print the rendezvous port derived from a job id ($PBS_JOBID, $SLURM_JOB_ID)")
     port.add_argument("job_id", nargs="?")
     port.set_defaults(func=commands.cmd_port)
 
-    bench = sub.add_parser("bench", parents=[common],
-                           help="benchmark the Trainer against a hand-written DDP loop and ideal scaling")
-    bench.add_argument("--quick", action="store_true",
-                       help="a small plan for smoke tests (2 rounds, start-up at 2 and 4 ranks)")
-    bench.add_argument("--startup-sizes", metavar="N,N,...",
-                       help="world sizes of the start-up figures (default: 2,4,8,16; --quick: 2,4)")
-    bench.add_argument("--scale", metavar="N,N,...",
-                       help="instead: N simulated ranks against one real rendezvous store (handshake, gate, "
-                            "heartbeat, diagnosis, bytes at rank 0), e.g. 256,1024,4096; merged into --output")
-    bench.add_argument("--scale-check", metavar="N", default="32",
-                       help="with --scale: also N ranks as separate processes vs threads ('' for none)")
-    bench.add_argument("--own-cpu", action="store_true",
-                       help="instead: ddp_hpc's own CPU per rank before the first step at 2 ranks (Trainer minus "
-                            "a hand-written loop); merged into --output")
-    bench.add_argument("--checkpoints", action="store_true",
-                       help="instead: checkpoint stall and write time, file vs dcp, sync vs background, next to the "
-                            "disk's sequential write bandwidth; merged into --output")
-    bench.add_argument("--checkpoint-sizes", metavar="N,N,...", default="2,4",
-                       help="with --checkpoints: world sizes (default: 2,4)")
-    bench.add_argument("--checkpoint-mb", type=int, default=400, metavar="MB",
-                       help="with --checkpoints: the model's weights in MB (default: 400)")
-    bench.add_argument("--checkpoint-saves", type=int, default=2, metavar="N",
-                       help="with --checkpoints: saves per format and mode (default: 2)")
-    bench.add_argument("--mfu", action="store_true",
-                       help="instead: the Trainer vs a hand-written loop on the ranks' device (--device), in fp32, "
-                            "TF32 and bf16, with MFU where the card's peak is known; --quick: a tiny model; merged "
-                            "into --output")
-    bench.add_argument("--mfu-ranks", type=int, default=1, metavar="N",
-                       help="with --mfu: ranks, one device each (default: 1)")
-    bench.add_argument("--device", default="auto", choices=("auto", "cuda", "xpu", "cpu"),
-                       help="with --mfu and --checkpoints: the ranks' device, chosen as ddp-hpc train chooses it "
-                            "(default: auto: cuda:LOCAL_RANK with nccl on a CUDA host); the main plan measures "
-                            "CPU ranks")
-    bench.add_argument("--goodput", action="store_true",
-                       help="instead: the same loop under in-job recovery, restart in place and requeue, with a "
-                            "rank killed (or frozen) at a fixed rate: goodput and each failure's cost; merged into "
-                            "--output, the ranks' logs beside it in goodput/")
-    bench.add_argument("--goodput-minutes", type=_positive_float, default=5.0, metavar="M",
-                       help="with --goodput: minutes each arm runs, per round (default: 5)")
-    bench.add_argument("--goodput-interval", type=_positive_float, default=30.0, metavar="S",
-                       help="with --goodput: seconds between faults (default: 30)")
-    bench.add_argument("--goodput-ranks", type=int, default=4, metavar="N",
-                       help="with --goodput: world size (default: 4)")
-    bench.add_argument("--goodput-fault", choices=("kill", "hang", "mixed"), default="kill",
-                       help="with --goodput: SIGKILL of a rank, SIGSTOP (a hung rank, found by the hang timeout), "
-                            "or either, drawn per fault (default: kill)")
-    bench.add_argument("--goodput-step-work", type=float, default=0.0, metavar="S",
-                       help="with --goodput: seconds of the loop's own work after each optimizer step, before "
-                            "step_done, so that faults land there too (default: 0)")
-    bench.add_argument("--goodput-hang-timeout", type=_positive_float, default=5.0, metavar="S",
-                       help="with --goodput: seconds of silence that make a rank hung (--hang-timeout of the "
-                            "in-job arm, the watchdog's limit in the others; default: 5)")
-    bench.add_argument("--goodput-arms", default="in-job,in-job-spare,restart,requeue", metavar="ARM,...",
-                       help="with --goodput: which arms, in this order each round (default: "
-                            "in-job,in-job-spare,restart,requeue; fsdp2-in-job,fsdp2-in-job-spare,fsdp2-restart: the model "
-                            "sharded)")
-    bench.add_argument("--goodput-rounds", type=int, default=1, metavar="R",
-                       help="with --goodput: rounds of the arms, alternating (default: 1)")
-    bench.add_argument("--goodput-seed", type=int, default=0, metavar="N",
-                       help="with --goodput: seed of the fault schedule (which rank, which fault), the same in every arm")
-    bench.add_argument("--goodput-checkpoint-every", type=int, default=50, metavar="N",
-                       help="with --goodput: steps between checkpoints, in every arm (default: 50)")
-    bench.add_argument("--output", default="benchmarks/results/bench.json", help="JSON results file")
-    bench.add_argument("--plot", default="benchmarks/results/scaling.png", help="PNG plot ('' for none)")
-    bench.set_defaults(func=_cmd_bench)
+    add_bench_parser(sub, common)
 
     checkpoint = sub.add_parser("checkpoint", help="inspect a run's checkpoints, or convert a sharded one to one file")
-    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", parser_class=Parser)
     actions.required = True
     inspect = actions.add_parser("inspect", parents=[common],
                                  help="each checkpoint's step, format, size, world size, complete or not")
@@ -501,98 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", help="PNG path (default: RUN_FOLDER/curves.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    _add_stage_parser(sub, common)
+    add_stage_parser(sub, common)
 
-    launch = sub.add_parser("launch", parents=[common],
-                            help="start N ranks of a command on this machine (or on the hosts of --hostfile)")
-    launch.add_argument("--nproc", type=int, default=2,
-                        help="number of ranks (default: 2); with --hostfile, ranks per host")
-    launch.add_argument("--launcher", default="local", choices=LAUNCHER_CHOICES,
-                        help="local (default): ddp-hpc starts the ranks itself with torchrun's variables (the "
-                             "old name torchrun still works); "
-                             "openmpi, mpich: mpiexec starts them; pals: Cray PALS's mpiexec, with --hostfile "
-                             "only (a PBS job's nodes); srun: one srun step per attempt, inside a "
-                             "SLURM allocation (--nodes of its nodes, --nproc ranks each; its other nodes are "
-                             "spares a restart takes in place of a node where a rank failed); a site's package may add "
-                             "its own (docs/run.md)")
-    launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="relaunch all ranks after a failure, at most N times; they resume from the newest "
-                             "checkpoint. A stop (exit 75) is never restarted: the launch exits 75")
-    launch.add_argument("--recover", type=int, default=0, metavar="N",
-                        help="in-job recovery (DDP and FSDP2 loops that use InJobRecovery): replace a lost or frozen rank "
-                             "while the others stay up, at most N times; state comes from the survivors' memory, no "
-                             "restart. Beyond N: --max-restarts. Under --launcher local this launch watches the "
-                             "ranks; under mpich, openmpi and srun, and with --hostfile, the launcher starts one node "
-                             "supervisor per node (--node-supervisor) that does. Over gloo or nccl "
-                             f"(${BACKEND_VAR} xccl or ccl is refused)")
-    launch.add_argument("--recovery-wait", type=_positive_float, default=120.0, metavar="S",
-                        help="with --recover: seconds the ranks wait for the new group (default: 120)")
-    launch.add_argument("--shrink", action="store_true",
-                        help="with --recover: go on without the lost rank instead of starting a replacement")
-    launch.add_argument("--warm-spare", action="store_true",
-                        help="with --recover: keep one more process of the command waiting in InJobRecovery (torch "
-                             "imported): a lost rank's place goes to it, without a Python start")
-    launch.add_argument("--hang-timeout", type=_positive_float, default=10.0, metavar="S",
-                        help="with --recover: a rank whose heartbeat stands still S seconds is frozen: it is "
-                             "killed and recovered (default: 10)")
-    launch.add_argument("--node-supervisor", action="store_true",
-                        help="run as one node's supervisor of a `launch --recover` under mpiexec or srun, which "
-                             "starts it once per node (mpiexec -ppn 1, srun --ntasks-per-node=1) with the recovery "
-                             f"store's address in ${RECOVERY_STORE_VAR}: starts --nproc ranks of this node (its place "
-                             "from the launcher's variables) and replaces a lost one; no restarts of its own")
-    launch.add_argument("--hostfile", metavar="FILE",
-                        help="start the ranks on these hosts (one name per line) with mpiexec (--launcher openmpi "
-                             "or mpich): --nproc ranks on each of the first --nodes; the rest are spares a restart "
-                             "takes in place of a host where a rank failed")
-    launch.add_argument("--nodes", type=int, default=None, metavar="N",
-                        help="with --hostfile: hosts to run on (default: every host in the file); with --launcher "
-                             "srun: nodes of the allocation (default: all of them)")
-    launch.add_argument("--run-folder", metavar="DIR",
-                        help="with --hostfile: where the launch keeps each attempt's host file, its exit status and left-out hosts "
-                             f"(ddp-hpc status DIR); with --launcher srun: the same (default: ${RUN_FOLDER_VAR}); on "
-                             "this machine: where it writes exit-<its pid> and reads the ranks' preempted marker")
-    launch.add_argument("--stop-signal", type=stop_signal_arg, default=None, metavar="NAME",
-                        help="with --launcher srun: the signal that asks the ranks to stop (a batch script's "
-                             "--signal; default: USR2); srun passes SIGUSR2 on to the ranks. With --hostfile: a "
-                             "stop signal besides USR2 and TERM (a PBS script's --stop-signal), passed on as the "
-                             "signal mpiexec passes on")
-    launch.add_argument("--mpiexec", metavar="PROGRAM", default=None,
-                        help="with --hostfile: the mpiexec to run (default: the --launcher flavour's first on PATH; "
-                             "a PBS script passes the one it looked up)")
-    launch.add_argument("--cpu-bind", metavar="VALUE", default=None,
-                        help="with --hostfile and --launcher pals: mpiexec's --cpu-bind (a cluster profile's cpu_bind)")
-    launch.add_argument("--depth", type=int, metavar="N", default=None,
-                        help="with --hostfile and --launcher pals: mpiexec's --depth, cores per rank (a cluster "
-                             "profile's depth)")
-    launch.add_argument("--host-suffix", metavar="SUFFIX", default=None,
-                        help="with --hostfile: rank 0's address is its host's short name followed by SUFFIX (a "
-                             "cluster profile's host_suffix: the high-speed network's name), at every attempt")
-    launch.add_argument("--job-id", metavar="ID", default=None,
-                        help="with --hostfile: the scheduler's job this launch runs in (a PBS script passes "
-                             "\"$PBS_JOBID\"): the launch writes RUN/exit-ID and records no job of its own "
-                             "(without it: a local job, its pid the job id)")
-    launch.add_argument("--requeue", action="store_true",
-                        help="with --launcher srun: after a stop (75), requeue this SLURM job (scontrol requeue) "
-                             "instead of writing its exit status")
-    launch.add_argument("--torchrun", metavar="HOST:PORT", default=None,
-                        help="with --launcher srun: one torchrun per node starts its --nproc ranks (c10d rendezvous "
-                             "at HOST:PORT; torchrun itself never restarts); the stop reaches them as SIGTERM")
-    launch.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
-    launch.set_defaults(func=_cmd_launch)
-
-    # Internal, left out of the help: a rendered script whose job ends before its launch starts
-    # (a failed staging or pre-flight) records the job's exit status through the launch's one writer.
-    record = sub.add_parser("record-exit", parents=[common])
-    record.add_argument("run_folder")
-    record.add_argument("job_id")
-    record.add_argument("status", type=_exit_status)
-    record.set_defaults(func=_cmd_record_exit)
-    # Internal too: the rank wrapper under mpiexec says rank 0 stopped (exit 75) through the
-    # marker's one writer, which StopAgreement's rank 0 calls.
-    stopped = sub.add_parser("record-stop", parents=[common])
-    stopped.add_argument("run_folder")
-    stopped.set_defaults(func=_cmd_record_stop)
+    add_launch_parser(sub, common)
     return parser
 
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from conftest import REPO, clean_env, ddp_hpc_command, run
-from ddp_hpc.cli import _Parser
+from ddp_hpc.cli_args import Parser as _Parser
 from ddp_hpc.config import load_config
 from ddp_hpc.contract import ExitStatus
 from ddp_hpc.startup.distributed import process_group

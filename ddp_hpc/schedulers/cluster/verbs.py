@@ -8,9 +8,11 @@ import getpass
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from ddp_hpc.cli_args import Parser
 from ddp_hpc.config_loader import ConfigError, build
 from ddp_hpc.contract import ExitStatus, atomic_write
 from ddp_hpc.errors import UserError
@@ -76,3 +78,29 @@ def cmd_which(args: argparse.Namespace) -> int:
     for profile, reason in others:
         sys.stdout.write(f"  also fits, not used: {profile.name} ({profile.path}): {reason}\n")
     return 0
+
+
+def add_cluster_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+
+    cluster = sub.add_parser("cluster", help="a cluster profile from the scheduler (probe), checked against it "
+                                             "(check), or found for this machine (which)")
+    steps = cluster.add_subparsers(dest="cluster_step", metavar="STEP", parser_class=Parser)
+    steps.required = True
+    probe = steps.add_parser("probe", parents=[common],
+                             help="ask the scheduler (and, inside a job, the node) and write a commented profile; "
+                                  "read-only, submits nothing")
+    probe.add_argument("--scheduler", choices=("slurm", "pbs"), help="default: the one that answers")
+    probe.add_argument("--out", metavar="FILE", help="the profile to write (default: stdout), e.g. "
+                                                     "configs/clusters/NAME.yaml")
+    probe.set_defaults(func=cmd_probe)
+    check = steps.add_parser("check", parents=[common],
+                             help="the profile against the cluster: one line per mismatch, exit 2 on any")
+    check.add_argument("profile", metavar="PROFILE", help="a profile name or YAML path")
+    check.add_argument("--walltime", "--time", dest="walltime", default="01:00:00",
+                       help="the walltime to check against the partition's limit (default: 01:00:00)")
+    check.add_argument("--nodes", type=int, default=1, help="the nodes to check against the partition's (default: 1)")
+    check.set_defaults(func=cmd_check)
+    which = steps.add_parser("which", parents=[common],
+                             help="the profile render/submit use here without --cluster, and why")
+    which.add_argument("--scheduler", choices=tuple(registry.families()), help="only profiles of this family")
+    which.set_defaults(func=cmd_which)
