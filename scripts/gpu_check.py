@@ -7,7 +7,9 @@ Steps, each recorded with its outcome and wall time:
 2. ``ddp-hpc bench --mfu``: the Trainer against a hand-written loop on the device, fp32, TF32
    and bf16, with MFU;
 3. ``ddp-hpc bench --checkpoints --checkpoint-sizes 1``: each format's and mode's stall beside
-   one pinned device-to-host copy of the same bytes.
+   one pinned device-to-host copy of the same bytes;
+4. ``scripts/gpu_fence_cost.py``: what NCCL in-job recovery adds to a step (the step fence),
+   and how long ``ProcessGroup.abort`` takes.
 ``--cpu`` is the dry run: the same steps on CPU ranks with small sizes (the gpu tests then skip,
 each with its reason). Exit status: 0 when every step ran and no test failed, 1 otherwise,
 2 for bad arguments or, without ``--cpu``, no CUDA device.
@@ -45,10 +47,12 @@ class Sizes:
     mfu_args: tuple[str, ...]
     checkpoint_mb: int
     checkpoint_saves: int
+    fence_args: tuple[str, ...]
 
 
-GPU = Sizes("cuda", (), checkpoint_mb=1000, checkpoint_saves=3)
-DRY_RUN = Sizes("cpu", ("--quick",), checkpoint_mb=8, checkpoint_saves=2)
+GPU = Sizes("cuda", (), checkpoint_mb=1000, checkpoint_saves=3, fence_args=())
+DRY_RUN = Sizes("cpu", ("--quick",), checkpoint_mb=8, checkpoint_saves=2,
+                fence_args=("--hidden", "64", "--layers", "2", "--pairs", "2", "--steps", "3"))
 
 
 def gpu_test_files(tests: Path) -> list[Path]:
@@ -116,9 +120,13 @@ def run_figures(python: str, sizes: Sizes, report: dict[str, Any], workdir: Path
     _run("bench --checkpoints", [*bench, "--checkpoints", "--checkpoint-sizes", "1",
                                  "--checkpoint-mb", str(sizes.checkpoint_mb),
                                  "--checkpoint-saves", str(sizes.checkpoint_saves)], report, timeout=STEP_TIMEOUT_S)
+    fence = _run("fence cost", [python, str(ROOT / "scripts" / "gpu_fence_cost.py"), "--device", sizes.device,
+                                *sizes.fence_args], report, timeout=STEP_TIMEOUT_S)
+    if fence is not None and fence.returncode == 0:
+        report["figures"]["fence_cost"] = json.loads(fence.stdout.strip().splitlines()[-1])
     if output.exists():
         figures = json.loads(output.read_text())
-        report["figures"] = {key: figures[key] for key in ("device_loops", "checkpoint_formats") if key in figures}
+        report["figures"].update({key: figures[key] for key in ("device_loops", "checkpoint_formats") if key in figures})
     failed_modes = [f"{run['world_size']} rank(s) {mode['format']} {'background' if mode['background'] else 'sync'}: "
                     f"{mode['error']}" for run in report["figures"].get("checkpoint_formats", {}).get("runs", [])
                     for mode in run["modes"] if mode["error"]]

@@ -138,7 +138,9 @@ def test_the_dry_run_runs_every_step_on_cpu_into_one_json(tmp_path):
     report = json.loads(output.read_text())
     about = report["gpu_check"]
     assert about["dry_run"] and about["torch"] == torch.__version__ and about["date"] and about["card"] is None
-    assert [s["step"] for s in report["steps"]] == ["pytest", "bench --mfu", "bench --checkpoints"]
+    assert [s["step"] for s in report["steps"]] == ["pytest", "bench --mfu", "bench --checkpoints", "fence cost"]
+    fence = report["figures"]["fence_cost"]
+    assert fence["device"] == "cpu" and len(fence["pairs"]) == 2 and fence["abort_ms"] == []
     assert all(s["ok"] for s in report["steps"]) and report["passed"]
     assert [(t["test"], t["outcome"]) for t in report["tests"]] == [(one_test, "skipped")]
     assert "needs a CUDA device" in report["tests"][0]["message"]
