@@ -194,3 +194,20 @@ def _run(fuzz, seed: int):
 @pytest.mark.timeout(600)
 def test_a_seeded_fuzz_case_recovers_in_the_job_and_ends_bit_identical_to_its_uninterrupted_run(fuzz, seed):
     _run(fuzz, seed)
+
+
+@pytest.mark.reliability
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restart_in_place_keeps_a_newer_checkpoint_over_an_older_snapshot(fuzz):
+    """Fuzz case 3529719138 (seed 44's 200-case run): FSDP2 on 2 ranks, snapshots every 3 steps,
+    a dcp checkpoint every 4; both ranks SIGKILLed right after the step-8 checkpoint was written,
+    so the launch restarts in place: the checkpoint (step 8) is newer than the node-local snapshot
+    (step 6). The restart loaded the snapshot's state anyway and kept the checkpoint's step: the
+    run did 2 steps more than the same run without the loss (`step: 16 against 18`)."""
+    from ddp_hpc.bench.fuzz.runner import IDENTICAL_FELL_BACK
+
+    result = fuzz.run_case(3529719138)
+    log = Path(fuzz.out / "logs" / "3529719138-faulted.log")
+    assert result.verdict == IDENTICAL_FELL_BACK, (result.line(), log.read_text()[-3000:] if log.exists() else "")

@@ -243,6 +243,13 @@ class SnapshotKeeping:
 
     def _load_newest_snapshot(self) -> Rollback | None:
         """Load the newest snapshot step every shard has, whoever holds it; its rollback."""
+        rollback = self._newest_snapshot()
+        if rollback is not None:
+            self._load_snapshot(rollback)
+        return rollback
+
+    def _newest_snapshot(self) -> Rollback | None:
+        """The newest snapshot step every shard has (the same on every member), loading nothing."""
         snapshots = self._snapshots
         assert snapshots is not None
         held = snapshots.files.holdings(self._kept_slots())
@@ -251,24 +258,36 @@ class SnapshotKeeping:
         rollback = newest_common([report["held"] for report in reports])
         if rollback is None:
             return None
-        rollback = dataclasses.replace(rollback, redone=max(report["step"] for report in reports) - rollback.step)
+        return dataclasses.replace(rollback, redone=max(report["step"] for report in reports) - rollback.step)
+
+    def _load_snapshot(self, rollback: Rollback) -> None:
+        snapshots = self._snapshots
+        assert snapshots is not None
         self._load(state_from_tensor(fetch_own(rollback, snapshots.files, ProcessGroupView.current().device,
                                                self._check_group)), shrunk=False)
+        self._drop_snapshots_after(rollback.step)
+
+    def _drop_snapshots_after(self, step: int) -> None:
+        """The kept snapshots of steps after ``step``: they are done again."""
+        assert self._snapshots is not None
         for slot in self._kept_slots():
-            snapshots.files.drop_after(slot, rollback.step)  # steps that are done again
-        return rollback
+            self._snapshots.files.drop_after(slot, step)
 
     def _resume_from_memory(self) -> None:
         """A restart in place: the newest snapshot the nodes kept, where it is newer than
-        the checkpoint the loop restored; which one it was goes to the log and the record."""
+        the checkpoint the loop restored (an older one is not loaded: the checkpoint's state
+        stands, and the snapshots after its step are dropped, since those steps are done
+        again); which one it was goes to the log and the record."""
         from_disk = self.step
-        rollback = self._load_newest_snapshot() if self._snapshots is not None else None
+        rollback = self._newest_snapshot() if self._snapshots is not None else None
         memory = rollback is not None and rollback.step > from_disk
         if rollback is not None and not memory:  # older than the disk's: the disk's state stands
             log.info("rank %d: the node-local snapshot (step %d) is not newer than the checkpoint", self.slot,
                      rollback.step)
+            self._drop_snapshots_after(from_disk)
         if memory:
             assert rollback is not None and self.seed is not None
+            self._load_snapshot(rollback)
             self.step = rollback.step
             seed_for_step(self.seed, self.step)
             if self._stop_agreement is not None:
