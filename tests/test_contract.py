@@ -165,7 +165,7 @@ def test_files_are_replaced_only_through_atomic_write():
             if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename") and \
                     isinstance(node.value, ast.Name) and node.value.id == "os":
                 found.append(str(path.relative_to(REPO)))
-    assert sorted(found) == ["ddp_hpc/engine/checkpoint/files.py", "ddp_hpc/engine/checkpoint/dcp_format.py",
+    assert sorted(found) == ["ddp_hpc/engine/checkpoint/dcp_format.py", "ddp_hpc/engine/checkpoint/files.py",
                              "ddp_hpc/staging/fanout.py"]
 
 

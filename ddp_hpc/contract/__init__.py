@@ -26,6 +26,7 @@ from ddp_hpc.contract.variables import (  # noqa: F401
     RUN_FOLDER_VAR,
     DEBUG_VAR,
     SNAPSHOT_DIR_VAR,
+    FUZZ_DEVICE_VAR,
     VAR_PREFIX,
     SNAPSHOT_EVERY_VAR,
     DEADLINE_VAR,

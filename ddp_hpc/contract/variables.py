@@ -29,6 +29,8 @@ RECOVERY_SHRINK_VAR = "DDP_HPC_RECOVERY_SHRINK"
 #: 1), and the folder on node-local memory they are kept in (default ``/dev/shm``).
 SNAPSHOT_EVERY_VAR = "DDP_HPC_SNAPSHOT_EVERY"
 SNAPSHOT_DIR_VAR = "DDP_HPC_SNAPSHOT_DIR"
+#: The recovery fuzzer's ranks' device (``python -m ddp_hpc.bench.recovery_fuzz --device``).
+FUZZ_DEVICE_VAR = "DDP_HPC_FUZZ_DEVICE"
 #: What every variable of this contract begins with (a launch of one's own may clear them all).
 VAR_PREFIX = "DDP_HPC_"
 #: The run folder (also read by ``ddp-hpc status``).
