@@ -15,8 +15,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_hpc.contract import FUZZ_DEVICE_VAR
-
 #: Low bits of a case seed that vary only the faults (so 16 cases may share one shape).
 SHAPE_BITS = 4
 #: Cases drawn per shape by ``case_seeds``: each shape's reference serves that many.
@@ -31,9 +29,6 @@ REPLACEMENT_MOMENTS = ("appear", "transfer")
 AFTER_THE_FORWARD = ("optimizer", "window", "snapshot", "save")
 SIGNALS = ("KILL", "STOP")
 
-
-#: The loop's device (``loop.py``): cpu, or cuda (every rank on one GPU, over gloo).
-DEVICE_VAR = FUZZ_DEVICE_VAR
 
 @dataclass(frozen=True)
 class Block:

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.bench.fuzz.cases import DEVICE_VAR, Block, Case, Fault, Shape
+from ddp_hpc.bench.fuzz.cases import Block, Case, Fault, Shape
+from ddp_hpc.contract import FUZZ_DEVICE_VAR
 
 #: Marker files of the faults that fired, in the run folder.
 FIRED_PREFIX = "fault-"
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     train_set = TensorDataset(torch.randn(samples, shape.features, generator=data),
                               torch.randint(0, shape.classes, (samples,), generator=data),
                               torch.randint(0, shape.classes, (samples,), generator=data))
-    device = torch.device(os.environ.get(DEVICE_VAR) or "cpu")
+    device = torch.device(os.environ.get(FUZZ_DEVICE_VAR) or "cpu")
     if device.type == "cuda":  # every rank on the one GPU; tied embeddings' backward sums with atomics otherwise
         torch.use_deterministic_algorithms(True)
     model = build_model(shape).to(device)

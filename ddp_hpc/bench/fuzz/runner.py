@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.bench.fuzz.cases import DEVICE_VAR, Case, case_seeds, draw_case, stated_exception
-from ddp_hpc.contract import SNAPSHOT_DIR_VAR, VAR_PREFIX, atomic_write
+from ddp_hpc.bench.fuzz.cases import Case, case_seeds, draw_case, stated_exception
+from ddp_hpc.contract import FUZZ_DEVICE_VAR, SNAPSHOT_DIR_VAR, VAR_PREFIX, atomic_write
 
 #: Seconds of silence after which the launch ends a frozen (SIGSTOPped) rank.
 HANG_TIMEOUT_S = 5
@@ -95,7 +95,7 @@ def launch_case(case: Case, work: Path, *, faulted: bool, timeout_s: float, devi
                sys.executable, "-m", "ddp_hpc.bench.fuzz.loop", str(case_file)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
     env.update({"RUN_DIR": str(run_dir), SNAPSHOT_DIR_VAR: str(snapshots), "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", DEVICE_VAR: device})
+                "PYTHONUNBUFFERED": "1", FUZZ_DEVICE_VAR: device})
     if device == "cuda":  # deterministic cuBLAS: a redone step sums as the first time did
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     if _STOPPING.is_set():
