@@ -253,7 +253,7 @@ def test_probe_render_submit_and_check_on_the_test_cluster(tmp_path, slurm_clust
 
     submitted = run([*ddp_hpc_command(), "submit", "slurm", "--sbatch", "--nodes", "2", "--walltime", "5", "--wait",
                      "--poll", "1", "--", sys_python(), "-c",
-                     "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"],
+                     "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())"],
                     env=env, cwd=tmp_path, timeout=240)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert "rank 0 of 2" in submitted.stdout and "rank 1 of 2" in submitted.stdout
@@ -323,7 +323,7 @@ def test_a_probed_pbs_profile_runs_a_two_node_job_through_the_wrappers(tmp_path,
     assert "launcher: mpich  # mpiexec.mpich at " in profile.read_text()
     submitted = run([*ddp_hpc_command(), "submit", "pbs", "--cluster", str(profile), "--nodes", "2", "--walltime", "5",
                      "--wait", "--poll", "1", "--", sys_python(), "-c",
-                     "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"],
+                     "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())"],
                     cwd=tmp_path, timeout=240)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert "rank 0 of 2" in submitted.stdout and "rank 1 of 2" in submitted.stdout

@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.multiproc]
 
 
 def test_submit_local_runs_the_rendered_script_with_bash_and_waits_for_it(tmp_path):
-    command = ["python", "-c", "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"]
+    # One write per rank: under PYTHONUNBUFFERED a print of several pieces interleaves with the other rank's.
+    command = ["python", "-c",
+               "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())"]
     result = run([*ddp_hpc_command(), "submit", "local", "--ranks-per-node", "2", "--run-dir", str(tmp_path),
                   "--job-name", "hello", "--wait", "--poll", "0.5", "--", *command], cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
