@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ddp_hpc.contract import DEADLINE_VAR, START_TIME_VAR, WALLTIME_VAR
-from ddp_hpc.environment.base import JOB_END_TIME_VARIABLES
+from ddp_hpc.environment.jobs import end_time_variable
 from ddp_hpc.errors import UserError
 
 #: Signals that may ask the ranks to checkpoint and stop. Others are refused: KILL and STOP
@@ -116,7 +116,7 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
     """The job's end in seconds since the epoch, or None where nothing says.
 
     ``DDP_HPC_DEADLINE`` wins; then ``DDP_HPC_START_TIME`` + ``DDP_HPC_WALLTIME_S``; then
-    the scheduler's own end time where it sets one (``JOB_END_TIME_VARIABLES``). An empty value
+    the scheduler's own end time where its job sets one (``SchedulerJob.end_time_variables``). An empty value
     counts as unset (a script's lookup that found nothing); a malformed one is a UserError.
     """
     deadline = _seconds(environ, DEADLINE_VAR)
@@ -128,11 +128,8 @@ def job_deadline(environ: Mapping[str, str]) -> float | None:
         raise UserError(f"{given} is set but {missing} is not: set both, or {DEADLINE_VAR} alone")
     if start is not None and walltime is not None:
         return start + walltime
-    for name in JOB_END_TIME_VARIABLES:
-        end = _seconds(environ, name)
-        if end is not None:
-            return end
-    return None
+    name = end_time_variable(environ)
+    return _seconds(environ, name) if name else None
 
 
 def __getattr__(name: str) -> object:

@@ -4,9 +4,9 @@ Steps, each recorded with its outcome and wall time:
 1. ``pytest -m gpu`` (``"gpu or gpu2"`` where torch sees two or more GPUs) over the test files
    that mark tests gpu or gpu2 (found by their text, so that no other test module, nor its
    imports, is collected), with a JUnit XML report read back test by test;
-2. ``ddp-hpc bench --mfu``: the Trainer against a hand-written loop on the device, fp32, TF32
+2. ``ddp-hpc bench mfu``: the Trainer against a hand-written loop on the device, fp32, TF32
    and bf16, with MFU;
-3. ``ddp-hpc bench --checkpoints --checkpoint-sizes 1``: each format's and mode's stall beside
+3. ``ddp-hpc bench checkpoints --sizes 1``: each format's and mode's stall beside
    one pinned device-to-host copy of the same bytes;
 4. ``scripts/gpu_fence_cost.py``: what NCCL in-job recovery adds to a step (the step fence),
    and how long ``ProcessGroup.abort`` takes.
@@ -115,11 +115,12 @@ def run_tests(python: str, paths: list[Path], marker: str, report: dict[str, Any
 
 def run_figures(python: str, sizes: Sizes, report: dict[str, Any], workdir: Path) -> None:
     output = workdir / "figures.json"
-    bench = [python, "-m", "ddp_hpc", "bench", "--device", sizes.device, "--output", str(output), "--plot", ""]
-    _run("bench --mfu", [*bench, "--mfu", *sizes.mfu_args], report, timeout=STEP_TIMEOUT_S)
-    _run("bench --checkpoints", [*bench, "--checkpoints", "--checkpoint-sizes", "1",
-                                 "--checkpoint-mb", str(sizes.checkpoint_mb),
-                                 "--checkpoint-saves", str(sizes.checkpoint_saves)], report, timeout=STEP_TIMEOUT_S)
+    common = ["--device", sizes.device, "--output", str(output)]
+    _run("bench mfu", [python, "-m", "ddp_hpc", "bench", "mfu", *common, *sizes.mfu_args], report,
+         timeout=STEP_TIMEOUT_S)
+    _run("bench checkpoints", [python, "-m", "ddp_hpc", "bench", "checkpoints", *common, "--sizes", "1",
+                               "--mb", str(sizes.checkpoint_mb), "--saves", str(sizes.checkpoint_saves)], report,
+         timeout=STEP_TIMEOUT_S)
     fence = _run("fence cost", [python, str(ROOT / "scripts" / "gpu_fence_cost.py"), "--device", sizes.device,
                                 *sizes.fence_args], report, timeout=STEP_TIMEOUT_S)
     if fence is not None and fence.returncode == 0:

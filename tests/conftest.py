@@ -245,7 +245,7 @@ def qsub(slurm_cluster) -> str:
 def load_last_checkpoint(checkpoints: Path) -> dict:
     """The newest checkpoint in a run's checkpoints folder, either format, as one dict."""
     from ddp_hpc.engine.checkpoint.files import load_checkpoint
-    from ddp_hpc.engine.checkpoint.dcp_format import read_whole
+    from ddp_hpc.engine.checkpoint.dcp_read import read_whole
 
     pointer = checkpoints / "last.dcp"
     if pointer.exists():

@@ -71,9 +71,12 @@ CORPUS = [
      "--startup-sizes '1,4': world sizes of at least 2"),
     ("bench start-up sizes not numbers", {}, ["bench", "--startup-sizes", "two"], {},
      "--startup-sizes 'two': give world sizes as N,N,..."),
-    ("bench scale sizes not numbers", {}, ["bench", "--scale", "256,lots"], {}, "--scale '256,lots': give world sizes"),
-    ("bench scale check of two sizes", {}, ["bench", "--scale", "256", "--scale-check", "8,16"], {},
-     "--scale-check '8,16': one world size"),
+    ("bench scale sizes not numbers", {}, ["bench", "scale", "256,lots"], {}, "bench scale '256,lots': give world sizes"),
+    ("bench mfu on no rank", {}, ["bench", "mfu", "--ranks", "0"], {}, "bench mfu --ranks 0: give at least 1"),
+    ("bench two old switches", {}, ["bench", "--mfu", "--goodput"], {}, "bench: --mfu and --goodput each choose a "
+     "benchmark: give one (bench mfu ...)"),
+    ("bench scale check of two sizes", {}, ["bench", "scale", "256", "--check", "8,16"], {},
+     "bench scale --check '8,16': one world size"),
     # Configs that are not UTF-8 or not YAML at all.
     ("config not UTF-8", {"c.yaml": b"\xff\xfe\x00\x81training: 1\n"}, ["train", "{tmp}/c.yaml"], {},
      "c.yaml is not UTF-8 text (byte 0xff at offset 0)"),
@@ -227,6 +230,7 @@ FLAG_CORPUS = [
      "argument --ranks-per-node/--tasks-per-node: invalid int value: 'x'"),
     ("--nproc not a number", ["launch", "--nproc", "two", "--", "true"], "argument --nproc: invalid int value"),
     ("--launcher unknown", ["launch", "--launcher", "slurm", "--", "true"], "argument --launcher: invalid choice"),
+    ("bench mode unknown", ["bench", "nope"], "argument MODE: invalid choice: 'nope'"),
     ("doctor --timeout not a number", ["doctor", "--timeout", "soon"], "argument --timeout: invalid float value"),
     ("doctor --link-mib zero", ["doctor", "--links", "--link-mib", "0"], "argument --link-mib: must be > 0, got '0'"),
     ("doctor --min-bandwidth a word", ["doctor", "--links", "--min-bandwidth", "fast"],

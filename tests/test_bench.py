@@ -1,4 +1,4 @@
-"""``ddp-hpc bench --quick``: runs end to end and records every figure (none is asserted:
+"""``ddp-hpc bench --quick`` (``bench loops``): runs end to end and records every figure (none is asserted:
 speed targets live in docs/performance.md, not in tests)."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_figures_are_not_lost_when_the_output_cannot_be_written_at_the_end(tmp_p
 
 
 def test_the_snapshot_stall_is_held_against_one_copy_of_the_same_shards_and_leaves_nothing(tmp_path, monkeypatch):
-    """``bench --checkpoints``' snapshot tier (one rank, in-process): each take timed, and the
+    """``bench checkpoints``' snapshot tier (one rank, in-process): each take timed, and the
     copy it is compared with holds the rank's whole sharded state (weights and Adam's two
     moments), not the weights alone; node-local memory is left empty."""
     from types import SimpleNamespace

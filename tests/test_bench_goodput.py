@@ -1,4 +1,4 @@
-"""``ddp-hpc bench --goodput``'s figures, from made-up rank logs (in-process: the harness
+"""``ddp-hpc bench goodput``'s figures, from made-up rank logs (in-process: the harness
 itself launches for minutes and is run by hand, docs/performance.md)."""
 
 from __future__ import annotations
@@ -165,3 +165,33 @@ def test_an_in_job_recovery_without_its_record_has_no_transfer_not_the_first_res
                    faults=(Fault(10.5, 0, 100, "kill"),), detections=(), recoveries=(), started=0.0, stopped=14.0)
     (fault,) = goodput(logs).faults
     assert fault.recovered_in_job and fault.transfer_s is None and fault.kill_to_next_step_s == pytest.approx(2.0)
+
+
+def test_the_timeline_shows_the_redone_steps_and_the_figure_marks_the_fault(tmp_path):
+    from ddp_hpc.bench.goodput import timeline
+    from ddp_hpc.bench.goodput_run import plot
+
+    logs = restart_logs(stopped=26.5)
+    line = timeline(logs)
+    # Steps 1-10 at 1..10 s, then the restart's 6-15 at 17..26 s: the step goes back at the fault.
+    assert line["steps"][:10] == [[float(i), i] for i in range(1, 11)]
+    assert line["steps"][10:] == [[float(17 + i), 6 + i] for i in range(10)]
+    assert line["faults"] == [[10.5, "kill", 0]]
+    pytest.importorskip("matplotlib")
+    section = {"runs": [{"arm": "restart", "round": 0, "timeline": line, "result": goodput(logs).to_json()}]}
+    figure = tmp_path / "goodput.png"
+    assert plot(section, figure) and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_old_bench_spelling_still_runs_its_mode_with_one_line_naming_the_new(tmp_path):
+    from conftest import ddp_hpc_command, run
+
+    output = tmp_path / "b.json"
+    old = run([*ddp_hpc_command(), "bench", "--checkpoints", "--checkpoint-saves", "0", "--output", str(output)])
+    new = run([*ddp_hpc_command(), "bench", "checkpoints", "--saves", "0", "--output", str(output)])
+    refusal = "ddp-hpc: error: bench checkpoints --saves 0: give at least 1"
+    assert (new.returncode, new.stderr.strip().splitlines()) == (2, [refusal]), new.stderr
+    warning, error = old.stderr.strip().splitlines()
+    assert old.returncode == 2 and error == refusal, old.stderr
+    assert warning.endswith("ddp-hpc bench --checkpoints is now ddp-hpc bench checkpoints (the same figures; the old "
+                            "spelling still works)"), warning

@@ -1,4 +1,4 @@
-"""The recovery part of ``bench --scale`` at a tiny size, and the store costs it measures:
+"""The recovery part of ``bench scale`` at a tiny size, and the store costs it measures:
 a plan whose size does not grow with the ranks, a beat of two requests, the launch's
 readiness question in batches."""
 

@@ -377,7 +377,7 @@ def _rank_streams(checkpoint: Path) -> dict:
     """Rank 0's RNG streams as a checkpoint (either format, either layout) holds them."""
     import torch
 
-    from ddp_hpc.engine.checkpoint.dcp_format import check_complete, read_blob
+    from ddp_hpc.engine.checkpoint.dcp_read import check_complete, read_blob
 
     if checkpoint.is_dir():
         return read_blob(checkpoint, check_complete(checkpoint), "ddp_hpc.rank.00000")["rng"]

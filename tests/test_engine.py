@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddp_hpc
 from conftest import REPO, run
 from ddp_hpc.engine.checkpoint import files as files
-from ddp_hpc.engine.checkpoint.dcp_format import sharded_checkpoints
+from ddp_hpc.engine.checkpoint.dcp_read import sharded_checkpoints
 
 
 def _setup(folder: Path, init_seed: int = 0, **kwargs):
@@ -124,7 +124,7 @@ def test_background_dcp_saves_refill_one_host_copy_and_each_checkpoint_holds_its
     allocation after the first save); no checkpoint holds a later step's weights, although
     the next save restages into the same memory."""
     from ddp_hpc.engine.checkpoint import dcp_format
-    from ddp_hpc.engine.checkpoint.dcp_format import read_whole
+    from ddp_hpc.engine.checkpoint.dcp_read import read_whole
 
     staged: list[tuple[int, int]] = []
     real_stage = dcp_format._HostStager.stage
@@ -279,7 +279,7 @@ def test_an_incomplete_dcp_checkpoint_is_refused_and_the_previous_one_restored(t
     or none at all is never loaded: ``restore`` loads the one before it, and keeps it."""
     import logging
 
-    from ddp_hpc.engine.checkpoint.dcp_format import read_whole
+    from ddp_hpc.engine.checkpoint.dcp_read import read_whole
 
     _train(tmp_path, epochs=1, stop_at=3, every_n_steps=1, format="dcp")
     checkpoints = tmp_path / "checkpoints"

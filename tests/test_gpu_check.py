@@ -102,20 +102,20 @@ def test_the_check_fails_on_a_failed_test_or_step_and_reads_each_outcome(tmp_pat
     assert [(t["test"], t["outcome"]) for t in tests] == [
         ("tests/test_gpu.py::test_ok", "passed"), ("tests/test_gpu.py::test_bad", "failed"),
         ("tests/test_gpu.py::test_two", "skipped"), ("tests/test_gpu.py::test_setup", "error")]
-    ok_step = {"step": "bench --mfu", "ok": True}
+    ok_step = {"step": "bench mfu", "ok": True}
     passed, failed, skipped, error = tests
     assert driver.passed({"tests": [passed, skipped], "steps": [ok_step]})
     assert not driver.passed({"tests": [passed, failed], "steps": [ok_step]})
     assert not driver.passed({"tests": [passed, error], "steps": [ok_step]})
-    assert not driver.passed({"tests": [passed], "steps": [ok_step, {"step": "bench --checkpoints", "ok": False}]})
+    assert not driver.passed({"tests": [passed], "steps": [ok_step, {"step": "bench checkpoints", "ok": False}]})
 
 
 def test_a_device_for_the_cpu_plan_is_refused_in_one_line(tmp_path):
     result = run([*ddp_hpc_command(), "bench", "--device", "cuda", "--output", str(tmp_path / "b.json")])
     assert result.returncode == 2 and not (tmp_path / "b.json").exists()
     assert result.stderr.strip().splitlines() == [
-        "ddp-hpc: error: --device cuda: only --mfu and --checkpoints run on a chosen device; the other figures "
-        "measure CPU ranks"]
+        "ddp-hpc: error: --device cuda: only bench mfu and bench checkpoints run on a chosen device; bench loops "
+        "measures CPU ranks"]
 
 
 def test_without_a_gpu_it_refuses_in_one_line_unless_asked_for_the_dry_run(tmp_path, capsys):
@@ -138,7 +138,7 @@ def test_the_dry_run_runs_every_step_on_cpu_into_one_json(tmp_path):
     report = json.loads(output.read_text())
     about = report["gpu_check"]
     assert about["dry_run"] and about["torch"] == torch.__version__ and about["date"] and about["card"] is None
-    assert [s["step"] for s in report["steps"]] == ["pytest", "bench --mfu", "bench --checkpoints", "fence cost"]
+    assert [s["step"] for s in report["steps"]] == ["pytest", "bench mfu", "bench checkpoints", "fence cost"]
     fence = report["figures"]["fence_cost"]
     assert fence["device"] == "cpu" and len(fence["pairs"]) == 2 and fence["abort_ms"] == []
     assert all(s["ok"] for s in report["steps"]) and report["passed"]

@@ -143,7 +143,7 @@ def one_cycle_lr_at_end(total_steps: int) -> float:
 def _dcp_whole(path: Path) -> dict:
     """A dcp checkpoint folder as one dict, optimizer state keyed like the file format's
     (parameter index)."""
-    from ddp_hpc.engine.checkpoint.dcp_format import read_whole
+    from ddp_hpc.engine.checkpoint.dcp_read import read_whole
 
     state = read_whole(path)
     names = state["optimizer"]["param_groups"][0]["params"]
@@ -154,7 +154,7 @@ def _dcp_whole(path: Path) -> dict:
 def _dcp_final_state(folder: Path) -> dict:
     """The newest dcp checkpoint as one dict, optimizer state keyed like the file format's
     (parameter index), with each rank's part as ``ranks``."""
-    from ddp_hpc.engine.checkpoint.dcp_format import SHARED_KEY, check_complete, rank_key, read_blob, read_whole
+    from ddp_hpc.engine.checkpoint.dcp_read import SHARED_KEY, check_complete, rank_key, read_blob, read_whole
 
     checkpoints = folder / "checkpoints"
     path = checkpoints / (checkpoints / "last.dcp").read_text().strip()

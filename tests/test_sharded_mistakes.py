@@ -132,7 +132,7 @@ def test_a_file_holding_one_ranks_shards_is_refused_not_loaded(one_rank, tmp_pat
     import torch
 
     from ddp_hpc.engine.checkpoint.files import CheckpointError
-    from ddp_hpc.engine.checkpoint.checkpointer import _load_objects
+    from ddp_hpc.engine.checkpoint.formats import _load_objects
 
     model = _model()
     before = {name: tensor.to_local().clone() for name, tensor in model.state_dict().items()}

@@ -163,3 +163,57 @@ def test_a_broken_entry_point_is_left_out_with_one_warning(site_on_path, monkeyp
     assert type(registry.scheduler_for("pbs")).__name__ == "PbsScheduler"
     args = cli.parse(["render", "local", "--run-dir", str(tmp_path), "--", "true"])
     assert args.func(args) == 0 and capsys.readouterr().out.startswith("#!/bin/bash\n")
+
+
+@pytest.fixture
+def fresh_jobs():
+    from ddp_hpc.environment import jobs
+
+    jobs.site_jobs.cache_clear()
+    yield jobs
+    jobs.site_jobs.cache_clear()
+
+
+def test_the_built_in_jobs_are_registered_as_entry_points_and_asked_slurm_first(fresh_jobs):
+    from importlib.metadata import entry_points
+
+    from ddp_hpc.entry_points import is_own
+
+    declared = {point.name: point.value for point in entry_points(group=fresh_jobs.GROUP) if is_own(point)}
+    assert declared == {"slurm": "ddp_hpc.environment.jobs:SlurmJob", "pbs": "ddp_hpc.environment.jobs:PbsJob"}
+    assert [job.name for job in fresh_jobs.scheduler_jobs()] == ["slurm", "pbs"]
+    # Slurm's PBS wrappers set both ids: SLURM_JOB_ID is the one sacct, scontrol and scancel know.
+    job, variable, job_id = fresh_jobs.current_job({"PBS_JOBID": "12.server", "SLURM_JOB_ID": "12"})
+    assert (job.name, variable, job_id) == ("slurm", "SLURM_JOB_ID", "12")
+    assert job.requeue_command("12") == ("scontrol", "requeue", "12") and job.requeue_command("") == ()
+    assert fresh_jobs.current_job({"PBS_JOBID": "12.server"})[0].requeue_command("12.server") == ()
+    assert fresh_jobs.current_job({}) is None
+    assert registry.scheduler_families()["slurm"].job.name == "slurm"
+    assert registry.scheduler_families()["local"].job is None
+
+
+def test_a_site_job_names_the_job_id_rank_0s_host_and_the_requeue(site_on_path, fresh_jobs, tmp_path):
+    from ddp_hpc.environment.launchers import EnvVarsEnvironment
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("c7\nc7\nc9\nc9\n")
+    env = {"LSB_JOBID": "4242", "LSB_DJOB_HOSTFILE": str(hostfile)}
+    assert [job.name for job in fresh_jobs.scheduler_jobs()] == ["slurm", "pbs", "lsf"]
+    job, variable, job_id = fresh_jobs.current_job(env)
+    assert (type(job).__module__, variable, job_id) == ("lsf_site.job", "LSB_JOBID", "4242")
+    assert job.requeue_command(job_id) == ("brequeue", "4242")
+    assert fresh_jobs.job_hosts(env) == ["c7", "c9"]
+    assert EnvVarsEnvironment().main_address(env, num_nodes=2) == "c7"
+    assert registry.scheduler_families()["lsf"].job.name == "lsf"
+
+
+def test_ddp_hpc_port_reads_a_site_job_s_id(tmp_path):
+    from ddp_hpc.environment.ports import PortRange, derive_port
+
+    clean = {"LSB_JOBID": "4242", "SLURM_JOB_ID": "", "PBS_JOBID": ""}
+    found = run([*ddp_hpc_command(), "port"], env={**_site_env(), **clean}, cwd=tmp_path)
+    assert found.returncode == 0 and found.stdout.strip() == str(derive_port("4242", PortRange())), found.stderr
+    # Without the site's package an LSF job is no job: one line naming every variable asked.
+    refused = run([*ddp_hpc_command(), "port"], env=clean, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(
+        "no job id: give one, or run inside a job that sets $SLURM_JOB_ID or $PBS_JOBID"), refused.stderr

@@ -35,7 +35,9 @@ def test_torch_s_own_client_and_a_gloo_group_over_prefix_stores_work_against_the
 
 
 def test_the_stdlib_client_against_the_server():
-    from ddp_hpc.engine.recovery.store_server import StoreClient, StoreServer, StoreTimeout
+    from ddp_hpc.engine.recovery.store_client import StoreClient
+    from ddp_hpc.engine.recovery.store_protocol import StoreTimeout
+    from ddp_hpc.engine.recovery.store_server import StoreServer
 
     with StoreServer() as server:
         client, other = StoreClient("127.0.0.1", server.port), StoreClient("127.0.0.1", server.port, timeout=0.5)
@@ -70,7 +72,8 @@ def test_the_stdlib_client_against_the_server():
 def test_a_client_that_does_not_validate_first_is_disconnected_and_the_server_serves_on():
     import socket
 
-    from ddp_hpc.engine.recovery.store_server import StoreClient, StoreServer
+    from ddp_hpc.engine.recovery.store_client import StoreClient
+    from ddp_hpc.engine.recovery.store_server import StoreServer
 
     with StoreServer() as server:
         rogue = socket.create_connection(("127.0.0.1", server.port))

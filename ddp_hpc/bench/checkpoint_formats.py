@@ -1,4 +1,4 @@
-"""``ddp-hpc bench --checkpoints``: the checkpoint formats side by side, in one run.
+"""``ddp-hpc bench checkpoints``: the checkpoint formats side by side, in one run.
 
 For each world size (one torchrun launch each), a DDP model of ``megabytes`` of weights, on
 the device ddp_hpc chooses for ``--device`` (``cuda:LOCAL_RANK`` with nccl on a CUDA host),

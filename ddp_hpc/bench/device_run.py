@@ -1,4 +1,4 @@
-"""``ddp-hpc bench --mfu``: the Trainer against a hand-written loop on the device the ranks
+"""``ddp-hpc bench mfu``: the Trainer against a hand-written loop on the device the ranks
 get, in fp32, TF32 and bf16, each also as MFU (model FLOP utilisation).
 
 One launch (torchrun) of ``ddp_hpc.bench.worker device``: each rank takes ddp_hpc's own
@@ -92,13 +92,13 @@ def format_device(section: dict[str, Any]) -> str:
 
 
 def run_device_bench(output: Path, device: str, ranks: int, quick: bool) -> dict[str, Any]:
-    """``ddp-hpc bench --mfu``: measure, print, merge into ``output`` as ``device_loops``."""
+    """``ddp-hpc bench mfu``: measure, print, merge into ``output`` as ``device_loops``."""
     check_output(output)
     plan = DEVICE_QUICK if quick else DEVICE_FULL
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-bench-") as tmp:
         section = measure_device(plan, device, ranks, Path(tmp),
                                  lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
-    section.update(command=f"ddp-hpc bench --mfu --device {device}" + (" --quick" if quick else ""),
+    section.update(command=f"ddp-hpc bench mfu --device {device}" + (" --quick" if quick else ""),
                    machine={**machine_info(), "backend": section["backend"], "device": section["device"]})
     merge_into(output, {"device_loops": section})
     print(format_device(section))

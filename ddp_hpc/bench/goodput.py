@@ -1,4 +1,4 @@
-"""Goodput and the cost of each failure, from the ranks' own logs (``ddp-hpc bench --goodput``).
+"""Goodput and the cost of each failure, from the ranks' own logs (``ddp-hpc bench goodput``).
 
 Pure functions over what one arm of the harness (``bench/goodput_run.py``) collected: the
 lines each rank wrote (``bench/goodput_loop.py``), the faults the harness injected, the
@@ -239,3 +239,13 @@ def goodput(logs: ArmLogs) -> Goodput:
                    counted_s=counted_s, goodput=counted_s / wall if wall > 0 else 0.0, faults=costs,
                    median_kill_to_next_step_s=statistics.median(to_next) if to_next else None,
                    median_kill_to_progress_s=statistics.median(to_progress) if to_progress else None)
+
+
+def timeline(logs: ArmLogs) -> dict[str, list]:
+    """The arm's steps over time, for its figure: each step's completion by every rank of its
+    epoch (seconds from the arm's start, the step; a step redone appears again, lower than the
+    one before it), and each fault (seconds, kind, rank)."""
+    grouped = _by_epoch_and_step(s for s in logs.steps if s.ended <= logs.stopped)
+    done = sorted((max(s.ended for s in steps) - logs.started, step) for (_, step), steps in grouped.items())
+    return {"steps": [[round(at, 3), step] for at, step in done],
+            "faults": [[round(f.at - logs.started, 3), f.kind, f.slot] for f in sorted(logs.faults, key=lambda f: f.at)]}

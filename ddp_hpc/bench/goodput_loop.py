@@ -1,4 +1,4 @@
-"""The training loop of ``ddp-hpc bench --goodput``: one script for every arm.
+"""The training loop of ``ddp-hpc bench goodput``: one script for every arm.
 
 It checkpoints every ``--checkpoint-every`` steps (``Checkpointer``, as
 examples/resumable_loop.py) and starts its group with ``InJobRecovery``: under

@@ -1,4 +1,4 @@
-"""``ddp-hpc bench --goodput``: in-job recovery against restart in place and a requeue, side by side.
+"""``ddp-hpc bench goodput``: in-job recovery against restart in place and a requeue, side by side.
 
 Each arm runs the same loop (``bench/goodput_loop.py``: the same steps, a checkpoint every
 ``checkpoint_every`` steps) on ``world_size`` ranks for ``duration_s`` under a different launch:
@@ -30,7 +30,6 @@ computes the figures from the ranks' logs.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -46,8 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Step, goodput, parse_line
-from ddp_hpc.contract import SNAPSHOT_DIR_VAR
+from ddp_hpc.bench.goodput import ArmLogs, Event, Fault, Goodput, Step, goodput, parse_line, timeline
+from ddp_hpc.contract import SNAPSHOT_DIR_VAR, atomic_write
 from ddp_hpc.engine.recovery.record import read_recoveries
 from ddp_hpc.errors import UserError
 
@@ -358,7 +357,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"arms": arms, "speedups": speedups}
 
 
-def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any]:
+def run_goodput(plan: GoodputPlan, output: Path, workdir: Path, plot_path: Path | None = None) -> dict[str, Any]:
     """Every arm, alternating round by round; merged into ``output`` as ``goodput`` (as
     ``goodput_fsdp2`` where every arm is sharded). The
     ranks' logs and each launch's output stay in ``workdir`` (checkpoints and snapshots are removed)."""
@@ -381,10 +380,11 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
             result: Goodput = goodput(logs)
             _remove_saved_state(run_dir)
             runs.append({"arm": arm, "round": round_index, "run_dir": str(run_dir),
-                         "load_average_after": os.getloadavg(), "result": result.to_json()})
+                         "load_average_after": os.getloadavg(), "result": result.to_json(),
+                         "timeline": timeline(logs)})
             progress(f"{arm} round {round_index}: goodput {result.goodput:.3f}, {len(result.faults)} faults, median "
                      f"kill->next step {_fmt(result.median_kill_to_next_step_s)} s")
-    section = {"command": "ddp-hpc bench --goodput", "plan": asdict(plan), "machine": machine,
+    section = {"command": "ddp-hpc bench goodput", "plan": asdict(plan), "machine": machine,
                "load_average_at_end": os.getloadavg(), "runs": runs, "summary": summarize(runs),
                "note": "goodput: time of the steps that count (not redone; each the median over the ranks of its "
                        "own duration, checkpoint saves excluded) over the arm's wall time; per fault: detect, "
@@ -394,8 +394,40 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path) -> dict[str, Any
     tables = workdir / f"{stamp}.md"
     tables.write_text(format_markdown(section))
     print(format_table(section))
-    print(f"\nresults: {output}, tables in {tables} (the ranks' logs beside it)")
+    drawn = plot_path is not None and plot(section, plot_path)
+    print(f"\nresults: {output}, tables in {tables} (the ranks' logs beside it)"
+          + (f", figure {plot_path}" if drawn else ", no figure (matplotlib is not installed)" if plot_path else ""))
     return section
+
+
+def plot(section: dict[str, Any], path: Path) -> bool:
+    """Each arm's steps over time, one panel per arm and round, its faults marked (a kill red,
+    a hang orange); False where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = section["runs"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs) + 0.6), sharex=True, squeeze=False)
+    colours = {"kill": "C3", "hang": "C1"}
+    for ax, run in zip(axes[:, 0], runs):
+        steps = run["timeline"]["steps"]
+        ax.plot([at for at, _ in steps], [step for _, step in steps], ".", markersize=2, color="C0")
+        for at, kind, slot in run["timeline"]["faults"]:
+            ax.axvline(at, color=colours.get(kind, "grey"), linewidth=0.8, linestyle="--")
+        result = run["result"]
+        ax.set_title(f"{run['arm']} (round {run['round']}): goodput {result['goodput']:.3f}, "
+                     f"{len(result['faults'])} faults", fontsize=9, loc="left")
+        ax.set_ylabel("step")
+    axes[-1, 0].set_xlabel("seconds since the arm's launch (dashed: a fault; red kill, orange hang)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda file: fig.savefig(file, dpi=110, format="png"), durable=False)
+    plt.close(fig)
+    return True
 
 
 def _snapshot_folder(run_dir: Path) -> Path:

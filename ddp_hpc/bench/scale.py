@@ -1,4 +1,4 @@
-"""``ddp-hpc bench --scale``: N simulated ranks against one real rendezvous store.
+"""``ddp-hpc bench scale``: N simulated ranks against one real rendezvous store.
 
 This process is rank 0: it serves the store through ddp_hpc's own ``create_store`` and
 joins the gate like any rank. Ranks 1..N-1 are threads of a few client processes
@@ -233,7 +233,7 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
     """Every size in turn, the separate-process check, fits; merged into ``output``'s "scale" key."""
     check_output(output)
     def progress(message: str) -> None:
-        print(f"bench --scale: {message}", file=sys.stderr, flush=True)
+        print(f"bench scale: {message}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="ddp-hpc-scale-") as tmp:
         prefix = dns_isolation(Path(tmp))
@@ -264,7 +264,7 @@ def run_scale(sizes: tuple[int, ...], output: Path, per_process: int = RANKS_PER
                                  ("gate_server_cpu_s", lambda r: r.gate_server_cpu_s),
                                  ("heartbeat_server_cpu_fraction", lambda r: r.heartbeat_server_cpu_fraction),
                                  ("diagnosis_read_s", lambda r: max(r.diagnosis_s - r.diagnosis_settle_s, 1e-4)))}
-    section = {"command": "ddp-hpc bench --scale " + ",".join(map(str, sizes)),
+    section = {"command": "ddp-hpc bench scale " + ",".join(map(str, sizes)),
                "ranks_per_process": per_process, "load_average_at_end": load,
                "rows": [asdict(r) for r in rows], "failed": failed, "check": check, "fits": fits,
                "extrapolated_50000": {name: fit["a"] * 50000 ** fit["b"] for name, fit in fits.items() if fit},

@@ -1,4 +1,4 @@
-"""What ``bench --scale``'s parts share: the client processes and their line-per-message
+"""What ``bench scale``'s parts share: the client processes and their line-per-message
 streams, the private /etc/hosts they run under, the spread of a figure and its power law."""
 
 from __future__ import annotations

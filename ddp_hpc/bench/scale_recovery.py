@@ -1,4 +1,4 @@
-"""The recovery part of ``ddp-hpc bench --scale``: in-job recovery's store at N simulated ranks.
+"""The recovery part of ``ddp-hpc bench scale``: in-job recovery's store at N simulated ranks.
 
 The launch of ``ddp-hpc launch --recover`` is a process of its own
 (``scale_recovery_launch``): it serves the real ``LaunchStore`` (engine/recovery/store.py)

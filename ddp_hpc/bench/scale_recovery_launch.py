@@ -1,4 +1,4 @@
-"""The launch of the recovery part of ``bench --scale``: serves the real ``LaunchStore`` and,
+"""The launch of the recovery part of ``bench scale``: serves the real ``LaunchStore`` and,
 told of a loss, makes ``Recoverer.on_failure``'s calls (``scale_recovery.publish_after_loss``).
 
 A process of its own, started like the simulated ranks (under the harness's private

@@ -1,4 +1,4 @@
-"""One process of the recovery part of ``bench --scale``: a few simulated ranks of a
+"""One process of the recovery part of ``bench scale``: a few simulated ranks of a
 ``ddp-hpc launch --recover`` job, each a pair of threads against the launch's real store.
 
 Each simulated rank does what ``InJobRecovery`` does with the store (engine/recovery/rank.py),

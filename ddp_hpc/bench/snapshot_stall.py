@@ -1,4 +1,4 @@
-"""The in-memory snapshot tier beside the disk formats in ``ddp-hpc bench --checkpoints``.
+"""The in-memory snapshot tier beside the disk formats in ``ddp-hpc bench checkpoints``.
 
 On each rank of the same launch as the disk formats: a model of the same weights, sharded by
 FSDP2 (``fully_shard``), with Adam's state, snapshotted by the one in-job recovery uses

@@ -12,10 +12,11 @@ Modes:
   rank 0 is blocked per checkpoint, synchronous or ``checkpoint.async``;
 - ``device``: ``loops`` on the device the ranks get (``--device``), once per precision of
   ``--precisions`` (fp32, tf32, bf16): the figures MFU is computed from;
-- ``bare``: init_process_group and one all_reduce: the reference for start-up time;
+- ``bare``: init_process_group and one all_reduce, on the backend the Trainer gets for the
+  same ``--device``: the reference for start-up time;
 - ``allreduce``: all_reduce of a gradient-sized buffer, timed.
 
-Every mode but ``bare`` takes its device and backend from the project's own choice
+Every mode takes its device and backend from the project's own choice
 (``ddp_hpc.device.select_device``, through ``process_group`` where the Trainer runs):
 ``--device cuda`` trains on ``cuda:LOCAL_RANK`` over nccl; the CPU plan passes ``cpu``.
 On a GPU the step clock waits for the device at each epoch's end (``device_clock.synchronize``),
@@ -364,13 +365,17 @@ def run_bare(args: argparse.Namespace) -> tuple[dict, int]:
     import torch.distributed as dist
 
     phases: dict[str, float] = {"imported": IMPORTED_AFTER_LAUNCH}
+    # The baseline on the backend the Trainer gets for the same --device (nccl on a GPU), not gloo always.
+    choice = _device_choice(args)
+    choice.activate()
     mpi = _mpi_rank()
     if mpi is None:  # torchrun: env://
-        dist.init_process_group("gloo")
+        dist.init_process_group(choice.backend)
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=mpi[0], world_size=mpi[1])
+        dist.init_process_group(choice.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=mpi[0],
+                                world_size=mpi[1])
     phases["group_ready"] = _since_launch()
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1, device=choice.torch_device))
     phases["first_step"] = _since_launch()
     rank = dist.get_rank()
     dist.destroy_process_group()

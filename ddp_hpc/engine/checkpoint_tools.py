@@ -12,7 +12,7 @@ import torch
 
 from ddp_hpc.contract import CHECKPOINTS_DIR, atomic_write
 from ddp_hpc.engine.checkpoint import files as files
-from ddp_hpc.engine.checkpoint import dcp_format
+from ddp_hpc.engine.checkpoint import dcp_read
 from ddp_hpc.engine.recovery.record import ResumeEvent, read_resumes
 from ddp_hpc.errors import UserError
 
@@ -62,11 +62,11 @@ def _file_info(path: Path) -> CheckpointInfo:
 
 
 def _dcp_info(path: Path) -> CheckpointInfo:
-    step = dcp_format.step_of(path)
+    step = dcp_read.step_of(path)
     size = _size(path)
     try:
-        metadata = dcp_format.check_complete(path)
-        shared = dcp_format.read_blob(path, metadata, dcp_format.SHARED_KEY)
+        metadata = dcp_read.check_complete(path)
+        shared = dcp_read.read_blob(path, metadata, dcp_read.SHARED_KEY)
     except files.CheckpointError as exc:
         return CheckpointInfo(str(path), step, "dcp", size, False, None, str(exc))
     return CheckpointInfo(str(path), step, "dcp", size, True, int(shared.get("world_size", 1)), None)
@@ -77,7 +77,7 @@ def inspect_checkpoints(run: str | Path) -> list[CheckpointInfo]:
     complete or not (and why), the world size that wrote it. Reads each one (weights-only)."""
     folder = checkpoints_folder(run)
     infos = [_file_info(p) for p in files.periodic_checkpoints(folder)]
-    infos += [_dcp_info(p) for p in dcp_format.sharded_checkpoints(folder)]
+    infos += [_dcp_info(p) for p in dcp_read.sharded_checkpoints(folder)]
     return sorted(infos, key=lambda info: (info.step, info.format))
 
 
@@ -124,17 +124,17 @@ def convert_checkpoint(run: str | Path, output: str | Path, *, step: int | None 
     Runs in one process and needs the memory of the whole state."""
     folder = checkpoints_folder(run)
     if step is None:
-        found = dcp_format.newest_complete(folder)
+        found = dcp_read.newest_complete(folder)
         if found is None:
             raise UserError(f"{folder} holds no complete sharded (dcp) checkpoint to convert")
         source = found[0]
     else:
-        source = dcp_format.step_dir(folder, step)
+        source = dcp_read.step_dir(folder, step)
         if not source.is_dir():
-            steps = [dcp_format.step_of(p) for p in dcp_format.sharded_checkpoints(folder)]
+            steps = [dcp_read.step_of(p) for p in dcp_read.sharded_checkpoints(folder)]
             raise UserError(f"{folder} has no sharded checkpoint of step {step} (it has: "
                             f"{', '.join(map(str, steps)) or 'none'})")
-    state: dict[str, Any] = dcp_format.read_whole(source)
+    state: dict[str, Any] = dcp_read.read_whole(source)
     out = Path(output)
     if out.is_dir():
         raise UserError(f"{output} is a folder: name the file to write, e.g. model.pt")

@@ -7,28 +7,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile, with_suffix
+from ddp_hpc.environment.hosts import with_suffix
+from ddp_hpc.environment.jobs import current_job, scheduler_jobs
 from ddp_hpc.errors import UserError
 
 Env = Mapping[str, str]
 
-#: Where the scheduler's job id is read, first found wins. SLURM first: Slurm's PBS wrappers
-#: (qsub on a Slurm cluster, as in the test world) set both, and SLURM_JOB_ID is the id that
-#: sacct, scontrol and scancel know.
-JOB_ID_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID")
-
-#: Where the scheduler says when the allocation ends (epoch seconds), first found wins: newer
-#: Slurm releases (not 22.05) set it. PBS sets none; its rendered scripts export the deadline.
-JOB_END_TIME_VARIABLES = ("SLURM_JOB_END_TIME",)
-
-
 def scheduler_job_id(env: Env) -> tuple[str, str] | None:
-    """``(variable, job id)`` of the allocation this process runs in, or None outside one."""
-    for name in JOB_ID_VARIABLES:
-        value = env.get(name, "").strip()
-        if value:
-            return name, value
-    return None
+    """``(variable, job id)`` of the scheduler job this process runs in (``jobs.current_job``), or None."""
+    found = current_job(env)
+    return (found[1], found[2]) if found else None
 
 
 #: How a launcher can be asked to end every rank: ``("pmi", fd)`` or ``("command", argv)``.
@@ -87,6 +75,17 @@ class ClusterEnvironment(ABC):
     variables: tuple[str, ...] = ()
     #: Variables naming one launch of this launcher within a job, first found wins.
     launch_variables: tuple[str, ...] = ()
+    #: A fallback (``env``, ``single``): a site's launchers (``site_launchers``) are tried before it.
+    generic: bool = False
+    #: Whether the other launchers' variables present must agree with this one's. Not for
+    #: torchrun's workers (torchrun is legitimately nested in srun or mpiexec, whose variables
+    #: then describe the agents) nor for a single process.
+    checked_against_others: bool = True
+    #: An MPI launcher (mpiexec of any MPI): under it a scheduler's allocation-wide variables
+    #: (``allocation_wide``) are inherited, one value for every rank, and not compared.
+    mpi: bool = False
+    #: This launcher's variables may be the allocation's, inherited by an MPI launch inside it (SLURM's).
+    allocation_wide: bool = False
 
     @abstractmethod
     def detect(self, env: Env) -> bool:
@@ -97,7 +96,7 @@ class ClusterEnvironment(ABC):
         """Rank, sizes and node position from this launcher's variables."""
 
     def job_id(self, env: Env) -> str | None:
-        """The scheduler's job id of the allocation (``JOB_ID_VARIABLES``), or None."""
+        """The scheduler's job id of the allocation (``jobs.current_job``), or None."""
         found = scheduler_job_id(env)
         return found[1] if found else None
 
@@ -124,14 +123,14 @@ class ClusterEnvironment(ABC):
         return dict(found for found in (scheduler_job_id(env), self._launch_variable(env)) if found)
 
     def main_address(self, env: Env, num_nodes: int, host_suffix: str = "") -> str:
-        """Rank 0's host: MASTER_ADDR, the SLURM node list, the PBS node file, or loopback."""
+        """Rank 0's host: MASTER_ADDR, the first host of the scheduler job's nodes (the SLURM
+        node list, the PBS node file, a site's job: ``jobs.SchedulerJob.hosts``), or loopback."""
         if env.get("MASTER_ADDR", "").strip():
             return env["MASTER_ADDR"].strip()
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if nodelist:
-            return with_suffix(expand_nodelist(nodelist)[0], host_suffix)
-        if env.get("PBS_NODEFILE", "").strip():
-            return with_suffix(read_nodefile(env["PBS_NODEFILE"].strip())[0], host_suffix)
+        for job in scheduler_jobs():
+            hosts = job.hosts(env)
+            if hosts:
+                return with_suffix(hosts[0], host_suffix)
         if num_nodes == 1:
             return "127.0.0.1"
         raise UserError(f"ranks span {num_nodes} nodes but nothing says where rank 0 runs: "

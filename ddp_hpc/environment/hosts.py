@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from pathlib import Path
 
 from ddp_hpc.errors import UserError
@@ -87,17 +86,3 @@ def with_suffix(host: str, suffix: str) -> str:
         return host
     short = host.split(".", 1)[0]
     return short if short.endswith(suffix) else short + suffix
-
-
-def job_hosts(environ: Mapping[str, str]) -> list[str]:
-    """Every host of the SLURM node list or PBS node file, in node order; [] when the job
-    has none or it cannot be read (``resolve_env`` reports a malformed list)."""
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-    try:
-        if nodelist:
-            return expand_nodelist(nodelist)
-        if environ.get("PBS_NODEFILE", "").strip():
-            return read_nodefile(environ["PBS_NODEFILE"].strip())
-    except UserError:
-        return []
-    return []

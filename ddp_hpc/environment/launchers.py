@@ -40,6 +40,7 @@ class TorchrunEnvironment(ClusterEnvironment):
     """
 
     name = "torchrun"
+    checked_against_others = False
     variables = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
     launch_variables = ("TORCHELASTIC_RUN_ID",)
@@ -71,6 +72,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
     """
 
     name = "openmpi"
+    mpi = True
     variables = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_NAMESPACE")
     launch_variables = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
@@ -95,6 +97,7 @@ class PalsEnvironment(ClusterEnvironment):
     """
 
     name = "pals"
+    mpi = True
     variables = ("PALS_RANKID", "PALS_LOCAL_RANKID", "PALS_NODEID", "PALS_LOCAL_SIZE",
                  "PMIX_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE", "PALS_APID")
     launch_variables = ("PALS_APID",)
@@ -123,6 +126,7 @@ class MvapichEnvironment(ClusterEnvironment):
     """MVAPICH2 (``mpirun_rsh`` or its Hydra). Tried before plain Hydra: its names are its own."""
 
     name = "mvapich"
+    mpi = True
     variables = ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
                  "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE")
 
@@ -146,6 +150,7 @@ class HydraEnvironment(ClusterEnvironment):
     """
 
     name = "mpich"
+    mpi = True
     variables = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
     def detect(self, env: Env) -> bool:
@@ -190,6 +195,7 @@ class SlurmEnvironment(ClusterEnvironment):
     """
 
     name = "slurm"
+    allocation_wide = True
     variables = ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
                  "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES",
                  "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
@@ -234,6 +240,7 @@ class EnvVarsEnvironment(ClusterEnvironment):
     """torch's ``env://`` variables set by hand or by a wrapper script, without torchrun."""
 
     name = "env"
+    generic = True
     variables = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
     def detect(self, env: Env) -> bool:
@@ -256,6 +263,8 @@ class SingleProcessEnvironment(ClusterEnvironment):
     """Nothing launched us: one process, rank 0 of 1."""
 
     name = "single"
+    generic = True
+    checked_against_others = False
 
     def detect(self, env: Env) -> bool:
         return True
@@ -276,10 +285,6 @@ LAUNCHERS: tuple[ClusterEnvironment, ...] = (
     SingleProcessEnvironment(),
 )
 
-MPI_LAUNCHERS = frozenset({"openmpi", "pals", "mvapich", "mpich"})
-#: The launchers a rank is tried against when no built-in one but the generic ``env`` or
-#: ``single`` matched: the site's (``site_launchers``) come before those.
-GENERIC_LAUNCHERS = frozenset({"env", "single"})
 SITE_LAUNCHERS_GROUP = "ddp_hpc.environments"
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import DistEnv
-from ddp_hpc.environment.hosts import job_hosts, with_suffix
+from ddp_hpc.environment.hosts import with_suffix
+from ddp_hpc.environment.jobs import job_hosts
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)

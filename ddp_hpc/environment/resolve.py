@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ddp_hpc.contract import HOST_SUFFIX_VAR
 from ddp_hpc.environment.base import ClusterEnvironment, DistEnv, Env, RankInfo, check_rank_info
-from ddp_hpc.environment.launchers import GENERIC_LAUNCHERS, LAUNCHERS, MPI_LAUNCHERS, site_launchers
+from ddp_hpc.environment.launchers import LAUNCHERS, site_launchers
 from ddp_hpc.environment.ports import PortRange, derive_port, free_port, parse_port
 from ddp_hpc.errors import EnvironmentConflictError, UserError
 
@@ -21,7 +21,7 @@ def detect_launcher(env: Env, launchers: Sequence[ClusterEnvironment] | None = N
     (``launchers`` None) a site's (``site_launchers``) before the generic ``env`` and ``single``,
     whose entry points are read only then."""
     chosen = next(launcher for launcher in launchers or LAUNCHERS if launcher.detect(env))
-    if launchers is None and chosen.name in GENERIC_LAUNCHERS:
+    if launchers is None and chosen.generic:
         return next((site for site in site_launchers() if site.detect(env)), chosen)
     return chosen
 
@@ -39,13 +39,12 @@ def _compared_with(chosen: ClusterEnvironment, env: Env,
     SLURM variables are the allocation's (mpiexec inside sbatch inherits them, one value
     for every rank) and are not compared either.
     """
-    if chosen.name in ("torchrun", "single"):
+    if not chosen.checked_against_others:
         return []
     others = [launcher for launcher in launchers
-              if launcher is not chosen and launcher.name not in ("torchrun", "single")
-              and launcher.detect(env)]
-    if chosen.name in MPI_LAUNCHERS:
-        others = [launcher for launcher in others if launcher.name != "slurm"]
+              if launcher is not chosen and launcher.checked_against_others and launcher.detect(env)]
+    if chosen.mpi:
+        others = [launcher for launcher in others if not launcher.allocation_wide]
     return others
 
 

@@ -23,13 +23,6 @@ from ddp_hpc.launch.script import recording_rank_failures, split_staged
 from ddp_hpc.run.torchrun_env import torchrun_variables
 
 
-def build_torchrun(nproc: int, command: Sequence[str]) -> list[str]:
-    """torchrun on this node only, without restarts (the benchmarks time it against the
-    other launchers); ``--no-python`` runs any executable (``ddp-hpc ...``)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--no-python", *command]
-
-
 def rank_command(command: Sequence[str]) -> list[str]:
     """Every rank runs a foreign command through ``ddp-hpc run`` (torchrun's variables under
     any launcher); ddp-hpc's own verbs resolve their rank by themselves. ``ddp-hpc run`` is

@@ -27,6 +27,7 @@ from typing import IO
 
 from ddp_hpc.contract import RESTART_COUNT_VAR
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
+from ddp_hpc.environment.jobs import SlurmJob
 from ddp_hpc.errors import UserError
 from ddp_hpc.launch.attempts import signal_running
 from ddp_hpc.launch.left_out import LeftOutHost, leave_out
@@ -194,4 +195,4 @@ def srun_end(run_folder: Path, environ: Mapping[str, str], *, requeue: bool) -> 
     """The launch's end in a SLURM job: the job requeued after a stop (where asked: a single
     job, not a chain), else its exit status recorded for ``--wait``/``status``."""
     return LaunchEnd(run_folder, job_key(environ),
-                     requeue=("scontrol", "requeue", environ.get(JOB_ID_VAR, "")) if requeue else ())
+                     requeue=SlurmJob().requeue_command(environ.get(JOB_ID_VAR, "")) if requeue else ())

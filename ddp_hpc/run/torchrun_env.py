@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RESTART_COUNT_VAR
 from ddp_hpc.engine.collectives import flight_recorder_variables
 from ddp_hpc.environment import DistEnv, detect_launcher
+from ddp_hpc.environment.launchers import TorchrunEnvironment
 from ddp_hpc.errors import TooFewDevicesError, UserError
 
 if TYPE_CHECKING:  # ddp_hpc.device is imported where a device is chosen (command_environment)
@@ -106,7 +107,7 @@ def worker_environment(command: Sequence[str], dist_env: DistEnv, choice: Device
     """
     if not command:
         raise UserError("no command to run: give it after '--', e.g. ddp-hpc run -- python train.py")
-    if dist_env.source == "torchrun":
+    if dist_env.source == TorchrunEnvironment.name:
         return WorkerLaunch(tuple(command), flight_recorder_variables(environ))
     restart = environ.get(RESTART_COUNT_VAR, "0").strip() or "0"
     if not restart.isdigit():

@@ -20,6 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
+from ddp_hpc.environment.jobs import SchedulerJob
 from ddp_hpc.contract import ElementRecord, Submission, atomic_write  # noqa: F401  (the records live in contract/)
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest, quote_command
@@ -280,6 +281,10 @@ class SchedulerFamily:
     listed_at: int = 100
     #: Older spellings of its name that profiles' ``scheduler`` may still use (local: ``none``).
     old_names: tuple[str, ...] = ()
+    #: Its job as the job's processes see it (job id, nodes, end time, requeue): the object the
+    #: rank side finds through the ``ddp_hpc.jobs`` entry points (``environment/jobs.py``);
+    #: None for a family whose jobs are plain processes (local).
+    job: SchedulerJob | None = None
 
     def __post_init__(self) -> None:
         if not self.backends:

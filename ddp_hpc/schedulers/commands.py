@@ -270,12 +270,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_port(args: argparse.Namespace) -> int:
-    from ddp_hpc.environment.base import JOB_ID_VARIABLES, scheduler_job_id
+    from ddp_hpc.environment.base import scheduler_job_id
+    from ddp_hpc.environment.jobs import job_id_variables
     from ddp_hpc.environment.ports import PortRange, derive_port
 
     job_id = args.job_id or (scheduler_job_id(os.environ) or (None, None))[1]
     if not job_id:
         raise UserError(f"no job id: give one, or run inside a job that sets "
-                        f"{' or '.join('$' + name for name in JOB_ID_VARIABLES)}")
+                        f"{' or '.join('$' + name for name in job_id_variables())}")
     print(derive_port(job_id, PortRange()))
     return 0

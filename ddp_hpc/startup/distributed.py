@@ -26,7 +26,7 @@ from ddp_hpc.contract import BACKEND_VAR, DEVICE_VAR, RECOVERY_SPARE_VAR, RENDEZ
 from ddp_hpc.device import DeviceChoice, requested, select_device
 from ddp_hpc.environment import DistEnv, PortRange, resolve_env
 from ddp_hpc.environment.fabric import check_fabric, this_host, where_label
-from ddp_hpc.environment.hosts import job_hosts
+from ddp_hpc.environment.jobs import job_hosts
 from ddp_hpc.environment.netcheck import NetworkPlan, check_network
 from ddp_hpc.errors import UserError
 from ddp_hpc.startup.group_start import GroupStart

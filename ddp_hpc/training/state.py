@@ -30,7 +30,8 @@ from ddp_hpc.config import checkpoint_format as checkpoint_format_name
 from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.checkpoint import files as ckpt
 from ddp_hpc.engine.checkpoint.background_writer import CheckpointWriteError, WriteRecord
-from ddp_hpc.engine.checkpoint.checkpointer import CheckpointFormat, Checkpointer, ShardedFormat, make_format
+from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
+from ddp_hpc.engine.checkpoint.formats import CheckpointFormat, ShardedFormat, make_format
 from ddp_hpc.engine.recovery import InJobRecovery
 from ddp_hpc.engine.reshard import Resharding, Sharding, lr_factor, plan_resharding, rescale_lr, steps_left
 from ddp_hpc.engine.rng import seed_everything

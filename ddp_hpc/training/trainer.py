@@ -33,7 +33,7 @@ from ddp_hpc.config import Config
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.startup.distributed import DistContext
 from ddp_hpc.engine.checkpoint.background_writer import WriteRecord
-from ddp_hpc.engine.checkpoint.checkpointer import CheckpointFormat
+from ddp_hpc.engine.checkpoint.formats import CheckpointFormat
 from ddp_hpc.engine.liveness import Straggler
 from ddp_hpc.engine.recovery import InJobRecovery
 from ddp_hpc.engine.sampler import ResumableSampler

@@ -31,7 +31,7 @@ def final_state(folder: Path) -> dict:
     checkpoints = folder / "checkpoints"
     pointer = checkpoints / "last.dcp"
     if pointer.exists():
-        from ddp_hpc.engine.checkpoint.dcp_format import check_complete, rank_key, read_blob, read_whole
+        from ddp_hpc.engine.checkpoint.dcp_read import check_complete, rank_key, read_blob, read_whole
 
         path = checkpoints / pointer.read_text().strip()
         state = read_whole(path)

@@ -60,7 +60,7 @@ def _once(marker: str) -> bool:
 
 
 def _kill_logged(record: dict) -> None:
-    from ddp_hpc.engine.checkpoint.dcp_format import newest_complete
+    from ddp_hpc.engine.checkpoint.dcp_read import newest_complete
 
     folder = Path(os.environ.get("RUN_DIR", "runs/resumable_loop")) / "checkpoints"
     found = newest_complete(folder, report=False)

@@ -37,7 +37,7 @@ cannot serve it: its loss would take the store down with it. Keys, all under ``P
 A *slot* is a rank's place in the launch (its first ``RANK``); its rank in a group after a
 shrink may differ.
 
-What each side costs as the ranks grow (``ddp-hpc bench --scale``, docs/performance.md): a
+What each side costs as the ranks grow (``ddp-hpc bench scale``, docs/performance.md): a
 rank's beat is two round trips whatever happened; a plan is a few dozen bytes whatever the
 number of ranks (its slots are said as the slots left out), so N survivors reading it cost
 the store O(N) bytes, not O(N^2); the launch asks whether its ranks are ready, and reads
@@ -223,10 +223,11 @@ class LaunchStore:
     """The launch's side: serves the store on a free port of this host (``host``: the
     address the others reach it at), or, given ``address``, is a node supervisor's client
     of the store the outer launch serves; reads and writes the keys above. Neither imports
-    torch (``store_server``: a server of torch's ``TCPStore`` protocol, and its client)."""
+    torch (``store_server``: a server of torch's ``TCPStore`` protocol; ``store_client``: its client)."""
 
     def __init__(self, host: str = "127.0.0.1", address: str | None = None) -> None:
-        from ddp_hpc.engine.recovery.store_server import StoreClient, StoreServer
+        from ddp_hpc.engine.recovery.store_client import StoreClient
+        from ddp_hpc.engine.recovery.store_server import StoreServer
 
         self.server: StoreServer | None = None
         if address is None:

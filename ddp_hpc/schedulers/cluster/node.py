@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc.device import NVIDIA_TRACES
+from ddp_hpc.environment.jobs import current_job
 from ddp_hpc.schedulers.facts import Runner
 
-#: Job variables that say the probe runs on a compute node.
-JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID")
 #: Interface names that are, by every site's convention, a high-speed network (Slingshot, InfiniBand).
 FAST_INTERFACE = re.compile(r"^(hsn|ib)\d+$")
 
@@ -37,7 +36,7 @@ class NodeFacts:
 
 
 def in_job(environ: Mapping[str, str]) -> bool:
-    return any(environ.get(v) for v in JOB_VARIABLES)
+    return current_job(environ) is not None
 
 
 def read_node(root: Path = Path("/")) -> NodeFacts:

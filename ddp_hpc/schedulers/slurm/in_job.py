@@ -23,6 +23,7 @@ from ddp_hpc.launch.outcome import attempt_outcome, failed_rank_here
 from ddp_hpc.specs.request import CommandPayload, TrainPayload
 from ddp_hpc.launch.restart import LaunchEnd, RestartPolicy
 from ddp_hpc.contract.slurm_job_key import JOB_ID_VAR, job_key
+from ddp_hpc.environment.jobs import SlurmJob
 from ddp_hpc.stop_handler import record_stop_signals
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,7 @@ class SubmititCommandTask:
         decision = policy.decide(outcome.status, attempt)
         if rank == 0:  # a launch's one end: the job requeued after the command's stop, else its exit file
             Path(self.run_folder).mkdir(parents=True, exist_ok=True)
-            requeue = ("scontrol", "requeue", os.environ[JOB_ID_VAR]) if os.environ.get(JOB_ID_VAR) else ()
-            LaunchEnd(Path(self.run_folder), job_id or "", requeue)(decision)
+            LaunchEnd(Path(self.run_folder), job_id or "", SlurmJob().requeue_command(os.environ.get(JOB_ID_VAR, "")))(decision)
         if decision.restart and outcome.left_out is not None:
             self._restart_without_this_node(outcome.left_out, job_id)
         if code != 0:

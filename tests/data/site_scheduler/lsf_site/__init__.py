@@ -1,10 +1,12 @@
 """A site's scheduler family for ddp_hpc, from outside the package (a test fixture): a fake LSF.
 ``backend.py`` renders a ``#BSUB`` script and submits it with ``bsub``; ``FAMILY`` is what the
-``ddp_hpc.schedulers`` entry point names."""
+``ddp_hpc.schedulers`` entry point names; ``job.py``'s ``LsfJob`` is its job as the job's processes see it
+(the ``ddp_hpc.jobs`` entry point)."""
 
 from ddp_hpc.schedulers.base import SchedulerFamily
 from lsf_site.backend import LsfScheduler
+from lsf_site.job import LsfJob
 
-FAMILY = SchedulerFamily("lsf", (LsfScheduler,))
+FAMILY = SchedulerFamily("lsf", (LsfScheduler,), job=LsfJob())
 
-__all__ = ["FAMILY", "LsfScheduler"]
+__all__ = ["FAMILY", "LsfJob", "LsfScheduler"]
