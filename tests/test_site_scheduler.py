@@ -91,6 +91,11 @@ def test_render_lsf_prints_its_bsub_script(tmp_path):
     last = script.rstrip().splitlines()[-1]
     assert last.startswith('exec ddp-hpc launch --launcher openmpi --hostfile "${job_hosts}" --nodes 2 --nproc 2 ')
     assert shlex.split(last)[-6:] == ["run", "--", "python", "train.py", "--note", "it's a b"]
+    # --dry-run says how the script reaches bsub: on its standard input.
+    dry = run([*ddp_hpc_command(), "submit", "lsf", "--cluster", str(PROFILE), "--job-name", "t1", "--dry-run",
+               "--", "python", "train.py"], env=_site_env(), cwd=tmp_path)
+    assert dry.returncode == 0 and f"# would run: bsub < {tmp_path / 'runs' / 't1' / 'job.lsf'}\n" in dry.stdout, (
+        dry.stdout + dry.stderr)
     # Without the site's package the family is refused as any unknown one.
     refused = run([*ddp_hpc_command(), *argv], cwd=tmp_path)
     assert refused.returncode == 2 and "invalid choice: 'lsf'" in refused.stderr, refused.stderr

@@ -66,6 +66,9 @@ class DryRun:
     script: str | None = None
     script_path: Path | None = None
     submit_argv: tuple[str, ...] = ()
+    #: The submit command reads the script on its standard input (LSF's ``bsub < job.lsf``),
+    #: not as an argument.
+    script_on_stdin: bool = False
     #: Parameters for a Python submitter (submitit's ``update_parameters``).
     parameters: Mapping[str, Any] = field(default_factory=dict)
 
@@ -84,7 +87,8 @@ class DryRun:
             parts.append(f"# sweep element {element.index}: {element.describe()} -> "
                          f"{self.request.element_run_folder(element)}")
         if self.submit_argv:
-            parts.append(f"# would run: {quote_command(self.submit_argv)}")
+            stdin = f" < {quote_command([str(self.script_path)])}" if self.script_on_stdin and self.script_path else ""
+            parts.append(f"# would run: {quote_command(self.submit_argv)}{stdin}")
         if self.request.chain > 1:
             parts.append(f"# then {self.request.chain - 1} more link(s), each after the previous one ended "
                          "(afterany); each resumes from the run's newest checkpoint")

@@ -95,7 +95,7 @@ class LsfScheduler(Scheduler):
         self.check_profile(request)
         script_path = script_path or workdir / request.run_folder / f"job{self.script_suffix}"
         return DryRun(self.name, request, workdir, tuple(request.rank_command()), script=render_lsf(request),
-                      script_path=script_path, submit_argv=("bsub",))
+                      script_path=script_path, submit_argv=("bsub",), script_on_stdin=True)
 
     def submit(self, dry_run: DryRun) -> Submission:
         write_script(dry_run.script, dry_run.script_path)
