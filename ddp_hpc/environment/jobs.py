@@ -22,9 +22,9 @@ import logging
 from abc import ABC
 from collections.abc import Mapping
 from functools import lru_cache
-from importlib.metadata import entry_points
 
 from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile
+from ddp_hpc.environment.site_entries import site_objects
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -105,21 +105,7 @@ BUILT_IN_JOBS: tuple[SchedulerJob, ...] = (SlurmJob(), PbsJob())
 def site_jobs() -> tuple[SchedulerJob, ...]:
     """The ``SchedulerJob`` classes other packages register in ``ddp_hpc.jobs`` (one that
     cannot be loaded, or is not a ``SchedulerJob``, is left out with a warning)."""
-    found: list[SchedulerJob] = []
-    for point in entry_points(group=GROUP):
-        if point.name in {job.name for job in BUILT_IN_JOBS}:
-            continue
-        try:
-            loaded = point.load()
-        except (ImportError, AttributeError) as exc:
-            log.warning("scheduler job %s (%s) cannot be loaded, left out: %s", point.name, point.value, exc)
-            continue
-        job = loaded() if isinstance(loaded, type) else loaded
-        if isinstance(job, SchedulerJob):
-            found.append(job)
-        else:
-            log.warning("scheduler job %s (%s) is not a SchedulerJob, left out", point.name, point.value)
-    return tuple(found)
+    return site_objects(GROUP, SchedulerJob, skip={job.name for job in BUILT_IN_JOBS})
 
 
 def scheduler_jobs() -> tuple[SchedulerJob, ...]:

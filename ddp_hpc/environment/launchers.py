@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import re
 from functools import lru_cache
-from importlib.metadata import entry_points
 
 from ddp_hpc.environment.base import (
     AbortRequest,
@@ -26,6 +25,7 @@ from ddp_hpc.environment.base import (
     read_int,
     read_optional_int,
 )
+from ddp_hpc.environment.site_entries import site_objects
 from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -292,17 +292,5 @@ SITE_LAUNCHERS_GROUP = "ddp_hpc.environments"
 def site_launchers() -> tuple[ClusterEnvironment, ...]:
     """The ``ClusterEnvironment`` classes other packages register in the
     ``ddp_hpc.environments`` entry points (one that cannot be loaded is left out, with a warning)."""
-    found: list[ClusterEnvironment] = []
-    for point in entry_points(group=SITE_LAUNCHERS_GROUP):
-        try:
-            loaded = point.load()
-        except (ImportError, AttributeError) as exc:
-            log.warning("rank environment %s (%s) cannot be loaded, left out: %s", point.name, point.value, exc)
-            continue
-        environment = loaded() if isinstance(loaded, type) else loaded
-        if isinstance(environment, ClusterEnvironment):
-            found.append(environment)
-        else:
-            log.warning("rank environment %s (%s) is not a ClusterEnvironment, left out", point.name, point.value)
-    return tuple(found)
+    return site_objects(SITE_LAUNCHERS_GROUP, ClusterEnvironment)
 
