@@ -227,10 +227,10 @@ class CheckpointConfig:
     save_best: bool = True
     #: ``auto``: continue from the newest checkpoint in the run folder; ``never``; or a path.
     resume: str = "auto"
-    #: After SIGUSR2/SIGTERM (time limit, preemption), ranks agree to stop this often.
+    #: After SIGUSR2/SIGTERM (the job's deadline near, preemption), ranks agree to stop this often.
     preemption_check_every_n_steps: int = 10
     #: A signal that asks the ranks to checkpoint and stop, besides SIGUSR2 and SIGTERM,
-    #: and its lead before the time limit: ``NAME@SECONDS`` (rendered scripts ask for it).
+    #: and its lead before the job's deadline: ``NAME@SECONDS`` (rendered scripts ask for it).
     stop_signal: str = "USR2@90"
     #: With a known job end (DDP_HPC_DEADLINE), stop when the time left would not cover
     #: the next check interval, a checkpoint and this margin; ``auto``: the measured slowest

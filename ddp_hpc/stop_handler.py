@@ -118,6 +118,6 @@ def record_stop_signals(signals: Iterable[int] = (signal.SIGUSR2,)) -> StopSigna
 
 def recorded_signals(stop_signals: Iterable[int]) -> tuple[int, ...]:
     """The stop signals to record before training: all but SIGTERM, which a launcher that
-    ends its ranks (torchrun after another rank failed, srun at the time limit) sends
+    ends its ranks (torchrun after another rank failed, srun at the job's deadline) sends
     expecting them gone, whatever they are doing."""
     return tuple(s for s in map(int, stop_signals) if s != signal.SIGTERM)

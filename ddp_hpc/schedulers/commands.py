@@ -73,7 +73,7 @@ def add_job_flags(parser: argparse.ArgumentParser, family: str) -> None:
     parser.add_argument("--chain", type=int, default=1, metavar="N",
                         help="submit N jobs, each after the previous one ended (afterany), each resuming the run")
     parser.add_argument("--signal", type=stop_signal_arg, default=None, metavar="SIG@SECONDS",
-                        help="SLURM: the signal sent ahead of the time limit and how far ahead (default: USR2@90); "
+                        help="SLURM: the signal sent ahead of the job's deadline and how far ahead (default: USR2@90); "
                              "the script passes it to the ranks, which checkpoint and stop")
     parser.add_argument("--preflight", action="store_true",
                         help="before the ranks start, measure the links between the nodes (ddp-hpc doctor --links, "

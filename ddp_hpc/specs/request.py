@@ -169,7 +169,7 @@ class SubmitRequest:
     sweep: Sweep | None = None
     #: Submit this many jobs, each starting when the previous one ended (``afterany``).
     chain: int = 1
-    #: The signal the scheduler sends ahead of the time limit, and how far ahead (SLURM).
+    #: The signal the scheduler sends ahead of the job's deadline, and how far ahead (SLURM).
     stop_signal: StopSignal = field(default_factory=StopSignal.default)
     #: Copy the job's Python environment to every node's ``stage_dir`` and run the ranks from there.
     stage_env: bool = False

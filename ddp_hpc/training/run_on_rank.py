@@ -53,7 +53,7 @@ class TrainOptions:
 
 
 def _listen_for_stops(trainer: Trainer) -> Listening:
-    """SIGUSR2 (SLURM's warning before the time limit), SIGTERM (preemption, scancel,
+    """SIGUSR2 (SLURM's warning before the job's deadline), SIGTERM (preemption, scancel,
     PBS at walltime) and ``checkpoint.stop_signal`` ask the trainer to checkpoint and stop
     at the next agreed step; so does one the rank's handler recorded before training."""
     every = trainer.config.checkpoint.preemption_check_every_n_steps
