@@ -36,15 +36,9 @@ class RankInfo:
 
 
 @dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job and how to reach rank 0."""
+class DistEnv(RankInfo):
+    """Where this process sits in the job (``RankInfo``'s fields) and how to reach rank 0."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
     master_addr: str
     master_port: int
     source: str

@@ -64,7 +64,27 @@ class TorchrunEnvironment(ClusterEnvironment):
 
 
 
-class OpenMPIEnvironment(ClusterEnvironment):
+class _CommWorldEnvironment(ClusterEnvironment):
+    """An MPI whose tasks see ``<PREFIX>RANK``, ``SIZE``, ``LOCAL_RANK`` and ``LOCAL_SIZE``
+    (Open MPI's ``OMPI_COMM_WORLD_``, MVAPICH's ``MV2_COMM_WORLD_``); the node rank comes from
+    the block layout."""
+
+    mpi = True
+    prefix = ""
+
+    def detect(self, env: Env) -> bool:
+        return f"{self.prefix}RANK" in env
+
+    def ranks(self, env: Env) -> RankInfo:
+        rank = read_int(env, f"{self.prefix}RANK")
+        world_size = read_int(env, f"{self.prefix}SIZE", minimum=1)
+        local_world_size = read_int(env, f"{self.prefix}LOCAL_SIZE", minimum=1)
+        node_rank, num_nodes = node_layout(rank, world_size, local_world_size)
+        return RankInfo(rank, world_size, read_int(env, f"{self.prefix}LOCAL_RANK"),
+                        local_world_size, node_rank, num_nodes)
+
+
+class OpenMPIEnvironment(_CommWorldEnvironment):
     """Open MPI's ``mpirun``/``mpiexec`` (and prterun).
 
     ``OMPI_COMM_WORLD_NODE_RANK`` is *not* a node index (it counts processes on the node
@@ -72,22 +92,10 @@ class OpenMPIEnvironment(ClusterEnvironment):
     """
 
     name = "openmpi"
-    mpi = True
+    prefix = "OMPI_COMM_WORLD_"
     variables = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_NAMESPACE")
     launch_variables = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
-
-    def detect(self, env: Env) -> bool:
-        return "OMPI_COMM_WORLD_RANK" in env
-
-    def ranks(self, env: Env) -> RankInfo:
-        rank = read_int(env, "OMPI_COMM_WORLD_RANK")
-        world_size = read_int(env, "OMPI_COMM_WORLD_SIZE", minimum=1)
-        local_world_size = read_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
-        node_rank, num_nodes = node_layout(rank, world_size, local_world_size)
-        return RankInfo(rank, world_size, read_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
-                        local_world_size, node_rank, num_nodes)
-
 
 
 class PalsEnvironment(ClusterEnvironment):
@@ -122,24 +130,13 @@ class PalsEnvironment(ClusterEnvironment):
 
 
 
-class MvapichEnvironment(ClusterEnvironment):
+class MvapichEnvironment(_CommWorldEnvironment):
     """MVAPICH2 (``mpirun_rsh`` or its Hydra). Tried before plain Hydra: its names are its own."""
 
     name = "mvapich"
-    mpi = True
+    prefix = "MV2_COMM_WORLD_"
     variables = ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
                  "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE")
-
-    def detect(self, env: Env) -> bool:
-        return "MV2_COMM_WORLD_RANK" in env
-
-    def ranks(self, env: Env) -> RankInfo:
-        rank = read_int(env, "MV2_COMM_WORLD_RANK")
-        world_size = read_int(env, "MV2_COMM_WORLD_SIZE", minimum=1)
-        local_world_size = read_int(env, "MV2_COMM_WORLD_LOCAL_SIZE", minimum=1)
-        node_rank, num_nodes = node_layout(rank, world_size, local_world_size)
-        return RankInfo(rank, world_size, read_int(env, "MV2_COMM_WORLD_LOCAL_RANK"),
-                        local_world_size, node_rank, num_nodes)
 
 
 class HydraEnvironment(ClusterEnvironment):

@@ -178,6 +178,19 @@ class RunOpt:
         parser.add_argument(*self.flags, help=self.help, **self.options)
 
 
+def spare_nodes_opt(what: str) -> RunOpt:
+    """``--spare-nodes K`` of a family whose restart leaves out a failed node: ``what`` says how."""
+    return RunOpt(("--spare-nodes",), f"request K extra nodes; a restart (--max-restarts) {what}", "job",
+                  {"type": int, "default": 0, "metavar": "K"}, request_field="spare_nodes")
+
+
+def recover_opt(how: str) -> RunOpt:
+    """``--recover N`` of a family whose script ends in ``ddp-hpc launch --recover``: ``how`` names that launch."""
+    return RunOpt(("--recover",), "in-job recovery (DDP and FSDP2 loops on InJobRecovery, the Trainer): replace a lost "
+                  "or frozen rank from the survivors' memory at most N times, the others staying up, before a restart "
+                  f"in place ({how})", "job", {"type": int, "default": 0, "metavar": "N"}, request_field="recover")
+
+
 class Scheduler(ABC):
     """One way of submitting. Subclasses fill in a few hooks."""
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_hpc.specs.request import SubmitRequest, job_name_directive
-from ddp_hpc.schedulers.base import DryRun, JobStatus, RunOpt, ScriptScheduler, run_tool
+from ddp_hpc.schedulers.base import DryRun, JobStatus, ScriptScheduler, recover_opt, run_tool, spare_nodes_opt
 from ddp_hpc.schedulers.pbs.render import render_pbs
 from ddp_hpc.schedulers.pbs.state import pbs_status
 
@@ -19,13 +19,8 @@ class PbsScheduler(ScriptScheduler):
     where = "PBS"
     launchers = ("pals", "mpich", "openmpi")
     run_opts = (
-        RunOpt(("--spare-nodes",), "request K extra nodes; a restart (--max-restarts) runs mpiexec without the "
-               "node where a rank failed first", "job", {"type": int, "default": 0, "metavar": "K"},
-               request_field="spare_nodes"),
-        RunOpt(("--recover",), "in-job recovery (DDP and FSDP2 loops on InJobRecovery, the Trainer): replace a lost or frozen "
-               "rank from the survivors' memory at most N times, the others staying up, before a restart in place "
-               "(ddp-hpc launch --hostfile --recover N: one node supervisor per node)", "job",
-               {"type": int, "default": 0, "metavar": "N"}, request_field="recover"),
+        spare_nodes_opt("runs mpiexec without the node where a rank failed first"),
+        recover_opt("ddp-hpc launch --hostfile --recover N: one node supervisor per node"),
     )
 
     def render(self, request: SubmitRequest) -> str:

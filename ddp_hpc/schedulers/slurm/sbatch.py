@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_hpc.specs.request import SubmitRequest, job_name_directive
-from ddp_hpc.schedulers.base import DryRun, RunOpt, ScriptScheduler
+from ddp_hpc.schedulers.base import DryRun, RunOpt, ScriptScheduler, recover_opt, spare_nodes_opt
 from ddp_hpc.contract.slurm_job_key import element_key
 from ddp_hpc.schedulers.slurm.render import LOG_DIR, render_sbatch
 from ddp_hpc.schedulers.slurm.state import SlurmJobs
@@ -19,13 +19,8 @@ class SbatchScheduler(SlurmJobs, ScriptScheduler):
     tool = "sbatch"
     where = "SLURM"
     run_opts = (
-        RunOpt(("--spare-nodes",), "allocate K extra nodes; a restart (--max-restarts) leaves out the node where a "
-               "rank failed (a batch script)", "job", {"type": int, "default": 0, "metavar": "K"},
-               request_field="spare_nodes"),
-        RunOpt(("--recover",), "in-job recovery (DDP and FSDP2 loops on InJobRecovery, the Trainer): replace a lost or frozen "
-               "rank from the survivors' memory at most N times, the others staying up, before a restart in place "
-               "(a batch script: ddp-hpc launch --launcher srun --recover N)", "job",
-               {"type": int, "default": 0, "metavar": "N"}, request_field="recover"),
+        spare_nodes_opt("leaves out the node where a rank failed (a batch script)"),
+        recover_opt("a batch script: ddp-hpc launch --launcher srun --recover N"),
         RunOpt(("--sbatch",), "submit a rendered batch script instead of using submitit", "backend",
                {"action": "store_true"}),
         RunOpt(("--torchrun",), "one torchrun per node with a c10d rendezvous, instead of one task per rank "
