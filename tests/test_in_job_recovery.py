@@ -320,9 +320,13 @@ def test_two_ranks_lost_at_once_are_two_records_and_the_run_ends_bit_identical(r
         assert_same_values(reference[slot]["rng"], state["rng"], f"rank {slot}'s RNG")
 
 
-# Under node supervisors (mpiexec, srun) too: run by `scripts/test.sh -m acceptance`, not in CI.
-@pytest.mark.parametrize("launcher", ["torchrun", *(pytest.param(name, marks=[
-    pytest.mark.acceptance, *([pytest.mark.slurm] if name == "srun" else [])]) for name in ("mpich-hostfile", "openmpi", "srun"))])
+# CI runs a frozen rank ended on its silent heartbeat and replaced by the warm spare through the
+# Trainer (test_the_trainer_replaces_a_lost_rank_..._bit_identical[frozen-warm-spare]: the same
+# InJobRecovery, heartbeat and spare); a loop of one's own under each launcher is run by
+# `scripts/test.sh -m acceptance` (about 45-75 s each), not in CI.
+@pytest.mark.parametrize("launcher", [pytest.param(name, marks=[
+    pytest.mark.acceptance, *([pytest.mark.slurm] if name == "srun" else [])])
+    for name in ("torchrun", "mpich-hostfile", "openmpi", "srun")])
 def test_a_frozen_rank_is_ended_on_its_silent_heartbeat_and_replaced_by_the_warm_spare(launcher, reference, tmp_path,
                                                                                        request):
     pids, sent_at, output = lose_a_rank(tmp_path, signal.SIGSTOP, "--hang-timeout", "5", "--warm-spare",
@@ -428,9 +432,11 @@ LOSSES = {
 }
 
 
-#: The Trainer under Open MPI and srun goes through the same node supervisor as under MPICH:
-#: run by `scripts/test.sh -m acceptance` (about 25 s each), not in CI.
-BY_HAND = ("killed-under-openmpi", "killed-under-srun")
+#: The Trainer under a node supervisor (mpiexec of either MPI, srun): the node supervisor's
+#: replacement is CI's with a loop of one's own (test_a_killed_rank_is_replaced_..._bit_identical
+#: under mpich, openmpi and srun), and the Trainer's part is the same under every launcher: run
+#: by `scripts/test.sh -m acceptance` (about 25-35 s each), not in CI.
+BY_HAND = ("killed-under-mpich", "killed-under-openmpi", "killed-under-srun")
 
 
 @pytest.mark.parametrize("loss", [

@@ -301,6 +301,10 @@ def test_when_no_recovery_is_left_the_restart_in_place_reads_the_nodes_snapshots
 @pytest.mark.reliability
 @pytest.mark.multiproc
 @pytest.mark.slow
+# CI's Trainer with fsdp2 replaced from snapshots is tests/test_multihost.py's, on two hosts
+# with a warm spare (the same Trainer, snapshots and buddies): this one on one host is run
+# by `scripts/test.sh -m acceptance` (about 70 s), not in CI.
+@pytest.mark.acceptance
 @pytest.mark.timeout(900)
 def test_the_trainer_with_fsdp2_replaces_a_killed_rank_from_snapshots_and_ends_bit_identical(tmp_path):
     """``ddp-hpc train`` with ``training.strategy=fsdp2``, 4 ranks under ``launch --recover 1``;
