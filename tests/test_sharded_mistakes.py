@@ -17,6 +17,7 @@ from conftest import REPO, clean_env, ddp_hpc_command
 
 MISTAKES = str(REPO / "tests" / "scripts" / "sharded_mistakes.py")
 FILE_CHECKPOINT = str(REPO / "tests" / "scripts" / "fsdp2_file_checkpoint.py")
+OWN_BUFFERS = str(REPO / "tests" / "scripts" / "fsdp2_own_buffers.py")
 
 
 def launch(script: str, *flags: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -70,6 +71,22 @@ def test_a_sharded_model_saved_in_one_file_on_two_ranks_holds_its_whole_state_an
     assert all(type(tensor) is torch.Tensor for tensor in state["model"].values())
     moments = [state["optimizer"]["state"][i]["exp_avg"] for i in range(6)]
     assert [m.shape for m in moments] == [p.shape for p in plain.parameters()]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("form", ["file", "dcp"])
+def test_each_rank_of_a_sharded_model_gets_its_own_buffers_back_from_a_checkpoint(tmp_path, form):
+    """FSDP2 shards parameters, not buffers, and reduces no buffer: each rank's BatchNorm
+    statistics (and a buffer its forward counts in) are its own. A checkpoint's model state holds
+    rank 0's; each rank takes its own back from its part of the checkpoint (the fuzzer's
+    FSDP2 cases that restarted in place from a checkpoint ended with rank 0's on rank 1)."""
+    done = launch(OWN_BUFFERS, env={"OUT": str(tmp_path), "FORMAT": form})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert found["ranks_differ"], "the ranks' buffers were the same: the test shows nothing"
+        assert sorted(found["same"]) == ["0.1.num_batches_tracked", "0.1.running_mean", "0.1.running_var", "seen"]
+        assert all(found["same"].values()), (rank, found["same"])
 
 
 @pytest.fixture

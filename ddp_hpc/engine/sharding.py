@@ -16,6 +16,13 @@ collectives every rank joins), and each rank takes its own slice of it back on r
 (``load_whole_model``, ``load_whole_optimizer``): it loads on any world size, and into a
 plain model. Optimizer state is kept numbered in ``param_groups`` order, as
 ``optimizer.state_dict()`` numbers it, so a checkpoint resumes under DDP or FSDP2 alike.
+
+A sharded model's buffers are not sharded and not reduced: each rank's BatchNorm statistics
+(or any buffer its forward updates) are its own, and a checkpoint's model state holds one
+rank's (rank 0's: DCP keeps the lowest rank's copy of what every rank has, the single file is
+rank 0's). Each rank's own go into its part of the checkpoint (``own_buffers``) and come back
+over the model's on a restore on the same world size (``load_own_buffers``), so that a resume
+is bit-identical on every rank, not only on rank 0.
 """
 
 from __future__ import annotations
@@ -161,3 +168,23 @@ def holds_shards(state: Any) -> bool:
     if isinstance(state, (list, tuple)):
         return any(holds_shards(value) for value in state)
     return False
+
+
+def own_buffers(objects: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each sharded module's buffers as this rank holds them (host copies), by object name."""
+    return {name: {fqn: buffer.detach().to("cpu", copy=True) for fqn, buffer in obj.named_buffers()
+                   if not _is_dtensor(buffer)}
+            for name, obj in objects.items() if is_sharded(obj)}
+
+
+def load_own_buffers(objects: dict[str, Any], saved: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Put this rank's saved buffers back into its sharded modules (those of the same name and shape)."""
+    for name, buffers in saved.items():
+        module = objects.get(name)
+        if not isinstance(module, nn.Module):
+            continue
+        for fqn, buffer in module.named_buffers():
+            value = buffers.get(fqn)
+            if value is not None and not _is_dtensor(buffer) and value.shape == buffer.shape:
+                with torch.no_grad():
+                    buffer.copy_(value)

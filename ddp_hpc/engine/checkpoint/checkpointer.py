@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddp_hpc.contract import CHECKPOINTS_DIR
+from ddp_hpc.engine import sharding
 from ddp_hpc.engine.checkpoint import files as files
 from ddp_hpc.engine.checkpoint.background_writer import WriteRecord
 from ddp_hpc.engine.checkpoint.formats import (RESERVED, Accept, CheckpointFormat, Loaded, Upgrade,
@@ -139,6 +140,8 @@ class Checkpointer:
         self._saved_path = loaded.path
         self.resumed = loaded
         self.rank_extras.update(mine.get("rank_extras") or {})
+        # A sharded model's buffers are each rank's own; the model state held one rank's.
+        sharding.load_own_buffers(self.objects, mine.get("buffers") or {})
         if "rng" in mine:
             restore_rng(mine["rng"])
         elif self.group.is_rank_zero:
@@ -226,7 +229,8 @@ class Checkpointer:
         self.saving = True
         try:
             self._saved_path = self.format.save(self.group, self.directory, self.step, self.objects, shared,
-                                                {"rng": capture_rng(), "rank_extras": dict(self.rank_extras)},
+                                                {"rng": capture_rng(), "rank_extras": dict(self.rank_extras),
+                                                 "buffers": sharding.own_buffers(self.objects)},
                                                 keep_last=self.keep_last, best=best)
         finally:
             self.saving = False
