@@ -73,6 +73,8 @@ CORPUS = [
      "--startup-sizes 'two': give world sizes as N,N,..."),
     ("bench scale sizes not numbers", {}, ["bench", "scale", "256,lots"], {}, "bench scale '256,lots': give world sizes"),
     ("bench mfu on no rank", {}, ["bench", "mfu", "--ranks", "0"], {}, "bench mfu --ranks 0: give at least 1"),
+    ("bench old switch beside a mode", {}, ["bench", "--goodput", "mfu"], {},
+     "bench mfu: --goodput choose(s) another benchmark"),
     ("bench two old switches", {}, ["bench", "--mfu", "--goodput"], {}, "bench: --mfu and --goodput each choose a "
      "benchmark: give one (bench mfu ...)"),
     ("bench scale check of two sizes", {}, ["bench", "scale", "256", "--check", "8,16"], {},

@@ -94,9 +94,9 @@ def test_every_arm_sees_the_same_seeded_fault_schedule_and_bad_plans_are_refused
     assert len(plan.schedule()) == 9  # at 30, 60, ... 270 s; none at the stop and {kind for _, kind in plan.schedule()} <= {"kill", "hang"}
     assert plan.schedule() != GoodputPlan(duration_s=300, interval_s=30, world_size=4, fault="mixed",
                                           seed=4).schedule()
-    with pytest.raises(UserError, match="--goodput-arms"):
+    with pytest.raises(UserError, match="bench goodput --arms"):
         GoodputPlan(arms=("in-job", "elastic"))
-    with pytest.raises(UserError, match="--goodput-ranks"):
+    with pytest.raises(UserError, match="bench goodput --ranks"):
         GoodputPlan(world_size=1)
 
 

@@ -30,6 +30,7 @@ computes the figures from the ranks' logs.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -80,17 +81,17 @@ class GoodputPlan:
     def __post_init__(self) -> None:
         unknown = [arm for arm in self.arms if arm not in ARMS]
         if unknown or not self.arms or len(set(self.arms)) != len(self.arms):
-            raise UserError(f"--goodput-arms {','.join(self.arms)!r}: give some of {', '.join(ARMS)}, each once")
+            raise UserError(f"bench goodput --arms {','.join(self.arms)!r}: give some of {', '.join(ARMS)}, each once")
         if self.fault not in FAULT_KINDS:
-            raise UserError(f"--goodput-fault {self.fault!r}: one of {', '.join(FAULT_KINDS)}")
+            raise UserError(f"bench goodput --fault {self.fault!r}: one of {', '.join(FAULT_KINDS)}")
         if self.world_size < 2:
-            raise UserError(f"--goodput-ranks {self.world_size}: at least 2 (a fault needs a survivor)")
+            raise UserError(f"bench goodput --ranks {self.world_size}: at least 2 (a fault needs a survivor)")
         if self.duration_s <= 0 or self.interval_s <= 0 or self.hang_timeout_s <= 0:
-            raise UserError("--goodput-minutes, --goodput-interval and --goodput-hang-timeout must be > 0")
+            raise UserError("bench goodput: --minutes, --interval and --hang-timeout must be > 0")
         if self.step_work_s < 0:
-            raise UserError(f"--goodput-step-work {self.step_work_s:g}: seconds, at least 0")
+            raise UserError(f"bench goodput --step-work {self.step_work_s:g}: seconds, at least 0")
         if self.rounds < 1 or self.checkpoint_every < 1:
-            raise UserError("--goodput-rounds and --goodput-checkpoint-every must be >= 1")
+            raise UserError("bench goodput: --rounds and --checkpoint-every must be >= 1")
 
     def schedule(self) -> list[tuple[int, str]]:
         """(rank slot, fault kind) of each fault due in one arm's run: the same for every arm."""
@@ -390,7 +391,13 @@ def run_goodput(plan: GoodputPlan, output: Path, workdir: Path, plot_path: Path 
                        "own duration, checkpoint saves excluded) over the arm's wall time; per fault: detect, "
                        "re-form, transfer, redo measured from the ranks' logs and the launch (bench/goodput.py)"}
     # Sharded arms alone keep the DDP arms' figures (and the reverse): a key of their own.
+    # Each arm's steps over time (thousands of points) go beside the tables, not into the results file.
+    timelines = workdir / f"{stamp}-timelines.json"
+    atomic_write(timelines, json.dumps([{"arm": r["arm"], "round": r["round"], **r["timeline"]} for r in runs]))
+    section = {**section, "timelines": str(timelines),
+               "runs": [{key: value for key, value in r.items() if key != "timeline"} for r in runs]}
     merge_into(output, {"goodput_fsdp2" if all(map(is_sharded, plan.arms)) else "goodput": section})
+    section = {**section, "runs": runs}
     tables = workdir / f"{stamp}.md"
     tables.write_text(format_markdown(section))
     print(format_table(section))
@@ -425,7 +432,7 @@ def plot(section: dict[str, Any], path: Path) -> bool:
     axes[-1, 0].set_xlabel("seconds since the arm's launch (dashed: a fault; red kill, orange hang)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda file: fig.savefig(file, dpi=110, format="png"), durable=False)
+    atomic_write(path, lambda file: fig.savefig(file, dpi=110, format=path.suffix.lstrip(".") or "png"), durable=False)
     plt.close(fig)
     return True
 

@@ -208,6 +208,6 @@ def plot(results: Results, path: Path) -> bool:
                  f"{results.machine['date']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda file: fig.savefig(file, dpi=100, format="png"), durable=False)
+    atomic_write(path, lambda file: fig.savefig(file, dpi=100, format=path.suffix.lstrip(".") or "png"), durable=False)
     plt.close(fig)
     return True

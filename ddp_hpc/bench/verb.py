@@ -129,6 +129,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     given = [f"--{name.replace('_', '-')}" for name in ("mfu", "checkpoints", "goodput", "own_cpu")
              if getattr(args, f"old_{name}", False)] + (["--scale"] if getattr(args, "old_scale", None) else [])
+    if args.bench_mode is not None and given:
+        from ddp_hpc.errors import UserError
+
+        raise UserError(f"bench {args.bench_mode}: {' and '.join(given)} choose(s) another benchmark: "
+                        f"give the mode alone (bench {args.bench_mode} ...)")
     if args.bench_mode is None and given:
         mode = _OLD_SWITCHES[given[0]]
         if len(given) > 1:

@@ -208,8 +208,12 @@ def _device_choice(args: argparse.Namespace):
     """This rank's device and backend for ``--device``, for the modes that start their own group."""
     from ddp_hpc.device import select_device
 
-    return select_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # Under mpiexec (the bare start-up baseline) there is no LOCAL_RANK: each MPI's own.
+    local_rank = next((os.environ[name] for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                                                     "PALS_LOCAL_RANKID") if os.environ.get(name)), "0")
+    local_size = next((os.environ[name] for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                                     "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE") if os.environ.get(name)), "1")
+    return select_device(args.device, local_rank=int(local_rank), local_world_size=int(local_size))
 
 
 def run_trainer(args: argparse.Namespace) -> tuple[dict, int]:

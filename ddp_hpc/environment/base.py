@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ddp_hpc.environment.hosts import with_suffix
-from ddp_hpc.environment.jobs import current_job, scheduler_jobs
+from ddp_hpc.environment.jobs import current_job, jobs_asked
 from ddp_hpc.errors import UserError
 
 Env = Mapping[str, str]
@@ -121,7 +121,7 @@ class ClusterEnvironment(ABC):
         node list, the PBS node file, a site's job: ``jobs.SchedulerJob.hosts``), or loopback."""
         if env.get("MASTER_ADDR", "").strip():
             return env["MASTER_ADDR"].strip()
-        for job in scheduler_jobs():
+        for job in jobs_asked(env):  # a malformed list: its UserError
             hosts = job.hosts(env)
             if hosts:
                 return with_suffix(hosts[0], host_suffix)

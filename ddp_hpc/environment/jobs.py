@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import lru_cache
 
 from ddp_hpc.environment.hosts import expand_nodelist, read_nodefile
@@ -113,9 +113,17 @@ def scheduler_jobs() -> tuple[SchedulerJob, ...]:
     return (*BUILT_IN_JOBS, *site_jobs())
 
 
+def jobs_asked(env: Env) -> Iterator[SchedulerJob]:
+    """The built-in jobs, then a site's: its entry points are read only where no built-in
+    job's id is here (a SLURM or PBS rank never imports a site's package)."""
+    yield from BUILT_IN_JOBS
+    if not any(job.job_id(env) for job in BUILT_IN_JOBS):
+        yield from site_jobs()
+
+
 def current_job(env: Env) -> tuple[SchedulerJob, str, str] | None:
     """``(job, variable, job id)`` of the scheduler job this process runs in, or None outside one."""
-    for job in scheduler_jobs():
+    for job in jobs_asked(env):
         found = job.job_id(env)
         if found:
             return job, *found
@@ -131,17 +139,17 @@ def end_time_variable(env: Env) -> str | None:
     """The variable that holds the allocation's end: the current job's first, then any job's
     (a step launched with a partial environment may keep the end time without the id)."""
     found = current_job(env)
-    ordered = ([found[0]] if found else []) + [job for job in scheduler_jobs() if not found or job is not found[0]]
+    ordered = ([found[0]] if found else []) + [job for job in jobs_asked(env) if not found or job is not found[0]]
     return next((name for job in ordered if (name := job.end_time_variable(env))), None)
 
 
 def job_hosts(env: Env) -> list[str]:
     """The hosts of the first job whose node list is here, in node order; [] when none is or
     it cannot be read (``resolve_env`` reports a malformed list)."""
-    for job in scheduler_jobs():
+    for job in jobs_asked(env):
         try:
             hosts = job.hosts(env)
-        except UserError:
+        except (UserError, OSError):
             return []
         if hosts:
             return hosts

@@ -25,10 +25,10 @@ def site_objects(group: str, kind: type[T], skip: Collection[str] = ()) -> tuple
             continue
         try:
             loaded = point.load()
-        except (ImportError, AttributeError) as exc:
+            obj = loaded() if isinstance(loaded, type) else loaded
+        except Exception as exc:  # noqa: BLE001 - a site's broken package must not end every rank
             log.warning("%s %s (%s) cannot be loaded, left out: %s", group, point.name, point.value, exc)
             continue
-        obj = loaded() if isinstance(loaded, type) else loaded
         if isinstance(obj, kind):
             found.append(obj)
         else:
