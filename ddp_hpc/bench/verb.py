@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_hpc.cli_args import positive_float
+from ddp_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -121,27 +122,25 @@ MODES: tuple[BenchMode, ...] = (
 )
 
 #: The old switches: ``--scale`` took the sizes, the others were on/off.
-_OLD_SWITCHES = {mode.old_switch: mode for mode in MODES if mode.old_switch}
+def _old_dest(mode: BenchMode) -> str:
+    """Where the old switch that chose ``mode`` on ``bench`` itself (``--mfu``) puts its value."""
+    return f"old_{mode.name.replace('-', '_')}"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ddp_hpc.bench.command import bench
 
-    given = [f"--{name.replace('_', '-')}" for name in ("mfu", "checkpoints", "goodput", "own_cpu")
-             if getattr(args, f"old_{name}", False)] + (["--scale"] if getattr(args, "old_scale", None) else [])
-    if args.bench_mode is not None and given:
-        from ddp_hpc.errors import UserError
-
-        raise UserError(f"bench {args.bench_mode}: {' and '.join(given)} choose(s) another benchmark: "
+    chosen = [mode for mode in MODES if mode.old_switch and getattr(args, _old_dest(mode), None)]
+    given = " and ".join(str(mode.old_switch) for mode in chosen)
+    if args.bench_mode is not None and chosen:
+        raise UserError(f"bench {args.bench_mode}: {given} choose(s) another benchmark: "
                         f"give the mode alone (bench {args.bench_mode} ...)")
-    if args.bench_mode is None and given:
-        mode = _OLD_SWITCHES[given[0]]
-        if len(given) > 1:
-            from ddp_hpc.errors import UserError
-
-            raise UserError(f"bench: {' and '.join(given)} each choose a benchmark: give one (bench {mode.name} ...)")
-        if mode.name == "scale":
-            args.scale = args.old_scale
+    if args.bench_mode is None and chosen:
+        mode = chosen[0]
+        if len(chosen) > 1:
+            raise UserError(f"bench: {given} each choose a benchmark: give one (bench {mode.name} ...)")
+        if mode.positional:  # --scale took the sizes
+            setattr(args, mode.positional[0], getattr(args, _old_dest(mode)))
         log.warning("ddp-hpc bench %s is now ddp-hpc bench %s (the same figures; the old spelling still works)",
                     mode.old_switch, mode.name)
         args.bench_mode = mode.name
@@ -194,10 +193,10 @@ def add_bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     for mode in MODES:
         _add_flags(bench, mode, old=True)
     bench.add_argument("--plot", default=None, help=argparse.SUPPRESS)
-    for name in ("mfu", "checkpoints", "goodput", "own-cpu"):
-        bench.add_argument(f"--{name}", dest=f"old_{name.replace('-', '_')}", action="store_true",
-                           help=argparse.SUPPRESS)
-    bench.add_argument("--scale", dest="old_scale", metavar="N,N,...", help=argparse.SUPPRESS)
+    for mode in MODES:  # the old switches: --scale took the sizes, the others were on/off
+        if mode.old_switch:
+            taking = {"metavar": mode.positional[1]} if mode.positional else {"action": "store_true"}
+            bench.add_argument(mode.old_switch, dest=_old_dest(mode), help=argparse.SUPPRESS, **taking)
     modes = bench.add_subparsers(dest="bench_mode", metavar="MODE", parser_class=type(bench))
     for mode in MODES:
         parser = modes.add_parser(mode.name, help=mode.help, description=mode.help, allow_abbrev=False)
