@@ -54,3 +54,43 @@ def test_even_links_pass_and_latency_or_a_floor_can_fail_them():
 def test_one_host_has_nothing_to_measure():
     assert format_links(plan_links(["vm"]), judge_links([]), 0.0) == \
         "links: nothing to measure: every rank runs on vm"
+
+
+class _TwoHostsSeenFromRankZero:
+    """What rank 0 of a 2-host job sees: it measures h1 -> h2, and the gather brings h2's
+    direction, measured at the same time from ``peer_mb_s`` (one value per try)."""
+
+    rank = 0
+    group_initialized = False
+    torch_device = "cpu"
+
+    def __init__(self, peer_mb_s: list[float]):
+        self.peer_mb_s = list(peer_mb_s)
+
+    def all_gather_object(self, mine):
+        return [mine, [LinkResult("h2", "h1", self.peer_mb_s.pop(0), 100.0)] if mine else []]
+
+
+def _measured(monkeypatch, peer_mb_s: list[float]):
+    from ddp_hpc.startup import links
+
+    tries = []
+    monkeypatch.setattr(links, "_measure_pair", lambda *_: tries.append(1) or (1000.0, 100.0))
+    plan, verdict, _ = links.measure_links(_TwoHostsSeenFromRankZero(peer_mb_s), ["h1", "h2"])
+    return verdict, len(tries)
+
+
+def test_a_link_slow_once_is_measured_again_and_only_one_slow_in_every_try_is_slow(monkeypatch):
+    from ddp_hpc.startup.links import CONFIRM_TRIES
+
+    # A burst of other work on h2 during the first try: the second finds the link fine.
+    verdict, tries = _measured(monkeypatch, [150.0, 950.0])
+    assert verdict.healthy and tries == 2
+    assert [(r.src, r.dst, r.bandwidth_mb_s) for r in verdict.results] == [("h1", "h2", 1000.0), ("h2", "h1", 950.0)]
+    # A rate-limited h2: slow in every try, named, after 1 + CONFIRM_TRIES tries.
+    verdict, tries = _measured(monkeypatch, [12.0, 14.0, 12.5][:1 + CONFIRM_TRIES])
+    assert not verdict.healthy and tries == 1 + CONFIRM_TRIES
+    assert [(r.src, r.dst) for r, _ in verdict.slow] == [("h2", "h1")]
+    assert verdict.slow[0][0].bandwidth_mb_s == 14.0  # the best of the tries
+    # A healthy first try is the only one.
+    assert _measured(monkeypatch, [990.0])[1] == 1

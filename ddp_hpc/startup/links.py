@@ -13,7 +13,10 @@ of ``message_bytes`` each way, the directions taking turns, each acknowledged by
 (bandwidth: the best round). A directed link
 is slow when its bandwidth is below ``SLOW_FRACTION`` of the median of all directed links
 (or below ``--min-bandwidth``), or its latency above ``1 / SLOW_FRACTION`` times the median
-and ``LATENCY_FLOOR_US``. A host that sends (or receives) on every slow link is named.
+and ``LATENCY_FLOOR_US``. A pair with a slow direction is measured again, up to
+``CONFIRM_TRIES`` times, each direction keeping its best bandwidth and latency of all tries:
+only a link slow in every try is slow (a burst of other work on a host slows one try; a bad
+cable or port slows all). A host that sends (or receives) on every slow link is named.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ DEFAULT_MESSAGE_BYTES = 4 << 20
 SLOW_FRACTION = 0.5
 #: Latency differences below this are noise between processes (scheduling), not links.
 LATENCY_FLOOR_US = 500.0
+#: How many more times a pair with a slow direction is measured before the link is called slow.
+CONFIRM_TRIES = 2
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class LinkPlan:
         per_pair = 2 * messages * self.message_bytes / 2**20
         return (f"{self.shape}: {len(self.pairs)} pair(s) of {len(self.hosts)} hosts, one after another; "
                 f"each pair {2 * LATENCY_ROUNDS} round trips and {per_pair:g} MiB ({messages} x "
-                f"{self.message_bytes / 2**20:g} MiB each way)")
+                f"{self.message_bytes / 2**20:g} MiB each way), a slow pair up to {CONFIRM_TRIES} more times")
 
 
 def plan_links(hosts: Sequence[str], message_bytes: int = DEFAULT_MESSAGE_BYTES) -> LinkPlan:
@@ -108,6 +113,18 @@ def judge_links(results: Sequence[LinkResult], min_bandwidth_mb_s: float | None 
         if reasons:
             slow.append((result, "; ".join(reasons)))
     return LinkVerdict(tuple(results), tuple(slow), _suspects([r for r, _ in slow]))
+
+
+def best_of(tries: Sequence[Sequence[LinkResult]]) -> list[LinkResult]:
+    """Each directed link once, with its best bandwidth and lowest latency over ``tries``
+    (in the order of its first appearance)."""
+    best: dict[tuple[str, str], LinkResult] = {}
+    for results in tries:
+        for r in results:
+            seen = best.get((r.src, r.dst))
+            best[(r.src, r.dst)] = r if seen is None else LinkResult(
+                r.src, r.dst, max(seen.bandwidth_mb_s, r.bandwidth_mb_s), min(seen.latency_us, r.latency_us))
+    return list(best.values())
 
 
 def _suspects(slow: Sequence[LinkResult]) -> tuple[str, ...]:
@@ -204,16 +221,13 @@ def _measure_pair(rank: int, a: int, b: int, message_bytes: int,
     return bandwidth, statistics.median(round_trips) / 2 * 1e6
 
 
-def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                  min_bandwidth_mb_s: float | None = None) -> tuple[LinkPlan, LinkVerdict, float]:
-    """Measure the plan's links (collective: every rank calls it); the verdict on every rank."""
+def _measure_pairs(ctx: DistContext, hosts: Sequence[str], leaders: Sequence[int],
+                   pairs: Sequence[tuple[int, int]], message_bytes: int) -> list[LinkResult]:
+    """Both directions of each pair, one pair at a time (collective); every rank gets all."""
     import torch.distributed as dist
 
-    hosts, leaders = host_leaders(hosts_by_rank)
-    plan = plan_links(hosts, message_bytes)
-    started = time.perf_counter()
     mine: list[LinkResult] = []
-    for a, b in plan.pairs:
+    for a, b in pairs:
         if ctx.rank in (leaders[a], leaders[b]):
             me, other = (a, b) if ctx.rank == leaders[a] else (b, a)
             bandwidth, latency = _measure_pair(ctx.rank, leaders[a], leaders[b], message_bytes,
@@ -221,8 +235,30 @@ def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_byt
             mine.append(LinkResult(hosts[me], hosts[other], bandwidth, latency))
         if ctx.group_initialized:
             dist.barrier()  # one link at a time
-    results = [r for per_rank in ctx.all_gather_object(mine) for r in per_rank]
+    return [r for per_rank in ctx.all_gather_object(mine) for r in per_rank]
+
+
+def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
+                  min_bandwidth_mb_s: float | None = None) -> tuple[LinkPlan, LinkVerdict, float]:
+    """Measure the plan's links (collective: every rank calls it); the verdict on every rank.
+
+    Pairs with a slow direction are measured again (up to ``CONFIRM_TRIES`` times), each
+    direction keeping its best of all tries; every rank derives the same pairs from the same
+    gathered results, so all take part in the same measurements.
+    """
+    hosts, leaders = host_leaders(hosts_by_rank)
+    plan = plan_links(hosts, message_bytes)
+    started = time.perf_counter()
+    tries = [_measure_pairs(ctx, hosts, leaders, plan.pairs, message_bytes)]
+    verdict = judge_links(best_of(tries), min_bandwidth_mb_s)
+    for _ in range(CONFIRM_TRIES):
+        if verdict.healthy:
+            break
+        slow_hosts = {frozenset((r.src, r.dst)) for r, _ in verdict.slow}
+        again = [(a, b) for a, b in plan.pairs if frozenset((hosts[a], hosts[b])) in slow_hosts]
+        tries.append(_measure_pairs(ctx, hosts, leaders, again, message_bytes))
+        verdict = judge_links(best_of(tries), min_bandwidth_mb_s)
     order = {(hosts[a], hosts[b]): i for i, (a, b) in enumerate(p for pair in plan.pairs
                                                                   for p in (pair, pair[::-1]))}
-    results.sort(key=lambda r: order[(r.src, r.dst)])
+    results = sorted(verdict.results, key=lambda r: order[(r.src, r.dst)])
     return plan, judge_links(results, min_bandwidth_mb_s), time.perf_counter() - started
