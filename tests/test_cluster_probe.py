@@ -18,7 +18,8 @@ import yaml
 from conftest import REPO, ddp_hpc_command, run
 from ddp_hpc.config_loader import ConfigError
 from ddp_hpc.schedulers.cluster.check import check_profile
-from ddp_hpc.schedulers.cluster.node import find_launcher, read_node
+from ddp_hpc.schedulers import registry
+from ddp_hpc.schedulers.cluster.node import read_node
 from ddp_hpc.schedulers.cluster.probe import probe, profile_text
 from ddp_hpc.schedulers.facts import ClusterFacts, Gpus, Partition, duration_s
 from ddp_hpc.schedulers.pbs import probe as pbs_probe
@@ -161,12 +162,13 @@ def test_a_compute_node_of_amd_gpus_and_a_fast_network(tmp_path):
 
 
 def test_launcher_flavours():
-    assert find_launcher("slurm", lambda a: None, lambda n: None).launcher is None
-    assert find_launcher("pbs", lambda a: None, lambda n: f"/usr/bin/{n}").launcher == "mpich"
+    slurm, pbs = registry.reader("slurm"), registry.reader("pbs")
+    assert slurm.find_launcher(lambda a: None, lambda n: None).launcher is None
+    assert pbs.find_launcher(lambda a: None, lambda n: f"/usr/bin/{n}").launcher == "mpich"
     plain = {"mpiexec": "/opt/cray/pals/1.2/bin/mpiexec"}
-    assert find_launcher("pbs", lambda a: "", plain.get).launcher == "pals"
+    assert pbs.find_launcher(lambda a: "", plain.get).launcher == "pals"
     openmpi = {"mpiexec": "/opt/openmpi-4.1/bin/mpiexec"}
-    assert find_launcher("pbs", lambda a: "mpiexec (OpenRTE) 4.1.4", openmpi.get).launcher == "openmpi"
+    assert pbs.find_launcher(lambda a: "mpiexec (OpenRTE) 4.1.4", openmpi.get).launcher == "openmpi"
 
 
 GPU_FACTS = ClusterFacts("slurm", "ddphpc", (
@@ -337,3 +339,16 @@ def test_which_for_local_needs_no_match(capsys):
     assert cmd_which(argparse.Namespace(scheduler="local")) == 0
     out = capsys.readouterr().out
     assert out.startswith("local (") and out.endswith("): local always uses it\n")
+
+
+def test_check_finds_the_profiles_mpi_among_several_installed_side_by_side():
+    """Debian installs MPICH and Open MPI side by side (mpiexec.mpich, mpiexec.openmpi): a
+    profile naming either fits; one whose MPI is not installed is named."""
+    both = {"mpiexec.mpich": "/usr/bin/mpiexec.mpich", "mpiexec.openmpi": "/usr/bin/mpiexec.openmpi"}.get
+    profile = ClusterProfile(scheduler="slurm", launcher="openmpi", ranks_per_node=1, queue="debug")
+    for launcher in ("openmpi", "mpich"):
+        assert check_profile(replace(profile, launcher=launcher), GPU_FACTS, walltime_s=60, which=both,
+                             runner=lambda argv: None).mismatches == ()
+    only_mpich = {"mpiexec.mpich": "/usr/bin/mpiexec.mpich", "mpiexec": "/usr/bin/mpiexec.mpich"}.get
+    assert check_profile(profile, GPU_FACTS, walltime_s=60, which=only_mpich, runner=lambda argv: None).mismatches \
+        == ("launcher: openmpi, but the mpiexec on PATH is not: mpiexec.mpich at /usr/bin/mpiexec.mpich",)

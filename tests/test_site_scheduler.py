@@ -222,3 +222,49 @@ def test_ddp_hpc_port_reads_a_site_job_s_id(tmp_path):
     refused = run([*ddp_hpc_command(), "port"], env=clean, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.strip().endswith(
         "no job id: give one, or run inside a job that sets $SLURM_JOB_ID or $PBS_JOBID"), refused.stderr
+
+
+FAKE_LSF_COMMANDS = {
+    "lsid": "IBM Spectrum LSF Standard 10.1.0.13\n\nMy cluster name is lsfcl\nMy master name is lsfmaster\n",
+    "bqueues": "normal 720\nlong 2880\n",
+    "bparams": "System default queues for automatic queue selection:\n    DEFAULT_QUEUE = normal\n",
+    "lshosts": "n1 64 4\nn2 64 4\n",
+    "mpiexec.openmpi": "",  # the launcher the profile names, on PATH (cluster check looks for it)
+    "mpirun": "",
+}
+
+
+def test_a_site_family_s_reader_probes_checks_and_picks_its_profile_without_cluster(tmp_path):
+    """The fake LSF family's ``ClusterReader`` (tests/data/site_scheduler/lsf_site/probe.py)
+    under ``cluster probe --scheduler lsf``, ``cluster check``, ``cluster which`` and ``render``
+    without ``--cluster``: the probed profile says what lsid, bqueues, bparams and lshosts
+    answered, checks clean against them, names a planted mismatch, and is picked by the
+    cluster's name; no file of ddp_hpc names LSF."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for command, output in FAKE_LSF_COMMANDS.items():
+        (bin_dir / command).write_text(f"#!/bin/sh\ncat <<'EOF'\n{output}EOF\n")
+        (bin_dir / command).chmod(0o755)
+    env = _site_env(bin_dir)
+    profile = tmp_path / "configs" / "clusters" / "lsfsite.yaml"
+    probed = run([*ddp_hpc_command(), "cluster", "probe", "--scheduler", "lsf", "--out", str(profile)], env=env,
+                 cwd=tmp_path)
+    assert probed.returncode == 0, probed.stderr
+    text = profile.read_text()
+    assert "from LSF's own\n# answers (lsid, bqueues, bparams -a, lshosts)" in text, text
+    for line in ("  cluster_name: lsfcl", "scheduler: lsf", "queue: normal", "ranks_per_node: 4",
+                 "devices_per_node: 4", "cpus_per_task: 16", "#   long: 2 nodes, 64 CPUs, ? MB, 4 x gpu, time limit 2880 min"):
+        assert f"\n{line}" in text, (line, text)
+    assert f"\nlauncher: openmpi  # mpirun at {bin_dir}/mpirun\n" in text, text
+
+    checked = run([*ddp_hpc_command(), "cluster", "check", "lsfsite", "--walltime", "13:00:00"], env=env, cwd=tmp_path)
+    assert checked.returncode == 2 and checked.stderr.splitlines() == \
+        ["ddp-hpc: cluster check: lsfsite: walltime: 13:00:00 is over queue normal's limit of 720 min"], checked.stderr
+    fits = run([*ddp_hpc_command(), "cluster", "check", "lsfsite", "--walltime", "2:00:00"], env=env, cwd=tmp_path)
+    assert fits.returncode == 0 and f"lsfsite ({profile}): fits this cluster" in fits.stdout, fits.stdout + fits.stderr
+
+    which = run([*ddp_hpc_command(), "cluster", "which", "--scheduler", "lsf"], env=env, cwd=tmp_path)
+    assert which.returncode == 0 and which.stdout.startswith(f"lsfsite ({profile}): ") \
+        and "lsfcl" in which.stdout, which.stdout + which.stderr
+    rendered = run([*ddp_hpc_command(), "render", "lsf", "--", "python", "train.py"], env=env, cwd=tmp_path)
+    assert rendered.returncode == 0 and "#BSUB -q normal\n" in rendered.stdout, rendered.stdout + rendered.stderr

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 from ddp_hpc.environment.jobs import SchedulerJob
+from ddp_hpc.schedulers.facts import ClusterReader
 from ddp_hpc.contract import ElementRecord, Submission, atomic_write  # noqa: F401  (the records live in contract/)
 from ddp_hpc.errors import UserError
 from ddp_hpc.specs.request import SubmitRequest, quote_command
@@ -302,6 +303,9 @@ class SchedulerFamily:
     #: rank side finds through the ``ddp_hpc.jobs`` entry points (``environment/jobs.py``);
     #: None for a family whose jobs are plain processes (local).
     job: SchedulerJob | None = None
+    #: How ``ddp-hpc cluster probe|check|which`` read its cluster (``schedulers/facts.py``);
+    #: None: no ``cluster`` verbs for it.
+    reader: ClusterReader | None = None
 
     def __post_init__(self) -> None:
         if not self.backends:

@@ -1,7 +1,8 @@
 """What a scheduler says about its cluster (``ddp-hpc cluster probe``), as frozen values.
 
-Each family reads its own commands (``slurm/probe.py``: sinfo, scontrol, sacctmgr;
-``pbs/probe.py``: qstat, pbsnodes) through one ``Runner``: the real one runs a read-only
+Each family reads its own commands through its ``ClusterReader`` (``slurm/probe.py``: sinfo,
+scontrol, sacctmgr; ``pbs/probe.py``: qstat, pbsnodes; a site's family its own), which its
+``SchedulerFamily.reader`` names, through one ``Runner``: the real one runs a read-only
 command and returns its output, or ``None`` where the command is missing or fails; the tests
 give a fake that answers from recorded outputs. What no command answered is a note, never a
 guessed value.
@@ -12,8 +13,10 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,49 @@ class ClusterFacts:
 
     def partition(self, name: str) -> Partition | None:
         return next((p for p in self.partitions if p.name == name), None)
+
+
+@dataclass(frozen=True)
+class LauncherFound:
+    launcher: str | None  # a profile's launcher name; None where none is on PATH
+    how: str  # what was found, for the profile's comment
+
+
+#: Where a program is on PATH (``shutil.which``), or None.
+Which = Callable[[str], "str | None"]
+
+
+class ClusterReader(ABC):
+    """What ``ddp-hpc cluster probe|check|which`` ask of one scheduler family, read-only: the
+    cluster's name, its partitions or queues and accounts, and the launcher on PATH. A
+    family's package names its reader in ``SchedulerFamily.reader``; a family without one has
+    no ``cluster`` verbs (``local``)."""
+
+    #: What the family calls a partition, in the lines the verbs print ("partition", "queue").
+    partition_word: ClassVar[str] = "queue"
+    #: The commands it asks, named in the first comment of a probed profile.
+    commands: ClassVar[str] = ""
+    #: The launcher a probed profile names where none was found on PATH.
+    usual_launcher: ClassVar[str] = "mpich"
+    #: The order in which the readers are asked which scheduler runs here, lowest first.
+    asked_at: ClassVar[int] = 100
+
+    @abstractmethod
+    def cluster_name(self, runner: Runner) -> str | None:
+        """The scheduler's name for its cluster (a profile's ``match.cluster_name``); None
+        where its commands do not answer."""
+
+    def answers(self, runner: Runner) -> bool:
+        """Whether this family's scheduler answers here (``cluster probe`` without ``--scheduler``)."""
+        return self.cluster_name(runner) is not None
+
+    @abstractmethod
+    def read_cluster(self, runner: Runner, user: str) -> ClusterFacts:
+        """Everything its query commands answer; what they do not is a note."""
+
+    @abstractmethod
+    def find_launcher(self, runner: Runner, which: Which) -> LauncherFound:
+        """The launcher a profile of this family names, from what is on PATH."""
 
 
 _DURATION = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(?:(\d+):)?(\d+)$")

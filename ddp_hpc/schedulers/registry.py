@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ddp_hpc.entry_points import Refused, load_entry_points
 from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers.base import RunOpt, Scheduler, SchedulerFamily
+from ddp_hpc.schedulers.facts import ClusterReader
 
 if TYPE_CHECKING:
     from ddp_hpc.specs.profiles import ClusterProfile
@@ -98,6 +99,22 @@ def check_profile_family(profile: ClusterProfile) -> None:
         raise UserError(f"cluster profile {profile.name!r} ({profile.path or 'no file'}): scheduler "
                         f"{profile.scheduler!r} is none of the families installed here: {', '.join(known)} (a site's "
                         f"family comes with its package, through the {GROUP} entry points)")
+
+
+def readers() -> dict[str, ClusterReader]:
+    """The families ``ddp-hpc cluster probe|check|which`` can read, by name, in the order they
+    are asked which scheduler runs here (``ClusterReader.asked_at``)."""
+    found = [(name, family.reader) for name, family in scheduler_families().items() if family.reader is not None]
+    return {name: reader for name, reader in sorted(found, key=lambda item: item[1].asked_at)}
+
+
+def reader(family: str) -> ClusterReader:
+    """The family's ``ClusterReader``; one line where it has none."""
+    found = readers()
+    if family not in found:
+        raise UserError(f"the {family!r} family has no cluster reader: `cluster probe` and `cluster check` read "
+                        f"{' and '.join(found) or 'none'} (a site's family gives its own: SchedulerFamily.reader)")
+    return found[family]
 
 
 def get_scheduler(name: str) -> Scheduler:

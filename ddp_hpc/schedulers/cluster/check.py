@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddp_hpc.launch.mpi import mpi_programs
-from ddp_hpc.schedulers.cluster.node import find_launcher
+from ddp_hpc.schedulers import registry
+from ddp_hpc.schedulers.cluster.node import find_mpiexec
 from ddp_hpc.schedulers.cluster.probe import gpu_kind
 from ddp_hpc.schedulers.facts import ClusterFacts, Runner, run_readonly
 from ddp_hpc.specs.profiles import ClusterProfile
@@ -31,7 +32,7 @@ def check_profile(profile: ClusterProfile, facts: ClusterFacts, *, walltime_s: i
                   which: Callable[[str], str | None] = shutil.which, runner: Runner = run_readonly) -> CheckResult:
     bad: list[str] = []
     notes: list[str] = list(facts.notes)
-    kind = "partition" if facts.scheduler == "slurm" else "queue"
+    kind = registry.reader(facts.scheduler).partition_word
     if profile.scheduler != facts.scheduler:
         bad.append(f"scheduler: the profile says {profile.scheduler}, this cluster answers as {facts.scheduler}")
     if profile.match and profile.match.cluster_name and facts.cluster_name \
@@ -52,7 +53,7 @@ def check_profile(profile: ClusterProfile, facts: ClusterFacts, *, walltime_s: i
     if programs and not any(which(p) for p in programs):
         bad.append(f"launcher: {profile.launcher} needs {' or '.join(programs)} on PATH; none is here")
     elif profile.launcher in mpi_programs():  # an mpiexec is here: is it this flavour's?
-        found = find_launcher("pbs", runner, which)
+        found = find_mpiexec(runner, which, flavour=profile.launcher)
         if found.launcher != profile.launcher:
             bad.append(f"launcher: {profile.launcher}, but the mpiexec on PATH is not: {found.how}")
     return CheckResult(tuple(bad), tuple(notes))

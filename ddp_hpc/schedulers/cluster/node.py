@@ -1,19 +1,19 @@
 """What the node itself says, where the probe runs on a compute node (inside a job): its GPUs
-(device files, no torch), its network interfaces and the default route's; and which launcher
-the PATH holds (srun, or mpiexec and its flavour)."""
+(device files, no torch), its network interfaces and the default route's; and which MPI the
+PATH holds (``find_mpiexec``: mpiexec and its flavour)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc.device import NVIDIA_TRACES
 from ddp_hpc.environment.jobs import current_job
-from ddp_hpc.schedulers.facts import Runner
+from ddp_hpc.schedulers.facts import LauncherFound, Runner, Which
 
 #: Interface names that are, by every site's convention, a high-speed network (Slingshot, InfiniBand).
 FAST_INTERFACE = re.compile(r"^(hsn|ib)\d+$")
@@ -59,21 +59,18 @@ def default_route(root: Path = Path("/")) -> str | None:
     return next((f[0] for f in (line.split() for line in lines) if len(f) > 2 and f[1] == "00000000"), None)
 
 
-@dataclass(frozen=True)
-class LauncherFound:
-    launcher: str | None  # a profile's launcher name; None where none is on PATH
-    how: str  # what was found, for the profile's comment
+#: Debian's names for each MPI installed side by side, and their flavour.
+SIDE_BY_SIDE = (("mpiexec.mpich", "mpich"), ("mpiexec.hydra", "mpich"), ("mpiexec.openmpi", "openmpi"))
 
 
-def find_launcher(family: str, runner: Runner, which: Callable[[str], str | None] = shutil.which) -> LauncherFound:
-    """srun under SLURM; under PBS the mpiexec on PATH and its flavour, from its --version."""
-    if family == "slurm":
-        path = which("srun")
-        return LauncherFound("srun" if path else None, f"srun at {path}" if path else "no srun on PATH")
-    for name, flavour in (("mpiexec.mpich", "mpich"), ("mpiexec.hydra", "mpich"), ("mpiexec.openmpi", "openmpi")):
+def find_mpiexec(runner: Runner, which: Which = shutil.which, flavour: str | None = None) -> LauncherFound:
+    """The MPI on PATH and its flavour: Debian's side-by-side names first (``flavour``'s
+    before the others, where one is asked for), then ``mpiexec`` and its ``--version``."""
+    names = sorted(SIDE_BY_SIDE, key=lambda pair: pair[1] != flavour)
+    for name, found in names:
         path = which(name)
-        if path:  # Debian's names for each MPI installed side by side
-            return LauncherFound(flavour, f"{name} at {path}")
+        if path:
+            return LauncherFound(found, f"{name} at {path}")
     path = which("mpiexec")
     if path is None:
         return LauncherFound(None, "no mpiexec on PATH")

@@ -1,23 +1,24 @@
 """``ddp-hpc cluster probe``: a commented cluster profile from the scheduler's answers.
 
-The family's commands say the partitions (``slurm/probe.py``, ``pbs/probe.py``), the node
-says its GPUs and interfaces where the probe runs inside a job (``node.py``). Every value
+The family's commands say the partitions (its ``ClusterReader``: ``slurm/probe.py``,
+``pbs/probe.py``, or a site family's), the node says its GPUs and interfaces where the probe
+runs inside a job (``node.py``). Every value
 written comes from an answer; what no command answered is a commented line that says so.
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc.errors import UserError
-from ddp_hpc.schedulers.cluster.node import LauncherFound, NodeFacts, find_launcher, in_job, read_node
-from ddp_hpc.schedulers.facts import ClusterFacts, Gpus, Partition, Runner
-from ddp_hpc.schedulers.pbs import probe as pbs_probe
-from ddp_hpc.schedulers.slurm import probe as slurm_probe
+from ddp_hpc.schedulers import registry
+from ddp_hpc.schedulers.cluster.node import NodeFacts, in_job, read_node
+from ddp_hpc.schedulers.facts import ClusterFacts, ClusterReader, Gpus, LauncherFound, Partition, Runner, Which
 
 #: GPU types as SLURM's GRES and PBS's gpu_type name them -> (device, backend, vendor). AMD's
 #: run torch's ROCm build, whose ``cuda`` device is HIP and whose ``nccl`` backend is RCCL.
@@ -28,9 +29,6 @@ GPU_KINDS: tuple[tuple[tuple[str, ...], tuple[str, str, str]], ...] = (
      ("cuda", "nccl", "AMD (torch's ROCm build: cuda is HIP, nccl is RCCL)")),
     (("pvc", "max1550", "max1100", "intel"), ("xpu", "xccl", "Intel")),
 )
-
-SCHEDULERS = ("slurm", "pbs")
-
 
 def gpu_kind(gpus: Gpus) -> tuple[str, str, str] | None:
     """(device, backend, vendor) of a GPU type, or None where the type is not named or not known."""
@@ -43,31 +41,32 @@ def gpu_kind(gpus: Gpus) -> tuple[str, str, str] | None:
 @dataclass(frozen=True)
 class Probe:
     facts: ClusterFacts
+    reader: ClusterReader
     launcher: LauncherFound
     node: NodeFacts | None  # None: the probe did not run inside a job
     host: str
 
 
 def detect_scheduler(runner: Runner) -> str:
-    if slurm_probe.cluster_name(runner) is not None:
-        return "slurm"
-    if runner(pbs_probe.QUEUES_ARGV) is not None:
-        return "pbs"
-    raise UserError("no scheduler answered (neither `scontrol show config` nor `qstat -Q -f`): run the probe on "
-                    "the cluster's login node, or give --scheduler slurm|pbs")
+    """The first family (``ClusterReader.asked_at``) whose scheduler answers here."""
+    readers = registry.readers()
+    for name, reader in readers.items():
+        if reader.answers(runner):
+            return name
+    raise UserError(f"no scheduler answered ({'; '.join(f'{name}: {r.commands}' for name, r in readers.items())}): run "
+                    f"the probe on the cluster's login node, or give --scheduler {'|'.join(readers)}")
 
 
 def probe(scheduler: str | None, runner: Runner, *, user: str, environ: Mapping[str, str],
-          root: Path = Path("/"), which: Callable[[str], str | None] | None = None,
-          host: str | None = None) -> Probe:
+          root: Path = Path("/"), which: Which = shutil.which, host: str | None = None) -> Probe:
     family = scheduler or detect_scheduler(runner)
-    facts = slurm_probe.read_cluster(runner, user) if family == "slurm" else pbs_probe.read_cluster(runner)
+    reader = registry.reader(family)
+    facts = reader.read_cluster(runner, user)
     if not facts.partitions:
-        raise UserError(f"{family}: no partition or queue answered ({'; '.join(facts.notes)}): is this the "
+        raise UserError(f"{family}: no {reader.partition_word} answered ({'; '.join(facts.notes)}): is this the "
                         f"cluster's login node?")
-    launcher = find_launcher(family, runner) if which is None else find_launcher(family, runner, which)
     node = read_node(root) if in_job(environ) else None
-    return Probe(facts, launcher, node, host or socket.gethostname())
+    return Probe(facts, reader, reader.find_launcher(runner, which), node, host or socket.gethostname())
 
 
 @dataclass(frozen=True)
@@ -111,10 +110,9 @@ def profile_text(found: Probe, *, when: float | None = None) -> str:
     """The profile as YAML with comments; ``yaml.safe_load`` reads it, ``load_profile`` checks it."""
     facts = found.facts
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when if when is not None else time.time()))
-    commands = ("scontrol show config, sinfo, sacctmgr show assoc" if facts.scheduler == "slurm" else
-                "qstat -B -f, qstat -Q -f, pbsnodes -a")
+    reader = found.reader
     lines = [f"# Written by `ddp-hpc cluster probe` on {found.host}, {stamp}, from {facts.scheduler.upper()}'s own",
-             f"# answers ({commands}). Check it against the cluster: ddp-hpc cluster check FILE",
+             f"# answers ({reader.commands}). Check it against the cluster: ddp-hpc cluster check FILE",
              "# Lines that start with '# not learned' name what no command answered: fill them in by hand."]
     if facts.cluster_name:
         lines += ["match:", f"  cluster_name: {facts.cluster_name}  # picked without --cluster where this name answers"]
@@ -126,13 +124,13 @@ def profile_text(found: Probe, *, when: float | None = None) -> str:
         lines.append(f"launcher: {found.launcher.launcher}  # {found.launcher.how}")
     else:
         lines += [f"# not learned: the launcher ({found.launcher.how}); one of srun, pals, mpich, openmpi",
-                  "launcher: srun" if facts.scheduler == "slurm" else "launcher: mpich"]
+                  f"launcher: {reader.usual_launcher}"]
         lines[-1] += "  # NOT FOUND on this PATH: the family's usual one, check it"
     lines.append("# partitions and queues: nodes, CPUs per node, memory per node, GPUs per node, time limit")
     lines += [_partition_line(p) for p in facts.partitions]
     chosen = facts.default_partition
     if chosen is None:
-        lines.append(f"# not learned: the default {'partition' if facts.scheduler == 'slurm' else 'queue'}; "
+        lines.append(f"# not learned: the default {reader.partition_word}; "
                      f"set queue: to one of {', '.join(p.name for p in facts.partitions)}")
         chosen = facts.partitions[0]
         lines.append(f"# the node shape below is queue {chosen.name}'s")
@@ -184,8 +182,8 @@ def _account_lines(facts: ClusterFacts) -> list[str]:
 
 def _node_lines(node: NodeFacts | None) -> list[str]:
     if node is None:
-        return ["# not learned: the node's own GPUs and network interfaces (the probe ran outside a job); run it on a",
-                "# compute node to learn them, e.g. srun -N1 ddp-hpc cluster probe --out FILE"]
+        return ["# not learned: the node's own GPUs and network interfaces (the probe ran outside a job); run it in a",
+                "# one-node job to learn them (SLURM: srun -N1 ddp-hpc cluster probe --out FILE)"]
     lines = [f"# this compute node: {node.nvidia_gpus} NVIDIA and {node.amd_gpus} AMD GPUs seen; interfaces "
              f"{', '.join(node.interfaces) or 'none'}; default route via {node.default_route or 'none'}"]
     if node.fast_interface is None:

@@ -15,24 +15,17 @@ import yaml
 from ddp_hpc.cli_args import Parser
 from ddp_hpc.config_loader import ConfigError, build
 from ddp_hpc.contract import ExitStatus, atomic_write
-from ddp_hpc.errors import UserError
 from ddp_hpc.schedulers import registry
 from ddp_hpc.schedulers.cluster.check import check_profile
 from ddp_hpc.schedulers.cluster.probe import probe, profile_text
 from ddp_hpc.schedulers.cluster.which import this_machine
 from ddp_hpc.schedulers.facts import ClusterFacts, run_readonly
-from ddp_hpc.schedulers.pbs import probe as pbs_probe
-from ddp_hpc.schedulers.slurm import probe as slurm_probe
 from ddp_hpc.specs.profiles import ClusterProfile, find_profile, load_profile, matching_profiles
 from ddp_hpc.specs.request import parse_walltime
 
 
 def read_facts(family: str) -> ClusterFacts:
-    if family == "slurm":
-        return slurm_probe.read_cluster(run_readonly, getpass.getuser())
-    if family == "pbs":
-        return pbs_probe.read_cluster(run_readonly)
-    raise UserError(f"cluster check: a {family!r} profile has no scheduler to check it against (slurm or pbs)")
+    return registry.reader(family).read_cluster(run_readonly, getpass.getuser())
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -89,7 +82,7 @@ def add_cluster_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     probe = steps.add_parser("probe", parents=[common],
                              help="ask the scheduler (and, inside a job, the node) and write a commented profile; "
                                   "read-only, submits nothing")
-    probe.add_argument("--scheduler", choices=("slurm", "pbs"), help="default: the one that answers")
+    probe.add_argument("--scheduler", choices=tuple(registry.readers()), help="default: the one that answers")
     probe.add_argument("--out", metavar="FILE", help="the profile to write (default: stdout), e.g. "
                                                      "configs/clusters/NAME.yaml")
     probe.set_defaults(func=cmd_probe)

@@ -4,9 +4,10 @@
 
 from ddp_hpc.environment.jobs import PbsJob
 from ddp_hpc.schedulers.base import SchedulerFamily
+from ddp_hpc.schedulers.pbs.probe import PbsReader
 from ddp_hpc.schedulers.pbs.backend import PbsScheduler
 
 #: The family, as pyproject.toml registers it (``ddp_hpc.schedulers`` entry points).
-FAMILY = SchedulerFamily("pbs", (PbsScheduler,), listed_at=10, job=PbsJob())
+FAMILY = SchedulerFamily("pbs", (PbsScheduler,), listed_at=10, job=PbsJob(), reader=PbsReader())
 
 __all__ = ["FAMILY", "PbsScheduler"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 
-from ddp_hpc.schedulers.facts import ClusterFacts, Gpus, Partition, Runner, duration_s
+from ddp_hpc.schedulers.cluster.node import find_mpiexec
+from ddp_hpc.schedulers.facts import ClusterFacts, ClusterReader, Gpus, LauncherFound, Partition, Runner, Which, duration_s
 
 SERVER_ARGV = ("qstat", "-B", "-f")
 QUEUES_ARGV = ("qstat", "-Q", "-f")
@@ -91,3 +92,23 @@ def read_cluster(runner: Runner) -> ClusterFacts:
             time_limit_s=duration_s(limit) if limit else None, time_limit=limit, default=queue == default_queue))
     notes.append("accounts: PBS has no query for the projects a user may charge")
     return ClusterFacts("pbs", name, tuple(partitions), None, tuple(notes))
+
+
+class PbsReader(ClusterReader):
+    """PBS's answers (PBS Pro's qstat and pbsnodes, or Slurm's PBS wrappers as far as they go)."""
+
+    commands = "qstat -B -f, qstat -Q -f, pbsnodes -a"
+    usual_launcher = "mpich"
+    asked_at = 20
+
+    def cluster_name(self, runner: Runner) -> str | None:
+        return server_name(runner)
+
+    def answers(self, runner: Runner) -> bool:
+        return runner(QUEUES_ARGV) is not None  # Slurm's wrappers answer no server query
+
+    def read_cluster(self, runner: Runner, user: str) -> ClusterFacts:
+        return read_cluster(runner)
+
+    def find_launcher(self, runner: Runner, which: Which) -> LauncherFound:
+        return find_mpiexec(runner, which)

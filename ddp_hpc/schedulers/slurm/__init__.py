@@ -7,11 +7,13 @@ scontrol, squeue and the exit file. The array element id is ``contract/slurm_job
 
 from ddp_hpc.environment.jobs import SlurmJob
 from ddp_hpc.schedulers.base import SchedulerFamily
+from ddp_hpc.schedulers.slurm.probe import SlurmReader
 from ddp_hpc.schedulers.slurm.sbatch import SbatchScheduler
 from ddp_hpc.schedulers.slurm.submitit_backend import SubmititScheduler
 
 #: The family, as pyproject.toml registers it (``ddp_hpc.schedulers`` entry points): submitit
 #: by default, sbatch where a batch script is rendered or ``--sbatch`` given.
-FAMILY = SchedulerFamily("slurm", (SubmititScheduler, SbatchScheduler), listed_at=20, job=SlurmJob())
+FAMILY = SchedulerFamily("slurm", (SubmititScheduler, SbatchScheduler), listed_at=20, job=SlurmJob(),
+                         reader=SlurmReader())
 
 __all__ = ["FAMILY", "SbatchScheduler", "SubmititScheduler"]

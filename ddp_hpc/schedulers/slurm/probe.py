@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ddp_hpc.schedulers.facts import ClusterFacts, Gpus, Partition, Runner, duration_s
+from ddp_hpc.schedulers.facts import ClusterFacts, ClusterReader, Gpus, LauncherFound, Partition, Runner, Which, duration_s
 
 #: One line per partition and node configuration: name (``*`` marks the default), nodes,
 #: CPUs per node, memory per node (MB), GRES, time limit.
@@ -106,3 +106,22 @@ def read_cluster(runner: Runner, user: str) -> ClusterFacts:
     elif not accounts:
         notes.append(f"accounts: `sacctmgr` lists no association for user {user}")
     return ClusterFacts("slurm", name, partitions, accounts or None, tuple(notes))
+
+
+class SlurmReader(ClusterReader):
+    """SLURM's answers to ``ddp-hpc cluster probe|check|which``."""
+
+    partition_word = "partition"
+    commands = "scontrol show config, sinfo, sacctmgr show assoc"
+    usual_launcher = "srun"
+    asked_at = 10  # before PBS: Slurm's PBS wrappers (slurm-wlm-torque) answer qstat too
+
+    def cluster_name(self, runner: Runner) -> str | None:
+        return cluster_name(runner)
+
+    def read_cluster(self, runner: Runner, user: str) -> ClusterFacts:
+        return read_cluster(runner, user)
+
+    def find_launcher(self, runner: Runner, which: Which) -> LauncherFound:
+        path = which("srun")
+        return LauncherFound("srun" if path else None, f"srun at {path}" if path else "no srun on PATH")
