@@ -89,3 +89,27 @@ def test_the_recoverys_heartbeat_is_the_watchdogs_and_still_breaks_a_group_older
         recovery.close()
     assert heartbeat_threads() == threads
     assert not dist.is_initialized()
+
+
+def test_in_job_recovery_built_with_start_false_does_nothing_until_it_is_started():
+    """``InJobRecovery(..., start=False)`` reads its settings only: no group, no store
+    connection, no heartbeat; ``start()`` forms the group and starts the heartbeat, once."""
+    from ddp_hpc.contract import RECOVERY_STORE_VAR
+    from ddp_hpc.engine.recovery import InJobRecovery
+    from ddp_hpc.engine.recovery import store as keys
+
+    launch = keys.LaunchStore()
+    threads = heartbeat_threads()
+    recovery = InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1", RECOVERY_STORE_VAR: launch.address},
+                             heartbeat_s=0.05, start=False)
+    try:
+        assert recovery.enabled and recovery.slot == 0 and recovery.heartbeat is None
+        assert not dist.is_initialized() and heartbeat_threads() == threads
+        assert recovery.start() is recovery
+        assert dist.is_initialized() and heartbeat_threads() == threads + 1
+        heartbeat = recovery.heartbeat
+        assert recovery.start() is recovery and recovery.heartbeat is heartbeat  # once per object
+        assert heartbeat_threads() == threads + 1
+    finally:
+        recovery.close()
+    assert not dist.is_initialized() and heartbeat_threads() == threads

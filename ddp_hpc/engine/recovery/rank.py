@@ -128,20 +128,21 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
     ``snapshot_every`` steps (default ``$DDP_HPC_SNAPSHOT_EVERY``, else 1) each rank copies its
     shards to node-local memory and to ``snapshot_replicas - 1`` buddies ``snapshot_distance``
     ranks away (default: ``LOCAL_WORLD_SIZE``, the next host).
+
+    The constructor reads its settings and refuses what cannot run; ``start`` (called by the
+    constructor unless ``start=False``, else by ``run``) does the I/O: the group, the
+    launch's store, a spare's wait and the heartbeat.
     """
 
     def __init__(self, backend: str = "gloo", *, run_dir: str | os.PathLike[str] | None = None,
                  ddp_kwargs: Mapping[str, Any] | None = None, collective_timeout_s: float = 300.0,
                  heartbeat_s: float = 0.25, snapshot_every: int | None = None,
                  snapshot_replicas: int = DEFAULT_REPLICAS, snapshot_distance: int | None = None,
-                 environ: Mapping[str, str] | None = None, group_start: GroupStart | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, group_start: GroupStart | None = None,
+                 start: bool = True) -> None:
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
         self.slot = int(env.get("RANK", "0"))
-        if (why := group_refusal()) is not None:
-            # Ended first: left to the interpreter's exit, a live gloo group can abort the process.
-            dist.destroy_process_group()
-            raise RefusedOnRank(why, self.slot)
         self.enabled = env.get(RECOVERY_STORE_VAR) is not None
         self.snapshot_every = snapshot_cadence(snapshot_every, env, self.slot)
         self._snapshot_replicas = snapshot_replicas
@@ -203,27 +204,46 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         #: The slots of the group formed last (its members' heartbeats are the ones a watchdog reads).
         self._slots: tuple[int, ...] = tuple(range(self._launch_world_size))
         self._heartbeat: Heartbeat | None = None
+        self._heartbeat_s = heartbeat_s
+        self._address: str | None = address
+        self._store: dist.Store | None = None
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> InJobRecovery:
+        """Form this rank's process group (the constructor's ``start=True`` calls it; with
+        ``start=False`` the constructor only reads its settings, and ``start()`` or ``run`` does
+        this): without ``--recover``, through the rendezvous, as ``dist.init_process_group``
+        would; under it, connect to the launch's store, wait there as a spare until a lost rank's
+        place is given (``slot`` is then that rank's), form the newest group and start the
+        heartbeat. Once per object; returns it."""
+        if self._started:
+            return self
+        self._started = True
+        env = os.environ if self._environ is None else self._environ
+        if (why := group_refusal()) is not None:
+            # Ended first: left to the interpreter's exit, a live gloo group can abort the process.
+            dist.destroy_process_group()
+            raise RefusedOnRank(why, self.slot)
+        address = self._address
         if address is None:
             log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
                         "the job and the launcher restarts it in place")
-            dist_env = resolve_env(env)
-            start_through_rendezvous(self._settings(), dist_env, env,
+            start_through_rendezvous(self._settings(), resolve_env(env), env,
                                      parse_timeout(env.get(RENDEZVOUS_TIMEOUT_VAR),
                                                    DistributedOptions().rendezvous_timeout_s))
-            self._store: dist.Store | None = None
-            self._address: str | None = None
-            return
-        self._address = address
+            return self
         self._store = keys.connect(address, self.wait_s)
         spare = env.get(RECOVERY_SPARE_VAR)
         if spare is not None:
             self.slot = self._wait_as_spare(spare)
             self.generation = int(self._store.get(keys.LATEST_KEY))
             places = spare_places(env, self.slot)
-            if environ is None:  # from here on this process is the rank it replaces, to the script too
+            if self._environ is None:  # from here on this process is the rank it replaces, to the script too
                 os.environ.update(places)
             else:
-                self._environ = {**environ, **places}
+                self._environ = {**self._environ, **places}
             if self._group_start is not None:  # decided before it had a place: the device moves with it
                 self._group_start = self._group_start.for_local_rank(int(places["LOCAL_RANK"]),
                                                                      self._local_world_size or 1, self._environ)
@@ -233,7 +253,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
             self._form(0, None)
         # The rank's one heartbeat (liveness.Heartbeat): the launch's hang detector reads it, a
         # watchdog given it (``heartbeat``) reports through it, and each beat looks for a newer plan.
-        self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, heartbeat_s,
+        self._heartbeat = keys.heartbeat(address, self.slot, lambda: self._slots, self._on_beat, self._heartbeat_s,
                                          self.wait_s)
         self._heartbeat.start()
         # Stopped before the interpreter (or the script runner) ends the group: a beat thread
@@ -241,6 +261,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         # seen after a one-line refusal raised by another part, which reads as a lost rank).
         atexit.register(self._heartbeat.stop, self.wait_s)
         self._store.set(keys.ready_key(self.slot), "1")
+        return self
 
     # ----- the user's loop --------------------------------------------------------------
 
@@ -278,6 +299,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         ids, a communication hook) should keep ``find_unused_parameters=True`` for the
         reason given in the class's ``__init__``.
         """
+        self.start()
         sharded = is_sharded(model)
         why = (sharded_run_refusal(model, optimizer, wrap)
                or run_refusal(model, checkpointer, shrinks=self.enabled and self._shrinks))
