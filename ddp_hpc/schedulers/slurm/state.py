@@ -98,6 +98,8 @@ class SlurmJobs:
     name, a job's state, an array element's id, and cancelling."""
 
     launchers = ("srun", "torchrun")
+    #: The profile launchers that start one torchrun per node (the rest: srun per rank).
+    per_node = ("torchrun",)
     #: Accepted in a SLURM profile, but never rendered: srun starts the ranks (said in one line).
     srun_instead = ("mpich", "openmpi")
 
@@ -118,7 +120,7 @@ class SlurmJobs:
     @staticmethod
     def torchrun_per_node(request: SubmitRequest) -> bool:
         """One torchrun per node (``--torchrun``, or the profile's ``launcher: torchrun``)."""
-        return request.torchrun_per_node or request.profile.launcher == "torchrun"
+        return request.torchrun_per_node or request.profile.launcher in SlurmJobs.per_node
 
     def cancel_jobs(self, job_ids: Sequence[str]) -> None:
         run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")
