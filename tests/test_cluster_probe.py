@@ -352,3 +352,17 @@ def test_check_finds_the_profiles_mpi_among_several_installed_side_by_side():
     only_mpich = {"mpiexec.mpich": "/usr/bin/mpiexec.mpich", "mpiexec": "/usr/bin/mpiexec.mpich"}.get
     assert check_profile(profile, GPU_FACTS, walltime_s=60, which=only_mpich, runner=lambda argv: None).mismatches \
         == ("launcher: openmpi, but the mpiexec on PATH is not: mpiexec.mpich at /usr/bin/mpiexec.mpich",)
+
+
+def test_where_slurm_and_its_pbs_wrappers_both_answer_slurm_is_the_scheduler():
+    """Slurm's PBS wrappers answer ``qstat`` on a SLURM cluster: the probe and ``which`` take
+    SLURM (its reader is asked first), and a PBS server alone is PBS."""
+    from ddp_hpc.schedulers.cluster.probe import detect_scheduler
+    from ddp_hpc.schedulers.cluster.which import this_machine
+
+    both = recorded(**TEST_CLUSTER, **WRAPPERS)
+    assert both(("scontrol", "show", "config")) and both(("qstat", "-Q", "-f")) is not None
+    assert detect_scheduler(both) == "slurm"
+    assert this_machine(both, hostname="login1").scheduler == "slurm"
+    pbs_alone = recorded(**PBS_PRO)
+    assert detect_scheduler(pbs_alone) == "pbs" and this_machine(pbs_alone, hostname="x").scheduler == "pbs"

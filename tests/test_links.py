@@ -3,6 +3,8 @@ which host is named. The measurement across real hosts: tests/test_multihost.py.
 
 from __future__ import annotations
 
+import pytest
+
 from ddp_hpc.startup.links import (ALL_PAIRS_MAX_HOSTS, LinkResult, format_links, host_leaders, judge_links,
                            plan_links)
 
@@ -56,27 +58,30 @@ def test_one_host_has_nothing_to_measure():
         "links: nothing to measure: every rank runs on vm"
 
 
-class _TwoHostsSeenFromRankZero:
-    """What rank 0 of a 2-host job sees: it measures h1 -> h2, and the gather brings h2's
-    direction, measured at the same time from ``peer_mb_s`` (one value per try)."""
+class _SeenFromOneRank:
+    """One rank of a job whose gather brings the other ranks' measurements of each try
+    (``others``: one list of ``LinkResult`` per try) beside this rank's own."""
 
-    rank = 0
     group_initialized = False
     torch_device = "cpu"
 
-    def __init__(self, peer_mb_s: list[float]):
-        self.peer_mb_s = list(peer_mb_s)
+    def __init__(self, rank: int, others: list[list[LinkResult]]):
+        self.rank, self.others, self.gathers = rank, list(others), 0
 
     def all_gather_object(self, mine):
-        return [mine, [LinkResult("h2", "h1", self.peer_mb_s.pop(0), 100.0)] if mine else []]
+        self.gathers += 1
+        return [mine, self.others.pop(0)]
 
 
 def _measured(monkeypatch, peer_mb_s: list[float]):
+    """Rank 0 of 2 hosts: it measures h1 -> h2 (1000 MB/s each try); h2 -> h1 comes from ``peer_mb_s``."""
     from ddp_hpc.startup import links
 
     tries = []
     monkeypatch.setattr(links, "_measure_pair", lambda *_: tries.append(1) or (1000.0, 100.0))
-    plan, verdict, _ = links.measure_links(_TwoHostsSeenFromRankZero(peer_mb_s), ["h1", "h2"])
+    ctx = _SeenFromOneRank(0, [[LinkResult("h2", "h1", mb_s, 100.0)] for mb_s in peer_mb_s])
+    plan, verdict, _ = links.measure_links(ctx, ["h1", "h2"])
+    assert ctx.gathers == len(tries)  # one gather per try
     return verdict, len(tries)
 
 
@@ -94,3 +99,22 @@ def test_a_link_slow_once_is_measured_again_and_only_one_slow_in_every_try_is_sl
     assert verdict.slow[0][0].bandwidth_mb_s == 14.0  # the best of the tries
     # A healthy first try is the only one.
     assert _measured(monkeypatch, [990.0])[1] == 1
+
+
+def test_a_rank_that_measures_nothing_takes_part_in_every_try_and_a_link_fine_once_stays_fine(monkeypatch):
+    """Rank 1 of 3 hosts (h1 has ranks 0 and 1: rank 1 leads no host) measures nothing and
+    still joins every try's gather: h3's sends are slow in try 1, fine in try 2. In try 2 the
+    fast links raise the median above the h1 <-> h2 links measured once: those stay fine."""
+    from ddp_hpc.startup import links
+
+    monkeypatch.setattr(links, "_measure_pair", lambda *_: pytest.fail("rank 1 measures no link"))
+    first = [link("h1", "h2", 600), link("h2", "h1", 600), link("h1", "h3", 1000), link("h3", "h1", 100),
+             link("h2", "h3", 1000), link("h3", "h2", 100)]
+    second = [link("h1", "h3", 1500), link("h3", "h1", 1500), link("h2", "h3", 1500), link("h3", "h2", 1500)]
+    ctx = _SeenFromOneRank(1, [first, second])
+    plan, verdict, _ = links.measure_links(ctx, ["h1", "h1", "h2", "h3"])
+    assert ctx.gathers == 2 and verdict.healthy, verdict.slow
+    assert [(r.src, r.dst, r.bandwidth_mb_s) for r in verdict.results] == [
+        ("h1", "h2", 600), ("h2", "h1", 600), ("h1", "h3", 1500), ("h3", "h1", 1500), ("h2", "h3", 1500),
+        ("h3", "h2", 1500)]
+    assert not judge_links(verdict.results).healthy  # judged afresh, 600 is under half the median 1500

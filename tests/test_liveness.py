@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 
@@ -113,3 +114,32 @@ def test_in_job_recovery_built_with_start_false_does_nothing_until_it_is_started
     finally:
         recovery.close()
     assert not dist.is_initialized() and heartbeat_threads() == threads
+
+
+def test_a_start_that_failed_raises_again_and_close_leaves_a_group_it_did_not_form():
+    """A start that could not reach the launch's store raises the same error on the next
+    ``start()`` (``run`` cannot go on without a group); ``close()`` of an object never
+    started ends no process group of someone else's."""
+    import socket
+
+    from ddp_hpc.contract import RECOVERY_STORE_VAR, RECOVERY_WAIT_VAR
+    from ddp_hpc.engine.recovery import InJobRecovery
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{unused.getsockname()[1]}"
+    environ = {"RANK": "0", "WORLD_SIZE": "1", RECOVERY_STORE_VAR: nobody, RECOVERY_WAIT_VAR: "1"}
+    recovery = InJobRecovery("gloo", environ=environ, start=False)
+    with pytest.raises(Exception) as first:
+        recovery.start()
+    with pytest.raises(Exception) as again:
+        recovery.start()
+    assert again.value is first.value and not dist.is_initialized()
+
+    never_started = InJobRecovery("gloo", environ={"RANK": "0", "WORLD_SIZE": "1"}, start=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        never_started.close()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

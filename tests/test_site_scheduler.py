@@ -232,6 +232,9 @@ FAKE_LSF_COMMANDS = {
     "mpiexec.openmpi": "",  # the launcher the profile names, on PATH (cluster check looks for it)
     "mpirun": "",
 }
+#: The SLURM test cluster's and Slurm's PBS wrappers' query commands, where the suite runs,
+#: answer nothing here: this is an LSF cluster.
+NOT_HERE = ("scontrol", "sinfo", "qstat", "pbsnodes")
 
 
 def test_a_site_family_s_reader_probes_checks_and_picks_its_profile_without_cluster(tmp_path):
@@ -244,6 +247,9 @@ def test_a_site_family_s_reader_probes_checks_and_picks_its_profile_without_clus
     bin_dir.mkdir()
     for command, output in FAKE_LSF_COMMANDS.items():
         (bin_dir / command).write_text(f"#!/bin/sh\ncat <<'EOF'\n{output}EOF\n")
+        (bin_dir / command).chmod(0o755)
+    for command in NOT_HERE:
+        (bin_dir / command).write_text("#!/bin/sh\nexit 1\n")
         (bin_dir / command).chmod(0o755)
     env = _site_env(bin_dir)
     profile = tmp_path / "configs" / "clusters" / "lsfsite.yaml"

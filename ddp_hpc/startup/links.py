@@ -251,14 +251,23 @@ def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_byt
     started = time.perf_counter()
     tries = [_measure_pairs(ctx, hosts, leaders, plan.pairs, message_bytes)]
     verdict = judge_links(best_of(tries), min_bandwidth_mb_s)
+    #: Links judged fine once: a median raised by a link measured again does not make them slow.
+    fine = {(r.src, r.dst) for r in verdict.results} - {(r.src, r.dst) for r, _ in verdict.slow}
     for _ in range(CONFIRM_TRIES):
         if verdict.healthy:
             break
         slow_hosts = {frozenset((r.src, r.dst)) for r, _ in verdict.slow}
         again = [(a, b) for a, b in plan.pairs if frozenset((hosts[a], hosts[b])) in slow_hosts]
         tries.append(_measure_pairs(ctx, hosts, leaders, again, message_bytes))
-        verdict = judge_links(best_of(tries), min_bandwidth_mb_s)
+        verdict = _slow_in_every_try(judge_links(best_of(tries), min_bandwidth_mb_s), fine)
+        fine |= {(r.src, r.dst) for r in verdict.results} - {(r.src, r.dst) for r, _ in verdict.slow}
     order = {(hosts[a], hosts[b]): i for i, (a, b) in enumerate(p for pair in plan.pairs
                                                                   for p in (pair, pair[::-1]))}
     results = sorted(verdict.results, key=lambda r: order[(r.src, r.dst)])
-    return plan, judge_links(results, min_bandwidth_mb_s), time.perf_counter() - started
+    slow = sorted(verdict.slow, key=lambda item: order[(item[0].src, item[0].dst)])
+    return plan, LinkVerdict(tuple(results), tuple(slow), verdict.suspects), time.perf_counter() - started
+
+
+def _slow_in_every_try(verdict: LinkVerdict, fine: set[tuple[str, str]]) -> LinkVerdict:
+    slow = tuple((r, why) for r, why in verdict.slow if (r.src, r.dst) not in fine)
+    return LinkVerdict(verdict.results, slow, _suspects([r for r, _ in slow]))

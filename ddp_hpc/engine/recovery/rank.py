@@ -143,6 +143,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         env = os.environ if environ is None else environ
         self.backend, self.run_dir = backend, Path(run_dir) if run_dir is not None else None
         self.slot = int(env.get("RANK", "0"))
+        self._refuse_a_group_started_before()
         self.enabled = env.get(RECOVERY_STORE_VAR) is not None
         self.snapshot_every = snapshot_cadence(snapshot_every, env, self.slot)
         self._snapshot_replicas = snapshot_replicas
@@ -207,9 +208,17 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         self._heartbeat_s = heartbeat_s
         self._address: str | None = address
         self._store: dist.Store | None = None
-        self._started = False
+        #: ``start`` was called (and may have formed a group), and it ended without an error.
+        self._start_called = self._started = False
+        self._start_error: BaseException | None = None
         if start:
             self.start()
+
+    def _refuse_a_group_started_before(self) -> None:
+        if (why := group_refusal()) is not None:
+            # Ended first: left to the interpreter's exit, a live gloo group can abort the process.
+            dist.destroy_process_group()
+            raise RefusedOnRank(why, self.slot)
 
     def start(self) -> InJobRecovery:
         """Form this rank's process group (the constructor's ``start=True`` calls it; with
@@ -217,15 +226,25 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         this): without ``--recover``, through the rendezvous, as ``dist.init_process_group``
         would; under it, connect to the launch's store, wait there as a spare until a lost rank's
         place is given (``slot`` is then that rank's), form the newest group and start the
-        heartbeat. Once per object; returns it."""
+        heartbeat. Once per object; returns it. Until it returns, a spare's ``slot`` and
+        ``joining`` are those it was started with; a start that failed raises the same error
+        again (what it formed is not formed twice)."""
         if self._started:
             return self
+        if self._start_error is not None:
+            raise self._start_error
+        self._start_called = True
+        try:
+            self._start()
+        except BaseException as exc:
+            self._start_error = exc
+            raise
         self._started = True
+        return self
+
+    def _start(self) -> None:
         env = os.environ if self._environ is None else self._environ
-        if (why := group_refusal()) is not None:
-            # Ended first: left to the interpreter's exit, a live gloo group can abort the process.
-            dist.destroy_process_group()
-            raise RefusedOnRank(why, self.slot)
+        self._refuse_a_group_started_before()
         address = self._address
         if address is None:
             log.warning("in-job recovery is off (not started by `ddp-hpc launch --recover`): a lost rank ends "
@@ -233,7 +252,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
             start_through_rendezvous(self._settings(), resolve_env(env), env,
                                      parse_timeout(env.get(RENDEZVOUS_TIMEOUT_VAR),
                                                    DistributedOptions().rendezvous_timeout_s))
-            return self
+            return
         self._store = keys.connect(address, self.wait_s)
         spare = env.get(RECOVERY_SPARE_VAR)
         if spare is not None:
@@ -261,7 +280,6 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         # seen after a one-line refusal raised by another part, which reads as a lost rank).
         atexit.register(self._heartbeat.stop, self.wait_s)
         self._store.set(keys.ready_key(self.slot), "1")
-        return self
 
     # ----- the user's loop --------------------------------------------------------------
 
@@ -415,7 +433,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
             self._store.delete_key(keys.ready_key(self.slot))
         if self._heartbeat is not None:  # not left inside a store call when the interpreter ends
             self._heartbeat.stop(timeout_s=self.wait_s)
-        if dist.is_initialized():
+        if self._start_called and dist.is_initialized():  # a group it formed, not one of before
             dist.destroy_process_group()
 
     # ----- forming a group --------------------------------------------------------------

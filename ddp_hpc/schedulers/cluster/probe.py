@@ -45,6 +45,8 @@ class Probe:
     launcher: LauncherFound
     node: NodeFacts | None  # None: the probe did not run inside a job
     host: str
+    #: The launchers a profile of this family may name (its backends').
+    launchers: tuple[str, ...] = ()
 
 
 def detect_scheduler(runner: Runner) -> str:
@@ -66,7 +68,9 @@ def probe(scheduler: str | None, runner: Runner, *, user: str, environ: Mapping[
         raise UserError(f"{family}: no {reader.partition_word} answered ({'; '.join(facts.notes)}): is this the "
                         f"cluster's login node?")
     node = read_node(root) if in_job(environ) else None
-    return Probe(facts, reader, reader.find_launcher(runner, which), node, host or socket.gethostname())
+    launchers = tuple(dict.fromkeys(name for backend in registry.scheduler_families()[family].backends
+                                    for name in backend.launchers))
+    return Probe(facts, reader, reader.find_launcher(runner, which), node, host or socket.gethostname(), launchers)
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ def profile_text(found: Probe, *, when: float | None = None) -> str:
     if found.launcher.launcher:
         lines.append(f"launcher: {found.launcher.launcher}  # {found.launcher.how}")
     else:
-        lines += [f"# not learned: the launcher ({found.launcher.how}); one of srun, pals, mpich, openmpi",
+        lines += [f"# not learned: the launcher ({found.launcher.how}); one of {', '.join(found.launchers)}",
                   f"launcher: {reader.usual_launcher}"]
         lines[-1] += "  # NOT FOUND on this PATH: the family's usual one, check it"
     lines.append("# partitions and queues: nodes, CPUs per node, memory per node, GPUs per node, time limit")

@@ -105,7 +105,7 @@ class PbsReader(ClusterReader):
         return server_name(runner)
 
     def answers(self, runner: Runner) -> bool:
-        return runner(QUEUES_ARGV) is not None  # Slurm's wrappers answer no server query
+        return runner(QUEUES_ARGV) is not None  # Slurm's PBS wrappers answer it too: SLURM is asked first
 
     def read_cluster(self, runner: Runner, user: str) -> ClusterFacts:
         return read_cluster(runner)

@@ -117,10 +117,10 @@ class SlurmJobs:
     def element_id(self, job_id: str, index: int) -> str:
         return element_key(job_id, index)
 
-    @staticmethod
-    def torchrun_per_node(request: SubmitRequest) -> bool:
+    @classmethod
+    def torchrun_per_node(cls, request: SubmitRequest) -> bool:
         """One torchrun per node (``--torchrun``, or the profile's ``launcher: torchrun``)."""
-        return request.torchrun_per_node or request.profile.launcher in SlurmJobs.per_node
+        return request.torchrun_per_node or request.profile.launcher in cls.per_node
 
     def cancel_jobs(self, job_ids: Sequence[str]) -> None:
         run_tool(["scancel", *job_ids], "scancel cancels SLURM jobs")
