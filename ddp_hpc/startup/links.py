@@ -93,6 +93,11 @@ class LinkVerdict:
     def healthy(self) -> bool:
         return not self.slow
 
+    @property
+    def fine(self) -> set[tuple[str, str]]:
+        """The directed links (src, dst) not judged slow."""
+        return {(r.src, r.dst) for r in self.results} - {(r.src, r.dst) for r, _ in self.slow}
+
 
 def judge_links(results: Sequence[LinkResult], min_bandwidth_mb_s: float | None = None) -> LinkVerdict:
     """The slow directed links (with why) and the hosts they have in common."""
@@ -249,18 +254,18 @@ def measure_links(ctx: DistContext, hosts_by_rank: Sequence[str], *, message_byt
     hosts, leaders = host_leaders(hosts_by_rank)
     plan = plan_links(hosts, message_bytes)
     started = time.perf_counter()
-    tries = [_measure_pairs(ctx, hosts, leaders, plan.pairs, message_bytes)]
-    verdict = judge_links(best_of(tries), min_bandwidth_mb_s)
+    tries: list[list[LinkResult]] = []
+    pairs: Sequence[tuple[int, int]] = plan.pairs
     #: Links judged fine once: a median raised by a link measured again does not make them slow.
-    fine = {(r.src, r.dst) for r in verdict.results} - {(r.src, r.dst) for r, _ in verdict.slow}
-    for _ in range(CONFIRM_TRIES):
+    fine: set[tuple[str, str]] = set()
+    for _ in range(1 + CONFIRM_TRIES):
+        tries.append(_measure_pairs(ctx, hosts, leaders, pairs, message_bytes))
+        verdict = _slow_in_every_try(judge_links(best_of(tries), min_bandwidth_mb_s), fine)
+        fine |= verdict.fine
         if verdict.healthy:
             break
         slow_hosts = {frozenset((r.src, r.dst)) for r, _ in verdict.slow}
-        again = [(a, b) for a, b in plan.pairs if frozenset((hosts[a], hosts[b])) in slow_hosts]
-        tries.append(_measure_pairs(ctx, hosts, leaders, again, message_bytes))
-        verdict = _slow_in_every_try(judge_links(best_of(tries), min_bandwidth_mb_s), fine)
-        fine |= {(r.src, r.dst) for r in verdict.results} - {(r.src, r.dst) for r, _ in verdict.slow}
+        pairs = [(a, b) for a, b in plan.pairs if frozenset((hosts[a], hosts[b])) in slow_hosts]
     order = {(hosts[a], hosts[b]): i for i, (a, b) in enumerate(p for pair in plan.pairs
                                                                   for p in (pair, pair[::-1]))}
     results = sorted(verdict.results, key=lambda r: order[(r.src, r.dst)])
