@@ -4,6 +4,8 @@ the heartbeats that carry what they compare (the launches are in test_reliabilit
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from contextlib import ExitStack
 from datetime import timedelta
@@ -110,3 +112,17 @@ def test_the_flight_recorder_is_read_only_once_a_rank_makes_no_progress(monkeypa
     dog.beat(compute_s=0.1)
     assert watchdog_module.rank_status(dog, interval_s=5).collective is None  # beating: no dump
     assert watchdog_module.rank_status(dog, interval_s=0).collective == AR
+
+
+@pytest.mark.parametrize("logging_setup, in_file", [
+    ("", False),                                              # nothing configured
+    ("logging.basicConfig()", False),                         # a console log: on stderr once, not twice
+    ("logging.basicConfig(filename=sys.argv[1])", True),      # a log file gets it too
+])
+def test_a_watchdog_line_reaches_stderr_once_and_a_log_file_too(logging_setup, in_file, tmp_path):
+    log_file = tmp_path / "job.log"
+    code = (f"import logging, sys\n{logging_setup}\n"
+            "from ddp_hpc.engine.watchdog import _say\n_say('[rank 3] watchdog: no progress for 9s')\n")
+    result = subprocess.run([sys.executable, "-c", code, str(log_file)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr.count("[rank 3] watchdog: no progress for 9s") == 1, result.stderr
+    assert (log_file.exists() and "[rank 3] watchdog: no progress" in log_file.read_text()) == in_file

@@ -140,7 +140,9 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective_number(lau
     FIGURES.append(f"rank 1 skips an all_reduce under {launcher} (watchdog {SKIP_WATCHDOG_S}s): job ended "
                    f"{seconds:.1f}s after the skip, exit {result.returncode}")
     assert result.returncode != 0 and seconds < SKIP_WATCHDOG_S + 30, result.stderr[-3000:]
-    assert re.search(r"\[rank [02]\] watchdog: collectives: out of step: rank 1 \(host \S+\) is at collective #6 "
+    # Any rank may fire first (all three stop beating within one step of each other) and the
+    # launcher ends the rest: each rank reads the same statuses from the store, so each names rank 1.
+    assert re.search(r"\[rank \d\] watchdog: collectives: out of step: rank 1 \(host \S+\) is at collective #6 "
                      r"\(barrier\); every other rank is at collective #6 \(all_reduce, 4\.0 KiB\)",
                      result.stderr), result.stderr[-3000:]
 

@@ -100,18 +100,34 @@ class Watchdog:
             except Exception as exc:  # the diagnosis must never keep the process alive
                 cause = f"cannot tell which rank is to blame ({exc})"
             for part in cause.splitlines():
-                line = f"[rank {self.rank}] watchdog: {part}"
-                log.error(line)
-                print(line, file=sys.stderr, flush=True)
+                _say(f"[rank {self.rank}] watchdog: {part}")
         message = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f}s on host {socket.gethostname()} "
                    f"during {self._phase} after step {self._step} (limit {self.limit_name}="
                    f"{self.timeout_s:g}); a collective is likely waiting for a rank that is stuck or gone. "
                    f"Stacks of every thread follow; exiting with status {ExitStatus.WATCHDOG:d}.")
-        log.error(message)
-        print(message, file=sys.stderr, flush=True)
+        _say(message)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(ExitStatus.WATCHDOG)
+
+
+def _say(line: str) -> None:
+    """The line on stderr, which the launcher keeps whatever logging is set up (the process
+    exits right after), and to logging as well where no handler of it writes to stderr
+    already, so a configured log gets it and a console does not show it twice."""
+    print(line, file=sys.stderr, flush=True)
+    if log.hasHandlers() and not _logs_to_stderr(log):
+        log.error(line)
+
+
+def _logs_to_stderr(logger: logging.Logger) -> bool:
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
+                return True
+        current = current.parent if current.propagate else None
+    return False
 
 
 @contextmanager
