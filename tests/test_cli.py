@@ -312,8 +312,10 @@ def test_a_stop_signal_to_the_launch_reaches_the_ranks_through_mpiexec(launcher,
         where = ["--launcher", "mpich", "--hostfile", str(tmp_path / "hosts"), "--run-folder", str(tmp_path / "run")]
     # A rank may get its stop twice (Hydra's proxy signals the wrapper's process group and the
     # wrapper passes it on): a second signal during the trap runs it again, so it says it once.
-    rank = (f'trap \'[ -n "$s" ] || {{ s=1; echo stopped; }}; exit 75\' USR2 TERM; touch {tmp_path}/ready-$RANK; '
-            'for i in $(seq 600); do sleep 0.1; done; exit 9')
+    # Each rank's stop goes to a file of its own: the launcher may end the job before it has
+    # passed on the output of the rank that stopped second.
+    rank = (f'trap \'[ -n "$s" ] || {{ s=1; echo stopped >> {tmp_path}/stopped-$RANK; }}; exit 75\' USR2 TERM; '
+            f'touch {tmp_path}/ready-$RANK; for i in $(seq 600); do sleep 0.1; done; exit 9')
     process = subprocess.Popen([*ddp_hpc_command(), "launch", *where, "--nproc", "2", "--max-restarts", "1", "--",
                                 "sh", "-c", rank], env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -323,7 +325,9 @@ def test_a_stop_signal_to_the_launch_reaches_the_ranks_through_mpiexec(launcher,
     process.send_signal(signal.SIGUSR2)
     output = process.communicate(timeout=60)[0]
     assert process.returncode == 75, output[-3000:]
-    assert output.count("stopped") == 2 and "restart 1 of 1" not in output, output[-3000:]
+    assert [(tmp_path / f"stopped-{r}").read_text() if (tmp_path / f"stopped-{r}").exists() else None
+            for r in (0, 1)] == ["stopped\n", "stopped\n"], output[-3000:]
+    assert "restart 1 of 1" not in output, output[-3000:]
 
 
 def test_record_exit_writes_the_job_s_exit_file_and_stays_out_of_the_help(tmp_path, capsys):

@@ -88,6 +88,16 @@ def test_rank_zeros_heartbeat_names_a_straggler_with_its_host_and_ratio_and_nobo
     assert set(beats[0].stragglers) == {2} and not beats[1].stragglers  # only rank 0 checks
 
 
+def _wait_for_collective_of(store: dist.TCPStore, rank: int, within_s: float = 30) -> None:
+    key = liveness.RENDEZVOUS_KEYS.status(rank)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if store.check([key]) and RankStatus.from_text(store.get(key).decode()).collective is not None:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank}'s heartbeat published no collective within {within_s:g} s")
+
+
 def test_a_collective_timeout_inside_the_watchdog_logs_who_is_out_of_step(monkeypatch, caplog):
     """The process group's own timeout (a RuntimeError from the collective) passes through
     the watchdog's block: rank 0 logs the collectives line, then the error goes on."""
@@ -99,7 +109,8 @@ def test_a_collective_timeout_inside_the_watchdog_logs_who_is_out_of_step(monkey
     with peer, caplog.at_level(logging.ERROR, logger="ddp_hpc.engine.watchdog"):
         with pytest.raises(RuntimeError, match="Timed out waiting"):
             with watchdog_module._watching(10, 0, 2, ("127.0.0.1", port)):
-                time.sleep(2.2)  # idle for over a beat (1 s): rank 0's heartbeat publishes its collective
+                _wait_for_collective_of(server, 1)
+                _wait_for_collective_of(server, 0)  # idle for over a beat: rank 0's heartbeat publishes it
                 raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv")
     del server
     assert ("a collective timed out; collectives: out of step: rank 1 (host host1) is at collective #812 "

@@ -293,7 +293,7 @@ def test_when_no_recovery_is_left_the_survivors_end_at_once_and_the_job_restarts
     assert "Traceback" not in output and "RecoveryError" not in output
     ended = [float(line.split("ended within ")[1].split(" s")[0]) for line in output.splitlines()
              if "ended within " in line]
-    assert ended and ended[0] < 20, output[-4000:]  # the kill's grace is 30 s
+    assert ended and ended[0] < 28, output[-4000:]  # the kill's grace is 30 s: not waited for
     FIGURES.append(f"in-job recovery given up (no recovery left): the survivors ended {ended[0]:.1f} s after the loss")
     for slot in range(RANKS):
         state = final(tmp_path, slot)

@@ -87,9 +87,10 @@ def test_an_exception_on_one_rank_is_reported_with_rank_and_host(launcher, reque
 
 
 # docs/reliability.md: 12.9 s from the hang to the job's end with watchdog_s=8 (8 s, the
-# 2.5-beat heartbeat check, the stacks, torchrun ending the other rank); room for a loaded
-# 2-core machine, but a watchdog that waited twice its limit (16 s + the rest) fails.
-WATCHDOG_S, WATCHDOG_BOUND_S = 8, 24
+# 2.5-beat heartbeat check, the stacks, torchrun ending the other rank). The watchdog's own
+# figure (the idle seconds it fired at) is held to its limit; the end to end time, which a
+# loaded 2-core machine stretches, only to LIMIT_S. A watchdog that waited twice its limit fails.
+WATCHDOG_S, WATCHDOG_LATE_S = 8, 4
 
 
 def test_a_stuck_rank_is_detected_by_the_watchdog(request, tmp_path):
@@ -100,7 +101,9 @@ def test_a_stuck_rank_is_detected_by_the_watchdog(request, tmp_path):
                                  [fault("HangRankAtStep", tmp_path / "fault-time"), f"distributed.watchdog_s={WATCHDOG_S}"])
     FIGURES.append(f"stuck rank (watchdog {WATCHDOG_S}s) under torchrun: job ended {seconds:.1f}s after the hang, "
                    f"exit {result.returncode}")
-    assert result.returncode != 0 and WATCHDOG_S < seconds < WATCHDOG_BOUND_S, (seconds, result.stderr[-3000:])
+    assert result.returncode != 0 and WATCHDOG_S < seconds < LIMIT_S, (seconds, result.stderr[-3000:])
+    fired_at = [int(idle) for idle in re.findall(r"watchdog: no progress for (\d+)s", result.stderr)]
+    assert fired_at and all(WATCHDOG_S <= idle <= WATCHDOG_S + WATCHDOG_LATE_S for idle in fired_at), fired_at
     # torchrun's summary of the first rank to fail: the watchdog's exit status.
     assert re.search(r"rank\s*:\s*[01] \(local_rank: [01]\)\s+exitcode\s*:\s*3 ", result.stderr), result.stderr[-3000:]
     assert re.search(r"\[rank \d\] watchdog: no progress for \d+s on host \S+ during training after step 3",
