@@ -211,6 +211,52 @@ def test_hydra_gets_a_pmi_abort_with_the_exit_code(monkeypatch):
         os.close(write)
 
 
+def test_the_job_is_ended_only_once_the_launcher_has_read_the_rank_s_last_output(monkeypatch):
+    """The error line waits in the pipe to Hydra's proxy; a loaded proxy reads it 0.8 s later:
+    the abort goes after that read, not after the fixed grace (Hydra drops unread output)."""
+    monkeypatch.setattr(fail_fast, "OUTPUT_GRACE_S", 0)
+    output_read, output = os.pipe()
+    pmi_read, pmi = os.pipe()
+    read_at: list[float] = []
+
+    def proxy() -> None:
+        time.sleep(0.8)
+        read_at.append(time.monotonic())
+        os.read(output_read, 100)
+
+    wait_until_output_read = fail_fast.wait_until_output_read  # as end_job calls it, on this pipe
+    monkeypatch.setattr(fail_fast, "wait_until_output_read", lambda: wait_until_output_read(fds=[output]))
+    try:
+        os.write(output, b"ddp-hpc: error: rank 1 on host n1: ...\n")
+        reader = threading.Thread(target=proxy)
+        reader.start()
+        fail_fast.end_job(2, {**MPICH_RANK1, "PMI_FD": str(pmi)})
+        aborted_at = time.monotonic()
+        reader.join(10)
+        assert read_at and aborted_at >= read_at[0]
+        assert os.read(pmi_read, 100) == b"cmd=abort exitcode=2\n"
+    finally:
+        for fd in (output_read, output, pmi_read, pmi):
+            os.close(fd)
+
+
+def test_output_nobody_reads_holds_the_job_for_a_bounded_time_only(tmp_path):
+    output_read, output = os.pipe()
+    try:
+        os.write(output, b"never read")
+        assert fail_fast.unread_bytes(output) == len(b"never read")
+        started = time.monotonic()
+        fail_fast.wait_until_output_read(0.3, fds=[output])
+        assert 0.3 <= time.monotonic() - started < 5
+    finally:
+        os.close(output_read)
+        os.close(output)
+    with open(tmp_path / "log", "w") as log_file:  # output to a file is read by nobody: no wait
+        log_file.write("written")
+        log_file.flush()
+        assert fail_fast.unread_bytes(log_file.fileno()) == 0
+
+
 @pytest.fixture
 def srun_step(monkeypatch) -> tuple[dict[str, str], list[list[str]]]:
     """Task 3 of srun step 17.2, with scancel on PATH: (its environment, the commands run)."""

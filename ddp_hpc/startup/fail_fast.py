@@ -17,11 +17,16 @@ error line and before it exits.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
+import sys
+import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,8 +36,37 @@ from ddp_hpc.environment import detect_launcher
 log = logging.getLogger(__name__)
 
 #: Time for the launcher to pass on this rank's last output before the others are killed
-#: (Hydra drops what its proxy has not yet read once the job is aborted).
+#: (Hydra drops what its proxy has not yet read once the job is aborted), counted from when
+#: it has read that output out of the rank's pipe; the most this rank waits for that read.
 OUTPUT_GRACE_S = 0.5
+OUTPUT_READ_WITHIN_S = 5.0
+
+
+def unread_bytes(fd: int) -> int:
+    """The bytes written to the pipe at ``fd`` that its reader (the launcher's proxy) has not
+    read yet; 0 where ``fd`` is no pipe (a terminal, a file) or cannot be asked."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        count = array.array("i", [0])
+        fcntl.ioctl(fd, termios.FIONREAD, count)  # Linux and macOS answer it on either end of a pipe
+        return count[0]
+    except OSError:
+        return 0
+
+
+def wait_until_output_read(within_s: float = OUTPUT_READ_WITHIN_S, fds: Sequence[int] = (1, 2)) -> None:
+    """Return once the launcher has read what this rank wrote to ``fds``, or after ``within_s``.
+    A loaded node's proxy may read it well after the fixed grace alone would have passed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    deadline = time.monotonic() + within_s
+    for fd in fds:
+        while unread_bytes(fd) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _rank_and_size(environ: Mapping[str, str]) -> tuple[int, int] | None:
@@ -82,6 +116,7 @@ def end_job(exit_code: int, environ: Mapping[str, str] | None = None,
     if request is None:
         return None
     kind, target = request
+    wait_until_output_read()
     time.sleep(OUTPUT_GRACE_S)
     try:
         if kind == "pmi":
