@@ -129,6 +129,7 @@ def test_the_flight_recorder_is_read_only_once_a_rank_makes_no_progress(monkeypa
     ("", False),                                              # nothing configured
     ("logging.basicConfig()", False),                         # a console log: on stderr once, not twice
     ("logging.basicConfig(filename=sys.argv[1])", True),      # a log file gets it too
+    ("logging.basicConfig(handlers=[logging.StreamHandler(), logging.FileHandler(sys.argv[1])])", True),  # both
 ])
 def test_a_watchdog_line_reaches_stderr_once_and_a_log_file_too(logging_setup, in_file, tmp_path):
     log_file = tmp_path / "job.log"

@@ -112,12 +112,12 @@ class Watchdog:
 
 
 def _say(line: str) -> None:
-    """The line on stderr, which the launcher keeps whatever logging is set up (the process
-    exits right after), and to logging as well where no handler of it writes to stderr
-    already, so a configured log gets it and a console does not show it twice."""
-    print(line, file=sys.stderr, flush=True)
-    if log.hasHandlers() and not _logs_to_stderr(log):
+    """The line to the process's logging where it is set up (a rank's log file keeps it), and
+    on stderr, which the launcher keeps, unless a handler already wrote it there: once each."""
+    if log.hasHandlers():
         log.error(line)
+    if not _logs_to_stderr(log):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _logs_to_stderr(logger: logging.Logger) -> bool:
