@@ -207,7 +207,8 @@ def deadline_line(request: SubmitRequest) -> str:
 #: ``exit`` makes 255, read as a failure; measured 9-19 in 100 with the signal sent to the
 #: process group, as Hydra sends it). It watches the rank with ``kill -0`` every 0.1 s (a
 #: ``read`` that times out on a pipe nobody writes: no process started, and a trap runs at
-#: once) and asks ``wait`` only once the rank has ended, for the status bash saved then.
+#: once; ``sleep`` where that pipe could not be made) and asks ``wait`` only once the rank
+#: has ended, for the status bash saved then.
 RANK_FAILURE_WRAPPER = (
     'child=; pending=; interrupted=0; '
     'rank="${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PALS_RANKID:-?}}}"; '
@@ -215,7 +216,9 @@ RANK_FAILURE_WRAPPER = (
     'trap \'pass_on USR2\' USR2; trap \'pass_on TERM\' TERM INT HUP; '
     'exec 3<&0; "$@" <&3 3<&- & child=$!; exec 3<&-; '
     '[ -z "$pending" ] || kill -"$pending" "$child" 2>/dev/null; '
-    'exec 4<> <(:); while kill -0 "$child" 2>/dev/null; do read -r -t 0.1 -u 4 _ || :; done; exec 4<&-; '
+    '{ exec 4<> <(:); } 2>/dev/null; '
+    'while kill -0 "$child" 2>/dev/null; do read -r -t 0.1 -u 4 _ 2>/dev/null; [ $? -gt 128 ] || sleep 0.1; done; '
+    '{ exec 4<&-; } 2>/dev/null; '
     'interrupted=0; status=0; wait "$child" || status=$?; '
     '[ "$interrupted" = 0 ] || { status=0; wait "$child" 2>/dev/null || status=$?; }; '
     f'if [ -z "${RUN_FOLDER_VAR}" ] || [ "$status" = 0 ]; then :; '
