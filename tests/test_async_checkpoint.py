@@ -3,7 +3,6 @@ every guarantee of a synchronous save (atomic files, last.pt always complete, ex
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from conftest import FIGURES, REPO, assert_same_training_state, clean_env
+from slow_save import trickling
 from ddp_hpc.engine.checkpoint import files as ckpt
 from ddp_hpc.engine.checkpoint.background_writer import AsyncCheckpointWriter, CheckpointWriteError
 from ddp_hpc.engine.checkpoint.host_copy import snapshot
@@ -26,19 +26,7 @@ def _state(step: int, weights: torch.Tensor) -> dict:
 
 def _slow_torch_save(monkeypatch, chunks: int = 40, pause_s: float = 0.005) -> None:
     """torch.save that trickles the file out, so a write stays half done for a while."""
-    real_save = torch.save
-
-    def trickle(obj, handle):
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        data = buffer.getvalue()
-        size = len(data) // chunks + 1
-        for start in range(0, len(data), size):
-            handle.write(data[start:start + size])
-            handle.flush()
-            time.sleep(pause_s)
-
-    monkeypatch.setattr(ckpt.torch, "save", trickle)
+    monkeypatch.setattr(ckpt.torch, "save", trickling(torch.save, chunks, pause_s))
 
 
 @pytest.mark.reliability

@@ -82,18 +82,9 @@ first = ckpt.write_checkpoint(state(1), ckpt.step_path(folder, 1), best=False, k
 print(first.stat().st_size, flush=True)
 # Checkpoint 2's bytes go out in 32 flushed pieces over about 0.6 s, as a slow file system
 # would write them: a window the parent, however loaded, sees the temporary partly written in.
-import io, time
-real_save = torch.save
-def trickle(obj, handle):
-    buffer = io.BytesIO()
-    real_save(obj, buffer)
-    data = buffer.getvalue()
-    size = len(data) // 32 + 1
-    for start in range(0, len(data), size):
-        handle.write(data[start:start + size])
-        handle.flush()
-        time.sleep(0.02)
-ckpt.torch.save = trickle
+sys.path.insert(0, sys.argv[2])
+from slow_save import trickling
+ckpt.torch.save = trickling(torch.save, 32, 0.02)
 ckpt.write_checkpoint(state(2), ckpt.step_path(folder, 2), best=False, keep_last=3)
 print("finished", flush=True)
 """
@@ -111,7 +102,8 @@ def _kill_while_the_temporary_is_partly_written(folder: Path, child_script: str)
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", child_script, str(folder)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", child_script, str(folder), str(Path(__file__).parent)],
+                             stdout=subprocess.PIPE, text=True)
     try:
         first = child.stdout.readline()
         assert first.strip().isdigit(), f"the child did not write checkpoint 1 (exit status {child.wait(timeout=60)})"
