@@ -168,17 +168,35 @@ restart_if_changed() {
 }
 
 start_slurm() {
+  local fresh=""
   running slurmdbd || /usr/sbin/slurmdbd
   wait_for 30 slurmdbd sacctmgr -n list cluster
   sacctmgr -i -Q add cluster "$CLUSTER" >/dev/null 2>&1 || true
   # By pid file: the multihost world's slurmctld (scripts/multihost.sh) has the same name.
-  { [ -s "$RUN_DIR/slurmctld.pid" ] && kill -0 "$(cat "$RUN_DIR/slurmctld.pid")" 2>/dev/null; } || /usr/sbin/slurmctld
+  { [ -s "$RUN_DIR/slurmctld.pid" ] && kill -0 "$(cat "$RUN_DIR/slurmctld.pid")" 2>/dev/null; } || {
+    /usr/sbin/slurmctld; fresh=1; }
   wait_for 30 slurmctld scontrol ping
   for n in "${NODES[@]}"; do
     pgrep -f "slurmd -N $n\$" >/dev/null || /usr/sbin/slurmd -N "$n"
   done
   wait_for 60 "nodes ${NODES[*]}" nodes_idle
+  [ -z "$fresh" ] || cancel_restored_jobs
 }
+
+# A slurmctld started here restores the jobs of its saved state. Their srun or batch shell
+# ended with the daemons that ran them (a machine stopped mid-test, or resumed from a
+# snapshot), and with MaxTime=INFINITE and InactiveLimit=0 such a job would hold its node
+# for good, so every later test waiting for a free node would time out.
+cancel_restored_jobs() {
+  local jobs; jobs=$(squeue -h -o %i | tr '\n' ' ')
+  [ -n "${jobs// /}" ] || return 0
+  log "cancelling jobs restored from an earlier run of the cluster: $jobs"
+  # shellcheck disable=SC2086  # one id per word
+  scancel $jobs
+  wait_for 60 "nodes free of the cancelled jobs" all_nodes_idle
+}
+
+all_nodes_idle() { [ -z "$(sinfo -h -N -o %t | grep -vx idle)" ]; }
 
 nodes_idle() {
   local states; states=$(sinfo -h -N -o '%N %t' 2>/dev/null) || return 1

@@ -190,7 +190,8 @@ nodes_idle() {  # nodes_idle N
 }
 
 start_slurm() {  # start_slurm N
-  alive "$RUN_DIR/slurmctld.pid" || /usr/sbin/slurmctld -f "$CONF"
+  local fresh=""
+  alive "$RUN_DIR/slurmctld.pid" || { /usr/sbin/slurmctld -f "$CONF"; fresh=1; }
   wait_for 30 "slurmctld (port $CTLD_PORT)" scontrol ping
   for i in $(seq 1 "$1"); do
     alive "$RUN_DIR/slurmd-h$i.pid" && continue
@@ -198,7 +199,21 @@ start_slurm() {  # start_slurm N
     nsenter --net="/run/netns/$PREFIX-h$i" --uts="$STATE/uts/h$i" -- /usr/sbin/slurmd -f "$CONF"
   done
   wait_for 60 "nodes h[1-$1]" nodes_idle "$1"
+  [ -z "$fresh" ] || cancel_restored_jobs
 }
+
+# As in dev-cluster.sh: the jobs a fresh slurmctld restores from its saved state lost their
+# launchers with the daemons that ran them, and would hold their hosts for good.
+cancel_restored_jobs() {
+  local jobs; jobs=$(squeue -h -o %i | tr '\n' ' ')
+  [ -n "${jobs// /}" ] || return 0
+  log "cancelling jobs restored from an earlier run of the world: $jobs"
+  # shellcheck disable=SC2086  # one id per word
+  scancel $jobs
+  wait_for 60 "hosts free of the cancelled jobs" all_hosts_idle
+}
+
+all_hosts_idle() { [ -z "$(sinfo -h -N -o %t | grep -vx idle)" ]; }
 
 stop_pidfile() {  # stop_pidfile FILE: TERM, then KILL after 10 s
   local pid

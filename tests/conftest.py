@@ -7,7 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,7 @@ def slurm_cluster_up() -> bool:
 
 
 @pytest.fixture
-def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> None:
+def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> Iterator[None]:
     need(slurm_cluster_up, SLURM_DOWN)
     # A test that reaches the cluster without being grouped (a launcher parameter missing
     # from CLUSTER_PARAMETERS) would share it with another worker's test: fail it, here,
@@ -232,6 +233,35 @@ def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> Non
     if os.environ.get("PYTEST_XDIST_WORKER") and _loadgroup(request.config):
         assert request.node.nodeid.endswith(f"@{SLURM_GROUP}"), \
             f"xdist did not schedule {request.node.nodeid} with its group {SLURM_GROUP!r}"
+    yield
+    left = _jobs_left_on_the_cluster()
+    if left:
+        # The cluster has no default time limit: a job left running (its srun killed at a
+        # test's time-out, say) would hold a node for every later test. The test that left it
+        # is named here, and its jobs cancelled so that the tests after it start clean.
+        subprocess.run(["scancel", *left], capture_output=True, timeout=30)
+        freed = _wait(lambda: not _jobs_left_on_the_cluster(grace_s=0), 60)
+        pytest.fail(f"{request.node.nodeid} left job(s) {', '.join(left)} on the SLURM test cluster: "
+                    + ("cancelled" if freed else "cancelled, yet still there 60 s later"), pytrace=False)
+
+
+def _jobs_left_on_the_cluster(grace_s: float = 20.0) -> list[str]:
+    """The jobs still queued or running after grace_s (a job ending as its test returns may
+    take a few seconds to leave the queue: KillWait, the epilog)."""
+    def queued() -> list[str]:
+        listed = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30)
+        return listed.stdout.split()
+    _wait(lambda: not queued(), grace_s)
+    return queued()
+
+
+def _wait(condition, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 @pytest.fixture
