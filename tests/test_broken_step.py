@@ -172,6 +172,45 @@ def test_the_buffers_each_step_starts_from_are_kept_from_its_first_training_forw
     handle.remove()
 
 
+def test_rank_0s_buffers_of_a_step_s_end_arrive_in_its_optimizer_step_and_start_the_next_once_counted():
+    """``share``: the optimizer's pre-hook broadcasts rank 0's buffers (here a stand-in that
+    writes rank 0's values); they become ``received`` for the next step only once the step is
+    counted; a step without an optimizer step (a scaler's skip) broadcasts when counted, but
+    not where no broadcast may be made there (over NCCL: None)."""
+    from ddp_hpc.engine.recovery.broken_step import StepStart
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank0s = {"1.running_mean": torch.full((6,), 7.0)}
+    sent = []
+
+    def broadcast(tensors):  # this rank is not rank 0: rank 0's values arrive
+        sent.append(len(tensors))
+        for name, tensor in zip([n for n, _ in model.named_buffers()], tensors):
+            if name in rank0s:
+                tensor.copy_(rank0s[name])
+
+    start, done = StepStart(), [0]
+    start.forward_receives = False
+    handles = [start.watch(model, lambda: done[0]), start.share(optimizer, model, lambda: done[0], broadcast)]
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    assert sent == [3] and start.received(1) is None and start.received(2) is None  # not counted yet
+    done[0] = 1
+    start.counted(model, 1, broadcast)
+    assert sent == [3]  # no second broadcast: the optimizer step's is the step's
+    assert torch.equal(start.received(2)["1.running_mean"], rank0s["1.running_mean"])
+    assert not torch.equal(model[1].running_mean, rank0s["1.running_mean"])  # the model keeps its own
+    rank0s["1.running_mean"] = torch.full((6,), 9.0)
+    start.counted(model, 2, None)  # step 2 without an optimizer step, over NCCL: nothing to go on from
+    assert sent == [3] and start.received(3) is None and start.received(2) is not None
+    start.counted(model, 3, broadcast)  # step 3 without one, over gloo: broadcast when counted
+    assert sent == [3, 3] and torch.equal(start.received(4)["1.running_mean"], rank0s["1.running_mean"])
+    for handle in handles:
+        handle.remove()
+
+
 def test_a_step_the_checkpointer_makes_while_it_saves_is_not_the_loops(one_rank, tmp_path):
     """torch's state-dict API steps an optimizer without state at lr 0 to create it (a dcp
     save of a DDP model, a file save of an FSDP2 model): not an applied step of the loop,

@@ -156,6 +156,10 @@ SEEDED = {
     # broken step's forward (228 failed while the replacement skipped them: model.blocks.1.seen differed).
     228: "ddp: rank 0 SIGKILLed mid-backward of its first micro-batch",
     224: "ddp: rank 0 SIGSTOPped in the embedding's forward (the launch's hang detection ends it)",
+    # Rank 0 lost after its forwards, before the next step's: its buffers of the step reach the others
+    # in the optimizer step's broadcast (broken_step.StepStart.share). Without it: model.blocks.1.seen
+    # differed by 0.0241 (and 226, 229: lost in the window and frozen in a save, by 0.0139).
+    232: "ddp: rank 0 SIGKILLed in its optimizer step's pre-hook, and again (its replacement) five steps later",
     91412: "fsdp2, root-owned parameters, 3 micro-batches: rank 0 SIGKILLed in its optimizer step's pre-hook, its "
            "replacement SIGKILLed in the state transfer",
     91417: "fsdp2, root-owned parameters: rank 1 SIGSTOPped between optimizer.step() and step_done() (the launch's "

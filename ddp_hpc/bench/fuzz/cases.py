@@ -25,8 +25,6 @@ MOMENTS = ("forward", "backward", "optimizer", "window", "snapshot", "save")
 #: Moments a replacement dies at: while it starts (before ``InJobRecovery`` returns), or
 #: once its group formed, as the state transfer begins.
 REPLACEMENT_MOMENTS = ("appear", "transfer")
-#: Moments of a step after its forward and backward, the step's collectives done.
-AFTER_THE_FORWARD = ("optimizer", "window", "snapshot", "save")
 SIGNALS = ("KILL", "STOP")
 
 
@@ -156,13 +154,6 @@ class Case:
     @property
     def losses(self) -> int:
         return sum(len(f.slots) for f in self.faults)
-
-    def loses_rank_0_before_a_forward(self) -> bool:
-        """A fault ends rank 0 itself (not its replacement) after its step's forward, at a
-        moment whose next collective is the next step's forward (the optimizer step, the
-        window, a snapshot, a save): its buffers of that step's end were never broadcast."""
-        return any(0 in fault.slots and not fault.replacement and fault.moment in AFTER_THE_FORWARD
-                   for fault in self.faults)
 
     def summary(self) -> str:
         return self.shape.summary()

@@ -248,7 +248,6 @@ def main(argv: list[str] | None = None) -> None:
              "sampler": sampler.state_dict(), "rng": capture_rng()}
     meta = {"pid": os.getpid(), "generation": generation, "restarts": int(os.environ.get(RESTART_COUNT_VAR, "0") or 0),
             "recoveries": len(recovery.recoveries), "world_size": dist.get_world_size(),
-            "buffers": [name for name, _ in model.named_buffers()],
             "resumed": str(checkpointer.resumed.path) if checkpointer.resumed else None}
     (run_dir / "final").mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "final" / f"rank-{slot}.pt", lambda f: torch.save({"state": state, "meta": meta}, f),

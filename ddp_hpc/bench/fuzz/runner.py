@@ -165,11 +165,6 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
     return None if expected == actual else f"{path}: {expected!r} against {actual!r}"
 
 
-def _without(state: dict[str, Any], buffers: set[str]) -> dict[str, Any]:
-    """``state`` with the model's buffers left out."""
-    return {**state, "model": {k: v for k, v in state["model"].items() if k not in buffers}}
-
-
 def judge(case: Case, reference: Launch, faulted: Launch) -> str:
     """The verdict of one case (see ``Result.verdict``)."""
     if reference.status != 0 or reference.finals is None:
@@ -188,15 +183,8 @@ def judge(case: Case, reference: Launch, faulted: Launch) -> str:
         return f"stated exception: {exception}"
     for slot, (expected, actual) in enumerate(zip(reference.finals, faulted.finals)):
         found = first_difference(expected["state"], actual["state"])
-        if found is None:
-            continue
-        buffers = set(actual["meta"].get("buffers", ()))
-        if case.shape.strategy == "ddp" and case.loses_rank_0_before_a_forward() and buffers and first_difference(
-                _without(expected["state"], buffers), _without(actual["state"], buffers)) is None:
-            return ("stated exception: under DDP rank 0's buffers are its own (DDP broadcasts them at each forward): "
-                    "lost with rank 0 before the broken step's forward, they go on from a survivor's (docs: "
-                    f"reliability.md, in-job recovery's limits; {found})")
-        return f"failed: mismatch on rank {slot}: {found}"
+        if found is not None:
+            return f"failed: mismatch on rank {slot}: {found}"
     verdict = IDENTICAL_FELL_BACK if any(final["meta"]["restarts"] for final in faulted.finals) else IDENTICAL_IN_JOB
     if len(faulted.fired) < case.losses:  # e.g. a replacement's fault, where the launch gave up before it started
         verdict += f" [{len(faulted.fired)} of {case.losses} drawn losses fired]"

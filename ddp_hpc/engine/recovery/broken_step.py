@@ -12,10 +12,12 @@ put back, so that the redone step starts where the uninterrupted run started it:
 - FSDP2's per-step state (``shards.reset_after_failure``): gathered parameters, pending
   collectives, training states;
 - buffers changed by the broken forward (BatchNorm's running statistics): put back as they
-  were at the last step's end (``StepStart``), each survivor its own. DDP broadcasts rank
-  0's buffers at the start of each forward, so a replacement of rank 0 takes the ones the
-  survivors received in the broken step's forward (``StepStart.received``), which are rank
-  0's of the last step's end. A sharded model's come back with its snapshot instead;
+  were at the last step's end (``StepStart``), each survivor its own. Rank 0's exist on rank
+  0 only (DDP broadcasts them at the start of each forward, then each rank updates its own),
+  so every rank also holds rank 0's of the last step's end (``StepStart.received``): they
+  arrive in each step's optimizer step (``StepStart.share``, one broadcast), or in the next
+  step's first forward, and a replacement of rank 0 takes them. A sharded model's come back
+  with its snapshot instead;
 - a gradient scaler's per-step stages (``fresh_scaler_stages``);
 - an optimizer step applied but not yet counted (``StepStart.applied``): a DDP member that
   applied it is not a source of the state (its parameters are a step ahead of its count).
@@ -36,16 +38,22 @@ from torch import nn
 class StepStart:
     """What a DDP model's step changes before its optimizer step that no transfer puts
     back: its buffers (kept at each step's end, put back on a survivor before the state
-    travels), the buffers its first forward of each step started from (``received``: under
-    DDP's ``broadcast_buffers``, rank 0's of the step before), and whether this step's
+    travels), rank 0's buffers of the step before (``received``: those the first forward of
+    a step starts from under DDP's ``broadcast_buffers``), and whether this step's
     optimizer step was applied (``applied``: set by the optimizer's post-hook, cleared when
     the step is counted)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._received: dict[str, torch.Tensor] = {}
-        #: The step (completed steps + 1) whose first forward ``received`` was taken in.
+        #: The step (completed steps + 1) that ``received`` starts: rank 0's of its step before.
         self._received_in = -1
+        #: Rank 0's buffers of the step being done, broadcast in its optimizer step (``share``).
+        self._shared: dict[str, torch.Tensor] = {}
+        self._shared_in = -1
+        #: Whether the first forward of a step starts from rank 0's buffers (the DDP wrapper's
+        #: ``broadcast_buffers``); where not, only ``share`` gives rank 0's.
+        self.forward_receives = True
         self.applied = False
 
     def attach(self, optimizer: torch.optim.Optimizer, ignore: Callable[[], bool] = lambda: False) -> Any:
@@ -64,9 +72,46 @@ class StepStart:
         buffers); ``steps_done``: the steps completed. The handle's ``remove()`` ends that."""
         def take(module: nn.Module, _args: Any) -> None:
             step = steps_done() + 1
-            if module.training and step != self._received_in:  # an evaluation's forward broadcasts nothing
+            # An evaluation's forward broadcasts nothing.
+            if self.forward_receives and module.training and step != self._received_in:
                 self._received, self._received_in = _copied(module, self._received), step
         return model.register_forward_pre_hook(take)
+
+    def share(self, optimizer: torch.optim.Optimizer, model: nn.Module, steps_done: Callable[[], int],
+              broadcast: Callable[[list[torch.Tensor]], None], ignore: Callable[[], bool] = lambda: False) -> Any:
+        """Before each optimizer step of ``optimizer`` (but those made while ``ignore()``),
+        rank 0's buffers of ``model`` reach every rank (``broadcast``: group rank 0's tensors
+        into each rank's), as they are at the step's end: its forwards are done. Rank 0 lost
+        before that broadcast ends fails it on the survivors, whose step is then neither
+        applied nor counted, and they go on from the step before, whose rank 0's buffers
+        this step's forward gave them; lost after it, they hold its buffers of this step.
+        Register it before the optimizer's other pre-hooks (the NCCL fence waits for this
+        broadcast too). The handle's ``remove()`` ends that."""
+        def send(*_: Any) -> None:
+            if not ignore():
+                self.broadcast_rank0s(model, steps_done() + 1, broadcast)
+
+        return optimizer.register_step_pre_hook(send)
+
+    def broadcast_rank0s(self, model: nn.Module, step: int, broadcast: Callable[[list[torch.Tensor]], None]) -> None:
+        """Rank 0's buffers of ``model`` now, on every rank, as those of step ``step``'s end."""
+        self._shared_in = -1
+        self._shared = _copied(model, self._shared)
+        broadcast(list(self._shared.values()))
+        self._shared_in = step
+
+    def counted(self, model: nn.Module, step: int,
+                broadcast: Callable[[list[torch.Tensor]], None] | None) -> None:
+        """Step ``step`` is counted: rank 0's buffers of its end become those the next step
+        starts from (``received``), broadcast now where its optimizer step did not run (a
+        gradient scaler skipped it) and ``broadcast`` is given (None over NCCL, where only the
+        fence's wait would say the broadcast was whole: the next forward's then)."""
+        if self._shared_in != step:
+            if broadcast is None:
+                return
+            self.broadcast_rank0s(model, step, broadcast)
+        self._received, self._shared = self._shared, self._received
+        self._received_in, self._shared_in = step + 1, -1
 
     def received(self, step: int) -> dict[str, torch.Tensor] | None:
         """The buffers the first forward of step ``step`` started from, where it ran."""

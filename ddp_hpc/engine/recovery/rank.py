@@ -104,7 +104,7 @@ from ddp_hpc.engine.recovery.group_abort import ABORTED_BACKENDS, GroupAbort, ab
 from ddp_hpc.engine.recovery.membership import Membership, spare_places
 from ddp_hpc.engine.recovery.refusals import group_refusal, is_sharded, run_refusal, sharded_run_refusal
 from ddp_hpc.engine.recovery.snapshot_keeping import SnapshotKeeping, snapshot_cadence
-from ddp_hpc.engine.recovery.transfer import StateTransfer
+from ddp_hpc.engine.recovery.transfer import StateTransfer, broadcast_from_rank0
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         #: A DDP model's buffers at the last step's end, and whether this step's optimizer step was applied.
         self._step_start = StepStart()
         self._keeps_buffers = False
+        self._has_buffers = False
         self._lock = threading.Lock()
         self._group_fds: set[int] = set()
         #: The slots of the group formed last (its members' heartbeats are the ones a watchdog reads).
@@ -339,6 +340,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
             self.step = checkpointer.step  # a restored checkpoint's step
         self.seed = self._base_seed()
         self._keeps_buffers = self.enabled and not sharded  # a sharded model's come back with its snapshot
+        self._has_buffers = any(True for _ in model.buffers())
         self._follow_group()
         if sharded and self.enabled:
             self._start_snapshots(checked=self.joining)
@@ -353,6 +355,9 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         if self._keeps_buffers:
             self._step_start.keep(model)
             hooks.append(self._step_start.watch(model, lambda: self.step))
+            if self._has_buffers:  # before the fence's pre-hook, which then waits for its broadcast too
+                hooks.append(self._step_start.share(optimizer, model, lambda: self.step, broadcast_from_rank0,
+                                                    ignore=saving))
         if self._fence is not None:
             hooks.append(self._fence.attach(optimizer))
         try:
@@ -376,6 +381,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
                     wrapped = wrap(model)
                 else:  # a sharded model is its own wrapper (FSDP2 shards in place)
                     wrapped = model if sharded else DistributedDataParallel(model, **self.ddp_kwargs)
+                self._step_start.forward_receives = bool(getattr(wrapped, "broadcast_buffers", False))
                 result = train(wrapped)
                 self._end_snapshots()
                 return result
@@ -422,6 +428,9 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         self._step_start.applied = False
         if self._keeps_buffers and self._model is not None:
             self._step_start.keep(self._model)
+            if self._has_buffers:
+                self._step_start.counted(self._model, self.step,
+                                         broadcast_from_rank0 if self._fence is None else None)
         if self._snapshots is not None and self._snapshots.due(self.step):
             self._snapshots.take(self.step)
         if self._pending is not None:

@@ -31,6 +31,24 @@ log = logging.getLogger(__name__)
 STREAM_SEED = "stream_seed"
 
 
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    """Group rank 0's ``tensors`` into every rank's, one broadcast per device and dtype (a
+    model's buffers: BatchNorm's float statistics and int64 counts), as DDP's own buffer
+    broadcast does."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for group in kinds.values():
+            flat = _flatten_dense_tensors(group)
+            dist.broadcast(flat, src=0)
+            if dist.get_rank() != 0:
+                for tensor, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                    tensor.copy_(value)
+
+
 def broadcast_state(state: dict[str, Any] | None, source: int, device: torch.device | None = None,
                     check: Callable[[], None] | None = None) -> dict[str, Any]:
     """``state`` of rank ``source`` on every rank: ``torch.save`` into bytes on the source,
