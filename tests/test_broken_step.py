@@ -211,6 +211,34 @@ def test_rank_0s_buffers_of_a_step_s_end_arrive_in_its_optimizer_step_and_start_
         handle.remove()
 
 
+def test_an_lr_scheduler_that_would_not_travel_to_a_replacement_is_refused():
+    """Built on the optimizer before ``run`` and not among the Checkpointer's objects (or with
+    no Checkpointer), a scheduler would restart on a replacement: refused. Among the objects,
+    or not built yet (inside ``train``), or on another optimizer: let through."""
+    from ddp_hpc.engine.checkpoint.checkpointer import Checkpointer
+    from ddp_hpc.engine.recovery.refusals import schedule_refusal
+
+    model = nn.Linear(3, 2)
+
+    def optimizer():
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+
+    plain = optimizer()
+    assert schedule_refusal(plain, None) is None
+    outside = optimizer()
+    torch.optim.lr_scheduler.OneCycleLR(outside, max_lr=0.1, total_steps=10)
+    held = Checkpointer("unused", {"model": model, "optimizer": outside})
+    assert "not among the Checkpointer's objects" in schedule_refusal(outside, held)
+    assert "not among the Checkpointer's objects" in schedule_refusal(outside, None)
+    other = optimizer()
+    held_other = Checkpointer("unused", {"optimizer": outside,
+                                         "scheduler": torch.optim.lr_scheduler.StepLR(other, step_size=2)})
+    assert schedule_refusal(outside, held_other) is not None  # a scheduler of another optimizer
+    inside = optimizer()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inside, lambda step: 1.0)
+    assert schedule_refusal(inside, Checkpointer("unused", {"optimizer": inside, "scheduler": scheduler})) is None
+
+
 def test_a_step_the_checkpointer_makes_while_it_saves_is_not_the_loops(one_rank, tmp_path):
     """torch's state-dict API steps an optimizer without state at lr 0 to create it (a dcp
     save of a DDP model, a file save of an FSDP2 model): not an applied step of the loop,

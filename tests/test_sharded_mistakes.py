@@ -32,6 +32,7 @@ def launch(script: str, *flags: str, env: dict[str, str]) -> subprocess.Complete
     ("optimizer_before_shard", "", "the optimizer steps 6 of its 6 tensors that are not the sharded model's"),
     ("shard_before_recovery", "", "InJobRecovery started after a process group already existed"),
     ("ddp_around", "", "a sharded (FSDP2) model is its own wrapper"),
+    ("scheduler_outside", "dcp", "an LR scheduler was built on the optimizer and is not among the Checkpointer's"),
 ])
 def test_each_mistake_with_a_sharded_model_ends_every_rank_in_one_line_with_2_spending_no_recovery_or_restart(
         tmp_path, mistake, checkpointer, line):

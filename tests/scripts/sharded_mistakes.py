@@ -11,6 +11,9 @@ sharded model, named by MISTAKE, for tests/test_sharded_mistakes.py. Every rank 
 - ddp_wrap: ``run`` is given a ``wrap`` that puts DDP around the sharded model.
 - ddp_around: ``run`` is given DDP around the sharded model (built with ``init_sync=False``:
   DDP's own start-up broadcast fails on a sharded model before ddp_hpc is called).
+- scheduler_outside: an LR scheduler is built on the optimizer before ``run`` and left out
+  of the Checkpointer's objects (as docs/api.md's "Your own loop" does for restarts): under
+  ``--recover`` it would not travel to a replacement.
 
 RUN_DIR: the run folder (default: a temporary one). CHECKPOINTER=file|dcp: a ``Checkpointer``
 of that format holding model and optimizer is made before ``run`` (and given to it).
@@ -61,6 +64,8 @@ def main() -> None:
     if os.environ.get("CHECKPOINTER"):
         checkpointer = Checkpointer(run_dir, {"model": model, "optimizer": optimizer},
                                     format=os.environ["CHECKPOINTER"])
+    if MISTAKE == "scheduler_outside":
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=3)
     torch.manual_seed(1 + recovery.slot)
     inputs, targets = torch.randn(4, 8), torch.randn(4, 2)
 

@@ -102,7 +102,8 @@ from ddp_hpc.startup.group_start import GroupStart
 from ddp_hpc.startup.rendezvous import parse_timeout
 from ddp_hpc.engine.recovery.group_abort import ABORTED_BACKENDS, GroupAbort, abort_refusal, is_collective_error
 from ddp_hpc.engine.recovery.membership import Membership, spare_places
-from ddp_hpc.engine.recovery.refusals import group_refusal, is_sharded, run_refusal, sharded_run_refusal
+from ddp_hpc.engine.recovery.refusals import (group_refusal, is_sharded, run_refusal, schedule_refusal,
+                                              sharded_run_refusal)
 from ddp_hpc.engine.recovery.snapshot_keeping import SnapshotKeeping, snapshot_cadence
 from ddp_hpc.engine.recovery.transfer import StateTransfer, broadcast_from_rank0
 
@@ -327,6 +328,8 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
                    "step could be cut short by an abort unseen; use a plain optimizer (or FSDP2) under --recover")
         if why is None and sharded and self.enabled:
             why = sharding_refusal(model)
+        if why is None and self.enabled:
+            why = schedule_refusal(optimizer, checkpointer)
         if why is not None:  # the same on every rank: each exits 2, and the launch spends no recovery on it
             # The group and the heartbeat end first: left to the interpreter's exit, a live gloo
             # group's threads can abort the process (SIGABRT, seen), which reads as a lost rank.

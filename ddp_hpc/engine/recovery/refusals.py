@@ -30,6 +30,23 @@ def run_refusal(model: nn.Module, checkpointer: Checkpointer | None, *, shrinks:
     return None
 
 
+def schedule_refusal(optimizer: torch.optim.Optimizer, checkpointer: Checkpointer | None) -> str | None:
+    """Why an LR scheduler of ``optimizer`` cannot go on exact under ``--recover`` (one line),
+    or None: one built before ``run`` (torch marks the optimizer's ``step`` when a scheduler
+    is built on it) that is not among the Checkpointer's objects does not travel, so a
+    replacement's would start over and a survivor's would not follow the group back: the
+    ranks' learning rates part without a word. One built inside ``train`` is not yet there."""
+    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return None
+    held = checkpointer.objects.values() if checkpointer is not None else ()
+    if any(isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and obj.optimizer is optimizer for obj in held):
+        return None
+    return ("InJobRecovery.run: an LR scheduler was built on the optimizer and is not among the Checkpointer's "
+            "objects: it would not travel to a replacement, and the ranks' learning rates would part after a "
+            "recovery; put it among the objects, or build it inside train from recovery.step (docs/api.md, "
+            "in-job recovery)")
+
+
 def sharded_run_refusal(model: nn.Module, optimizer: torch.optim.Optimizer,
                         wrap: Callable[[nn.Module], Any] | None) -> str | None:
     """Why ``InJobRecovery.run`` cannot train a sharded (FSDP2) ``model`` (one line), or
