@@ -240,19 +240,23 @@ def slurm_cluster(request: pytest.FixtureRequest, slurm_cluster_up: bool) -> Ite
         # test's time-out, say) would hold a node for every later test. The test that left it
         # is named here, and its jobs cancelled so that the tests after it start clean.
         subprocess.run(["scancel", *left], capture_output=True, timeout=30)
-        freed = _wait(lambda: not _jobs_left_on_the_cluster(grace_s=0), 60)
+        freed = _wait(lambda: not _queued(), 60)
         pytest.fail(f"{request.node.nodeid} left job(s) {', '.join(left)} on the SLURM test cluster: "
                     + ("cancelled" if freed else "cancelled, yet still there 60 s later"), pytrace=False)
 
 
-def _jobs_left_on_the_cluster(grace_s: float = 20.0) -> list[str]:
-    """The jobs still queued or running after grace_s (a job ending as its test returns may
-    take a few seconds to leave the queue: KillWait, the epilog)."""
-    def queued() -> list[str]:
-        listed = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30)
-        return listed.stdout.split()
-    _wait(lambda: not queued(), grace_s)
-    return queued()
+def _jobs_left_on_the_cluster(grace_s: float = 30.0) -> list[str]:
+    """The jobs still pending or running after grace_s: a job ending as its test returns may
+    stay a few seconds (slurmctld has yet to hear of its end); one completing (CG: KillWait,
+    the epilog) is on its way out and not counted."""
+    _wait(lambda: all(state == "CG" for state in _queued().values()), grace_s)
+    return [job for job, state in _queued().items() if state != "CG"]
+
+
+def _queued() -> dict[str, str]:
+    """The test cluster's jobs and their short states."""
+    listed = subprocess.run(["squeue", "-h", "-o", "%i %t"], capture_output=True, text=True, timeout=30)
+    return dict(line.split(maxsplit=1) for line in listed.stdout.splitlines() if line.strip())
 
 
 def _wait(condition, within_s: float) -> bool:
