@@ -192,7 +192,7 @@ cancel_restored_jobs() {
   [ -n "${jobs// /}" ] || return 0
   log "cancelling jobs restored from an earlier run of the cluster: $jobs"
   # shellcheck disable=SC2086  # one id per word
-  scancel $jobs
+  scancel $jobs || true  # a job that ended meanwhile is no error; the wait below tells
   wait_for 60 "nodes free of the cancelled jobs" all_nodes_idle
 }
 

@@ -209,7 +209,7 @@ cancel_restored_jobs() {
   [ -n "${jobs// /}" ] || return 0
   log "cancelling jobs restored from an earlier run of the world: $jobs"
   # shellcheck disable=SC2086  # one id per word
-  scancel $jobs
+  scancel $jobs || true  # a job that ended meanwhile is no error; the wait below tells
   wait_for 60 "hosts free of the cancelled jobs" all_hosts_idle
 }
 

@@ -175,8 +175,8 @@ def test_the_buffers_each_step_starts_from_are_kept_from_its_first_training_forw
 def test_rank_0s_buffers_of_a_step_s_end_arrive_in_its_optimizer_step_and_start_the_next_once_counted():
     """``share``: the optimizer's pre-hook broadcasts rank 0's buffers (here a stand-in that
     writes rank 0's values); they become ``received`` for the next step only once the step is
-    counted; a step without an optimizer step (a scaler's skip) broadcasts when counted, but
-    not where no broadcast may be made there (over NCCL: None)."""
+    counted, and the next step's first forward (DDP's own broadcast, over gloo) replaces them.
+    A broken step's broadcast is dropped; a transfer sets them on every rank."""
     from ddp_hpc.engine.recovery.broken_step import StepStart
 
     torch.manual_seed(0)
@@ -191,22 +191,41 @@ def test_rank_0s_buffers_of_a_step_s_end_arrive_in_its_optimizer_step_and_start_
             if name in rank0s:
                 tensor.copy_(rank0s[name])
 
+    def a_step():
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+
     start, done = StepStart(), [0]
-    start.forward_receives = False
+    start.forward_receives = False  # over NCCL: only share's broadcast counts
     handles = [start.watch(model, lambda: done[0]), start.share(optimizer, model, lambda: done[0], broadcast)]
-    model(torch.randn(5, 4)).sum().backward()
-    optimizer.step()
+    a_step()
     assert sent == [3] and start.received(1) is None and start.received(2) is None  # not counted yet
     done[0] = 1
-    start.counted(model, 1, broadcast)
-    assert sent == [3]  # no second broadcast: the optimizer step's is the step's
+    start.counted(1)
     assert torch.equal(start.received(2)["1.running_mean"], rank0s["1.running_mean"])
     assert not torch.equal(model[1].running_mean, rank0s["1.running_mean"])  # the model keeps its own
+    start.counted(2)  # step 2 without an optimizer step (a scaler's skip): nothing to go on from
+    assert start.received(3) is None and start.received(2) is not None
+
+    a_step()  # step 3, broken after its broadcast: dropped, the step is not counted
+    start.put_back(model)
+    start.counted(3)
+    assert start.received(4) is None
+
+    start.forward_receives, done[0] = True, 3  # over gloo: the next forward's broadcast replaces share's
     rank0s["1.running_mean"] = torch.full((6,), 9.0)
-    start.counted(model, 2, None)  # step 2 without an optimizer step, over NCCL: nothing to go on from
-    assert sent == [3] and start.received(3) is None and start.received(2) is not None
-    start.counted(model, 3, broadcast)  # step 3 without one, over gloo: broadcast when counted
-    assert sent == [3, 3] and torch.equal(start.received(4)["1.running_mean"], rank0s["1.running_mean"])
+    a_step()
+    start.counted(4)
+    assert torch.equal(start.received(5)["1.running_mean"], rank0s["1.running_mean"])
+    done[0] = 4
+    at_forward = model[1].running_mean.clone()  # what DDP's broadcast left, say: a change after the step
+    model(torch.randn(5, 4))
+    assert torch.equal(start.received(5)["1.running_mean"], at_forward)
+
+    start.transferred({"1.running_mean": torch.full((6,), 3.0)}, 8)
+    assert start.received(9)["1.running_mean"][0] == 3.0 and start.received(5) is None
+    start.transferred(None, 8)
+    assert start.received(9) is None
     for handle in handles:
         handle.remove()
 

@@ -48,11 +48,15 @@ class StepStart:
         self._received: dict[str, torch.Tensor] = {}
         #: The step (completed steps + 1) that ``received`` starts: rank 0's of its step before.
         self._received_in = -1
+        #: The step whose first forward ``received`` was last taken in (``watch``).
+        self._forward_in = -1
         #: Rank 0's buffers of the step being done, broadcast in its optimizer step (``share``).
         self._shared: dict[str, torch.Tensor] = {}
         self._shared_in = -1
-        #: Whether the first forward of a step starts from rank 0's buffers (the DDP wrapper's
-        #: ``broadcast_buffers``); where not, only ``share`` gives rank 0's.
+        #: Whether ``received`` is taken in each step's first forward, which starts from rank
+        #: 0's buffers under DDP's ``broadcast_buffers``: over gloo, where the broadcast is
+        #: whole once the forward runs. Over NCCL it may have been cut short by an abort, so
+        #: only ``share``'s broadcast, which the fence waits for, counts.
         self.forward_receives = True
         self.applied = False
 
@@ -69,49 +73,50 @@ class StepStart:
     def watch(self, model: nn.Module, steps_done: Callable[[], int]) -> Any:
         """Keeps the buffers each step's first forward of ``model`` starts from (a forward
         pre-hook of the module DDP wraps: it runs after DDP's broadcast of rank 0's
-        buffers); ``steps_done``: the steps completed. The handle's ``remove()`` ends that."""
+        buffers), where ``forward_receives``; ``steps_done``: the steps completed. They
+        replace the ones ``share`` gave: they hold what the loop changed after the optimizer
+        step too. The handle's ``remove()`` ends that."""
         def take(module: nn.Module, _args: Any) -> None:
             step = steps_done() + 1
             # An evaluation's forward broadcasts nothing.
-            if self.forward_receives and module.training and step != self._received_in:
+            if self.forward_receives and module.training and step != self._forward_in:
                 self._received, self._received_in = _copied(module, self._received), step
+                self._forward_in = step
         return model.register_forward_pre_hook(take)
 
     def share(self, optimizer: torch.optim.Optimizer, model: nn.Module, steps_done: Callable[[], int],
               broadcast: Callable[[list[torch.Tensor]], None], ignore: Callable[[], bool] = lambda: False) -> Any:
         """Before each optimizer step of ``optimizer`` (but those made while ``ignore()``),
         rank 0's buffers of ``model`` reach every rank (``broadcast``: group rank 0's tensors
-        into each rank's), as they are at the step's end: its forwards are done. Rank 0 lost
-        before that broadcast ends fails it on the survivors, whose step is then neither
-        applied nor counted, and they go on from the step before, whose rank 0's buffers
-        this step's forward gave them; lost after it, they hold its buffers of this step.
-        Register it before the optimizer's other pre-hooks (the NCCL fence waits for this
-        broadcast too). The handle's ``remove()`` ends that."""
+        into each rank's), as they are after the step's forwards. Rank 0 lost before that
+        broadcast ends fails it on the survivors, whose step is then neither applied nor
+        counted, and they go on from the step before, whose rank 0's buffers they hold; lost
+        after it, they hold its buffers of this step (``counted``). Register it before the
+        optimizer's other pre-hooks (the NCCL fence waits for this broadcast too). The
+        handle's ``remove()`` ends that."""
         def send(*_: Any) -> None:
             if not ignore():
-                self.broadcast_rank0s(model, steps_done() + 1, broadcast)
+                self._shared_in = -1
+                self._shared = _copied(model, self._shared)
+                broadcast(list(self._shared.values()))
+                self._shared_in = steps_done() + 1
 
         return optimizer.register_step_pre_hook(send)
 
-    def broadcast_rank0s(self, model: nn.Module, step: int, broadcast: Callable[[list[torch.Tensor]], None]) -> None:
-        """Rank 0's buffers of ``model`` now, on every rank, as those of step ``step``'s end."""
-        self._shared_in = -1
-        self._shared = _copied(model, self._shared)
-        broadcast(list(self._shared.values()))
-        self._shared_in = step
+    def counted(self, step: int) -> None:
+        """Step ``step`` is counted: rank 0's buffers its optimizer step broadcast become those
+        the next step starts from (``received``). A step whose optimizer step did not run (a
+        gradient scaler skipped it) broadcast none: the next forward's are taken (over gloo),
+        and rank 0 lost before that forward leaves none of that step."""
+        if self._shared_in == step:
+            self._received, self._shared = self._shared, self._received
+            self._received_in, self._shared_in = step + 1, -1
 
-    def counted(self, model: nn.Module, step: int,
-                broadcast: Callable[[list[torch.Tensor]], None] | None) -> None:
-        """Step ``step`` is counted: rank 0's buffers of its end become those the next step
-        starts from (``received``), broadcast now where its optimizer step did not run (a
-        gradient scaler skipped it) and ``broadcast`` is given (None over NCCL, where only the
-        fence's wait would say the broadcast was whole: the next forward's then)."""
-        if self._shared_in != step:
-            if broadcast is None:
-                return
-            self.broadcast_rank0s(model, step, broadcast)
-        self._received, self._shared = self._shared, self._received
-        self._received_in, self._shared_in = step + 1, -1
+    def transferred(self, received: dict[str, torch.Tensor] | None, step: int) -> None:
+        """After a transfer that goes on from ``step``: rank 0's buffers of its end, as the
+        sending rank held them (None: none), on every rank; nothing of a broken step is kept."""
+        self._received, self._received_in = (dict(received), step + 1) if received is not None else ({}, -1)
+        self._forward_in = self._shared_in = -1
 
     def received(self, step: int) -> dict[str, torch.Tensor] | None:
         """The buffers the first forward of step ``step`` started from, where it ran."""
@@ -122,8 +127,10 @@ class StepStart:
         self._buffers = _copied(model, self._buffers)
 
     def put_back(self, model: nn.Module) -> None:
-        """The buffers as kept last (what a broken forward changed is undone)."""
+        """The buffers as kept last (what a broken forward changed is undone); a broadcast of
+        the broken step (``share``) is not one to go on from."""
         load_buffers(model, self._buffers)
+        self._shared_in = -1
 
 
 def _copied(model: nn.Module, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,7 +139,7 @@ def _copied(model: nn.Module, into: dict[str, torch.Tensor]) -> dict[str, torch.
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             copy = into.get(name)
-            if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype:
+            if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype or copy.device != buffer.device:
                 copy = torch.empty_like(buffer)
             kept[name] = copy.copy_(buffer)
     return kept

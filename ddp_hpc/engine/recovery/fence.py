@@ -38,9 +38,15 @@ class StepFence:
         self._waiting_since: float | None = None
         self._passed = False
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Checks every step of ``optimizer`` from now on; the handle's ``remove()`` ends that."""
-        return optimizer.register_step_pre_hook(lambda *_: self.pass_or_raise())
+    def attach(self, optimizer: torch.optim.Optimizer, ignore: Callable[[], bool] = lambda: False) -> Any:
+        """Checks every step of ``optimizer`` from now on but those made while ``ignore()`` (a
+        Checkpointer's save steps a stateless optimizer at lr 0: not a step of the loop's);
+        the handle's ``remove()`` ends that."""
+        def check(*_: Any) -> None:
+            if not ignore():
+                self.pass_or_raise()
+
+        return optimizer.register_step_pre_hook(check)
 
     def mark_aborted(self) -> None:
         """The group is about to be aborted (called before the abort, on any thread)."""

@@ -362,7 +362,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
                 hooks.append(self._step_start.share(optimizer, model, lambda: self.step, broadcast_from_rank0,
                                                     ignore=saving))
         if self._fence is not None:
-            hooks.append(self._fence.attach(optimizer))
+            hooks.append(self._fence.attach(optimizer, ignore=saving))
         try:
             return self._train_through_losses(train, model, checkpointer, wrap, sharded)
         finally:
@@ -384,7 +384,8 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
                     wrapped = wrap(model)
                 else:  # a sharded model is its own wrapper (FSDP2 shards in place)
                     wrapped = model if sharded else DistributedDataParallel(model, **self.ddp_kwargs)
-                self._step_start.forward_receives = bool(getattr(wrapped, "broadcast_buffers", False))
+                self._step_start.forward_receives = (bool(getattr(wrapped, "broadcast_buffers", False))
+                                                     and self._fence is None)
                 result = train(wrapped)
                 self._end_snapshots()
                 return result
@@ -432,8 +433,7 @@ class InJobRecovery(Membership, GroupAbort, StateTransfer, SnapshotKeeping):
         if self._keeps_buffers and self._model is not None:
             self._step_start.keep(self._model)
             if self._has_buffers:
-                self._step_start.counted(self._model, self.step,
-                                         broadcast_from_rank0 if self._fence is None else None)
+                self._step_start.counted(self.step)
         if self._snapshots is not None and self._snapshots.due(self.step):
             self._snapshots.take(self.step)
         if self._pending is not None:

@@ -184,6 +184,7 @@ class StateTransfer:
         if self._keeps_buffers and self._model is not None:
             self._take_buffers(state, joining)
             self._step_start.keep(self._model)
+            self._step_start.transferred(state.get("received_buffers"), state["step"])
 
     def _take_buffers(self, state: dict[str, Any], joining: bool) -> None:
         """A DDP model's buffers after a transfer: a survivor at the step the group goes on
