@@ -34,6 +34,8 @@ SPOOL_DIR=/var/spool/slurm
 DB_PASS=ddphpc-dev-only
 
 log() { printf 'dev-cluster: %s\n' "$*" >&2; }
+# shellcheck source=scripts/restored-jobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/restored-jobs.sh"
 die() { log "error: $*"; exit 1; }
 
 need_root() { [ "$(id -u)" = 0 ] || die "run as root (it configures /etc/slurm and starts daemons)"; }
@@ -180,23 +182,8 @@ start_slurm() {
     pgrep -f "slurmd -N $n\$" >/dev/null || /usr/sbin/slurmd -N "$n"
   done
   wait_for 60 "nodes ${NODES[*]}" nodes_idle
-  [ -z "$fresh" ] || cancel_restored_jobs
+  [ -z "$fresh" ] || cancel_restored_jobs "the cluster"
 }
-
-# A slurmctld started here restores the jobs of its saved state. Their srun or batch shell
-# ended with the daemons that ran them (a machine stopped mid-test, or resumed from a
-# snapshot), and with MaxTime=INFINITE and InactiveLimit=0 such a job would hold its node
-# for good, so every later test waiting for a free node would time out.
-cancel_restored_jobs() {
-  local jobs; jobs=$(squeue -h -o %i | tr '\n' ' ')
-  [ -n "${jobs// /}" ] || return 0
-  log "cancelling jobs restored from an earlier run of the cluster: $jobs"
-  # shellcheck disable=SC2086  # one id per word
-  scancel $jobs || true  # a job that ended meanwhile is no error; the wait below tells
-  wait_for 60 "nodes free of the cancelled jobs" all_nodes_idle
-}
-
-all_nodes_idle() { [ -z "$(sinfo -h -N -o %t | grep -vx idle)" ]; }
 
 nodes_idle() {
   local states; states=$(sinfo -h -N -o '%N %t' 2>/dev/null) || return 1

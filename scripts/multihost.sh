@@ -46,6 +46,8 @@ HOSTS_END="# <<< ddp_hpc multihost test world"
 export SLURM_CONF=$CONF
 
 log() { printf 'dev-cluster (multihost): %s\n' "$*" >&2; }
+# shellcheck source=scripts/restored-jobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/restored-jobs.sh"
 die() { log "error: $*"; exit 1; }
 need_root() { [ "$(id -u)" = 0 ] || die "run as root (it creates network namespaces and starts daemons)"; }
 
@@ -199,21 +201,8 @@ start_slurm() {  # start_slurm N
     nsenter --net="/run/netns/$PREFIX-h$i" --uts="$STATE/uts/h$i" -- /usr/sbin/slurmd -f "$CONF"
   done
   wait_for 60 "nodes h[1-$1]" nodes_idle "$1"
-  [ -z "$fresh" ] || cancel_restored_jobs
+  [ -z "$fresh" ] || cancel_restored_jobs "the world"
 }
-
-# As in dev-cluster.sh: the jobs a fresh slurmctld restores from its saved state lost their
-# launchers with the daemons that ran them, and would hold their hosts for good.
-cancel_restored_jobs() {
-  local jobs; jobs=$(squeue -h -o %i | tr '\n' ' ')
-  [ -n "${jobs// /}" ] || return 0
-  log "cancelling jobs restored from an earlier run of the world: $jobs"
-  # shellcheck disable=SC2086  # one id per word
-  scancel $jobs || true  # a job that ended meanwhile is no error; the wait below tells
-  wait_for 60 "hosts free of the cancelled jobs" all_hosts_idle
-}
-
-all_hosts_idle() { [ -z "$(sinfo -h -N -o %t | grep -vx idle)" ]; }
 
 stop_pidfile() {  # stop_pidfile FILE: TERM, then KILL after 10 s
   local pid

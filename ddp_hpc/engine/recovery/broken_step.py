@@ -119,7 +119,8 @@ class StepStart:
         self._forward_in = self._shared_in = -1
 
     def received(self, step: int) -> dict[str, torch.Tensor] | None:
-        """The buffers the first forward of step ``step`` started from, where it ran."""
+        """Rank 0's buffers of step ``step - 1``'s end (those step ``step``'s first forward
+        starts from), where this rank holds them."""
         return dict(self._received) if self._received_in == step else None
 
     def keep(self, model: nn.Module) -> None:

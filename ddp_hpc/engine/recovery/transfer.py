@@ -189,8 +189,8 @@ class StateTransfer:
     def _take_buffers(self, state: dict[str, Any], joining: bool) -> None:
         """A DDP model's buffers after a transfer: a survivor at the step the group goes on
         from keeps its own (as at that step's end); rank 0 otherwise (a replacement, or a
-        step ahead) takes rank 0's of that step's end, which the survivors received in the
-        broken step's forward (DDP broadcasts rank 0's buffers at each forward: the other
+        step ahead) takes rank 0's of that step's end, which every rank holds
+        (``StepStart.received``; DDP broadcasts rank 0's buffers at each forward: the other
         ranks' are overwritten by them before use)."""
         assert self._model is not None
         if not joining and self.step == state["step"]:
@@ -200,8 +200,9 @@ class StateTransfer:
             if received is not None:
                 load_buffers(self._model, received)
             elif any(True for _ in self._model.buffers()):
-                log.warning("rank %d: rank 0's buffers (BatchNorm's running statistics) were lost with it before the "
-                            "broken step's forward: they go on from the sending rank's", self.slot)
+                log.warning("rank %d: rank 0's buffers (BatchNorm's running statistics) were lost with it before they "
+                            "reached the other ranks (a step without an optimizer step): they go on from the "
+                            "sending rank's", self.slot)
 
     def _base_seed(self) -> int:
         """This slot's base seed: the one its first process ran with (``torch.initial_seed()``
